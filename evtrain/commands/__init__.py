@@ -1,0 +1,1 @@
+"""Subcommands of the ``evtrain`` CLI, one module each (see `evtrain.cli`)."""

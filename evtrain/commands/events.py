@@ -1,0 +1,84 @@
+"""``evtrain events``: tail the bus."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import anyio
+
+from evtrain.bus.subscriber import Subscriber
+from evtrain.commands.common import add_bus_argument, bus_address
+from evtrain.events import Message, to_builtins
+
+_ENVELOPE = ("v", "run_id", "source", "seq", "ts", "type")
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add the ``events`` subcommand."""
+    parser = sub.add_parser(
+        "events",
+        help="print the events on a bus",
+        description="Subscribe to a bus and print its events, one per line.",
+    )
+    add_bus_argument(parser)
+    parser.add_argument(
+        "--topic",
+        action="append",
+        default=[],
+        metavar="PREFIX",
+        help="only topics starting with PREFIX, e.g. step. or checkpoint. (repeatable)",
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON lines")
+    parser.add_argument("--count", type=int, metavar="N", help="exit after N events")
+    parser.add_argument(
+        "--timeout", type=float, metavar="S", help="exit after S seconds without an event"
+    )
+    parser.set_defaults(func=run)
+
+
+def format_human(msg: Message) -> str:
+    """One readable line: time, source, topic, payload fields."""
+    data = to_builtins(msg)
+    fields = " ".join(
+        f"{key}={_short(value)}"
+        for key, value in data.items()
+        if key not in _ENVELOPE and value not in (None, {}, [], "")
+    )
+    clock = time.strftime("%H:%M:%S", time.localtime(msg.ts))
+    return f"{clock} {msg.source:<16} {msg.topic.decode():<22} {fields}"
+
+
+def _short(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    text = str(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print events until --count, --timeout or Ctrl-C."""
+    address = bus_address(args)
+    return anyio.run(_tail, address, args)
+
+
+async def _tail(address: object, args: argparse.Namespace) -> int:
+    subscriber = Subscriber(address.endpoint("events_out"), args.topic or [""])  # type: ignore[attr-defined]
+    seen = 0
+    try:
+        while args.count is None or seen < args.count:
+            batch = await subscriber.receive(timeout=args.timeout)
+            if not batch:
+                return 0
+            for msg in batch:
+                line = json.dumps(to_builtins(msg)) if args.json else format_human(msg)
+                sys.stdout.write(line + "\n")
+                seen += 1
+                if args.count is not None and seen >= args.count:
+                    break
+            sys.stdout.flush()
+    finally:
+        subscriber.close()
+    return 0

@@ -1,0 +1,262 @@
+"""`HookRunner`: attaches hooks to a bus and dispatches events to their handlers.
+
+One runner serves the hooks of one process. It subscribes to exactly the topics
+the handlers declare, proves its subscription is live before `setup` (it
+publishes `HookStarted` and waits to receive it back through the broker), loads
+the run's state from the broker so a hook that joins mid-run knows the run at
+once, and then dispatches each event to the handlers in priority order. A
+handler that raises is logged and published as `HookError`; the hook keeps
+running.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from collections.abc import Sequence
+
+import anyio
+import structlog
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from evtrain.bus.address import BusAddress
+from evtrain.bus.publisher import Publisher
+from evtrain.bus.state_service import fetch_snapshot
+from evtrain.bus.subscriber import Subscriber
+from evtrain.events import (
+    BusGaps,
+    Command,
+    CommandAcked,
+    Event,
+    HookError,
+    HookStarted,
+    Message,
+    RunEnded,
+)
+from evtrain.hooks.hook import Hook
+from evtrain.run_state import RunState
+
+log = structlog.get_logger("evtrain.hooks.runner")
+
+
+class CommandTimeout(TimeoutError):
+    """A command was not acknowledged by enough stages in time."""
+
+
+class HookRunner:
+    """Runs ``hooks`` against the bus at ``bus`` until `stop` (or the run ends).
+
+    ``exit_on_run_end`` ends the runner after `RunEnded` was dispatched: the
+    launcher starts hooks that way so they finish their work and exit cleanly.
+    """
+
+    def __init__(
+        self,
+        hooks: Sequence[Hook],
+        bus: BusAddress | str,
+        *,
+        name: str | None = None,
+        exit_on_run_end: bool = False,
+        ready_timeout: float = 30.0,
+        retry_interval: float = 1.0,
+        buffer: int = 10_000,
+    ) -> None:
+        if not hooks:
+            raise ValueError("HookRunner needs at least one hook")
+        self.address = bus if isinstance(bus, BusAddress) else BusAddress.parse(bus)
+        # Stable sort: equal priorities keep registration order.
+        self.hooks = sorted(hooks, key=lambda hook: hook.priority)
+        self.name = name or "+".join(hook.hook_name() for hook in self.hooks)
+        self.exit_on_run_end = exit_on_run_end
+        self.state = RunState()
+        self.ready = anyio.Event()
+        self._ready_timeout = ready_timeout
+        self._retry_interval = retry_interval
+        self._buffer = buffer
+        self._stop = anyio.Event()
+        self._dispatch: dict[type[Message], list[tuple[Hook, str]]] = {}
+        for hook in self.hooks:
+            for event_type, method in hook.handlers():
+                self._dispatch.setdefault(event_type, []).append((hook, method))
+        self.topics = sorted({t.topic.decode() for t in self._dispatch})
+        if exit_on_run_end and RunEnded.topic.decode() not in self.topics:
+            self.topics.append(RunEnded.topic.decode())
+        self._publisher: Publisher | None = None
+        self._command_publisher: Publisher | None = None
+        self._subscriber: Subscriber | None = None
+        self._pending: dict[str, tuple[anyio.Event, list[CommandAcked], int]] = {}
+        self._reported_gaps = 0
+        self._replayed: set[tuple[str, int]] = set()
+
+    # -- used by hooks -------------------------------------------------------
+
+    def publish(self, event: Event) -> bool:
+        """Publish an event as ``hook/NAME``."""
+        if self._publisher is None:
+            raise RuntimeError("the hook runner is not running")
+        return self._publisher.publish(event)
+
+    async def send_command(
+        self, command: Command, *, timeout: float = 60.0, acks: int | None = None
+    ) -> list[CommandAcked]:
+        """Publish ``command`` until ``acks`` stages acknowledged it or ``timeout`` passed."""
+        if self._subscriber is None:
+            raise RuntimeError("the hook runner is not running")
+        if self._command_publisher is None:
+            self._subscriber.subscribe(CommandAcked.topic.decode())
+            self._command_publisher = Publisher(
+                self.address.endpoint("commands_in"), source=f"hook/{self.name}"
+            )
+        wanted = acks or self.state.num_stages or 1
+        done = anyio.Event()
+        received: list[CommandAcked] = []
+        self._pending[command.command_id] = (done, received, wanted)
+        try:
+            with anyio.fail_after(timeout):
+                while True:
+                    self._command_publisher.publish(command)
+                    with anyio.move_on_after(self._retry_interval):
+                        await done.wait()
+                    if done.is_set():
+                        return received
+        except TimeoutError:
+            raise CommandTimeout(
+                f"{command.topic.decode()} {command.command_id}: {len(received)} of {wanted} "
+                f"acknowledgements within {timeout:g} s"
+            ) from None
+        finally:
+            self._pending.pop(command.command_id, None)
+
+    # -- lifecycle -----------------------------------------------------------
+
+    def stop(self) -> None:
+        """Ask the runner to finish (teardown runs, then `run` returns)."""
+        self._stop.set()
+
+    async def run(self) -> None:
+        """Attach, set up the hooks, dispatch events until stopped."""
+        self._publisher = Publisher(self.address.endpoint("events_in"), source=f"hook/{self.name}")
+        self._subscriber = Subscriber(
+            self.address.endpoint("events_out"), [*self.topics, HookStarted.topic.decode()]
+        )
+        try:
+            await self._prove_subscription()
+            for hook in self.hooks:
+                hook._runner = self
+            for hook in self.hooks:
+                await hook.setup()
+            snapshot = await anyio.to_thread.run_sync(fetch_snapshot, self.address)
+            for msg in snapshot:
+                await self._handle(msg)
+            self._replayed = {(msg.source, msg.seq) for msg in snapshot}
+            self.ready.set()
+            log.info("hooks attached", hooks=self.name, topics=self.topics, bus=str(self.address))
+            sink, source = anyio.create_memory_object_stream[Message](self._buffer)
+            async with anyio.create_task_group() as tg, sink, source:
+                tg.start_soon(self._read, sink)
+                tg.start_soon(self._dispatch_all, source)
+                await self._stop.wait()
+                tg.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                for hook in self.hooks:
+                    try:
+                        await hook.teardown()
+                    except Exception:
+                        log.exception("hook teardown failed", hook=hook.hook_name())
+                self._close()
+
+    def _close(self) -> None:
+        for closable in (self._publisher, self._command_publisher, self._subscriber):
+            if closable is not None:
+                closable.close()
+        self._publisher = self._command_publisher = self._subscriber = None
+
+    async def _prove_subscription(self) -> None:
+        assert self._publisher is not None and self._subscriber is not None
+        probe = HookStarted(
+            hooks=[hook.hook_name() for hook in self.hooks], topics=self.topics, pid=os.getpid()
+        )
+        deadline = time.monotonic() + self._ready_timeout
+        while time.monotonic() < deadline:
+            self._publisher.publish(probe)
+            for msg in await self._subscriber.receive(timeout=0.2):
+                if isinstance(msg, HookStarted) and msg.source == self._publisher.source:
+                    return
+        raise TimeoutError(f"no events came back from the bus at {self.address}")
+
+    async def _read(self, sink: MemoryObjectSendStream[Message]) -> None:
+        # Reading runs apart from dispatch so that a handler awaiting a command's
+        # acknowledgement does not block the very event that acknowledges it.
+        assert self._subscriber is not None
+        while True:
+            for msg in await self._subscriber.receive(timeout=1.0):
+                if isinstance(msg, CommandAcked):
+                    self._resolve(msg)
+                await sink.send(msg)
+            self._report_gaps()
+
+    async def _dispatch_all(self, source: MemoryObjectReceiveStream[Message]) -> None:
+        async for msg in source:
+            await self._handle(msg)
+            if self.exit_on_run_end and isinstance(msg, RunEnded):
+                self._stop.set()
+                return
+
+    def _resolve(self, ack: CommandAcked) -> None:
+        pending = self._pending.get(ack.command_id)
+        if pending is None:
+            return
+        done, received, wanted = pending
+        if all(seen.stage != ack.stage for seen in received):
+            received.append(ack)
+        if len(received) >= wanted:
+            done.set()
+
+    def _report_gaps(self) -> None:
+        assert self._subscriber is not None and self._publisher is not None
+        tracker = self._subscriber.gaps
+        if tracker.total_missing == self._reported_gaps:
+            return
+        self._reported_gaps = tracker.total_missing
+        for source, missing in tracker.missing.items():
+            log.warning("bus gap: events lost", from_source=source, missing=missing)
+            self._publisher.publish(
+                BusGaps(from_source=source, missing=missing, total_missing=tracker.total_missing)
+            )
+        tracker.missing.clear()
+
+    async def _handle(self, msg: Message) -> None:
+        if self._replayed and (msg.source, msg.seq) in self._replayed:
+            return  # already dispatched from the state snapshot
+        self.state.update(msg)
+        if isinstance(msg, HookStarted) and type(msg) not in self._dispatch:
+            return
+        for hook, method in self._dispatch.get(type(msg), ()):
+            try:
+                result = getattr(hook, method)(msg)
+                if result is not None:
+                    await result
+            except Exception as exc:
+                self._report_error(hook, method, msg, exc)
+
+    def _report_error(self, hook: Hook, method: str, msg: Message, exc: Exception) -> None:
+        log.error(
+            "hook handler raised",
+            hook=hook.hook_name(),
+            handler=method,
+            event_type=msg.topic.decode(),
+            error=repr(exc),
+            exc_info=exc,
+        )
+        if self._publisher is not None:
+            self._publisher.publish(
+                HookError(
+                    hook=hook.hook_name(),
+                    handler=method,
+                    event_type=msg.topic.decode(),
+                    error=repr(exc),
+                    traceback="".join(traceback.format_exception(exc))[-4000:],
+                )
+            )

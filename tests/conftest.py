@@ -1,0 +1,76 @@
+"""Shared fixtures: anyio on asyncio, private bus addresses, process cleanup."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from evtrain.bus.address import BusAddress
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+def ipc_bus() -> Iterator[BusAddress]:
+    """A fresh private ipc bus directory (short path; removed afterwards)."""
+    address = BusAddress.new_ipc()
+    yield address
+    shutil.rmtree(address.location, ignore_errors=True)
+
+
+@pytest.fixture
+def tcp_bus() -> BusAddress:
+    """A tcp bus address on free loopback ports."""
+    return BusAddress.new_tcp("127.0.0.1")
+
+
+class ProcessGroup:
+    """Processes a test starts; all are killed (with their children) at teardown."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen[str]] = []
+
+    def start(self, *args: str, **kwargs: object) -> subprocess.Popen[str]:
+        kwargs.setdefault("stdout", subprocess.PIPE)
+        kwargs.setdefault("stderr", subprocess.PIPE)
+        kwargs.setdefault("text", True)
+        proc = subprocess.Popen(list(args), start_new_session=True, **kwargs)  # type: ignore[call-overload]
+        self.procs.append(proc)
+        return proc
+
+    def python(self, *args: str, **kwargs: object) -> subprocess.Popen[str]:
+        return self.start(sys.executable, *args, **kwargs)
+
+    def evtrain(self, *args: str, **kwargs: object) -> subprocess.Popen[str]:
+        return self.python("-m", "evtrain", *args, **kwargs)
+
+    def kill_all(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+@pytest.fixture
+def procs() -> Iterator[ProcessGroup]:
+    """Start processes in their own session; every one is killed when the test ends."""
+    group = ProcessGroup()
+    try:
+        yield group
+    finally:
+        group.kill_all()
