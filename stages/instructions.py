@@ -1,0 +1,129 @@
+"""Pipeline instructions: what one stage does, step by step, as plain data.
+
+A schedule (see `evtrain.stages.schedules`) turns (schedule, stage, P, M) into a
+list of these; the stage executor runs the list and the simulator
+(`evtrain.stages.simulator`) checks it without any process. Every instruction
+is a frozen, hashable msgspec Struct, tagged by class name so a list can be
+msgpack-encoded (e.g. into an event) and decoded back as `Instruction`.
+
+They print compactly for debugging — `L3 RA3 F3 SA3 RG3 B3 SG3 RED OPT` —
+see `format_instructions`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import ClassVar
+
+import msgspec
+
+__all__ = [
+    "Backward",
+    "Forward",
+    "Instruction",
+    "LoadMicrobatch",
+    "OptimizerStep",
+    "RecvActivation",
+    "RecvGrad",
+    "ReduceGrads",
+    "SendActivation",
+    "SendGrad",
+    "format_instructions",
+]
+
+
+class _Base(msgspec.Struct, frozen=True, tag=True):
+    """Shared base: a short `code` used by `str()`/`repr()`."""
+
+    code: ClassVar[str] = "?"
+
+    def __repr__(self) -> str:
+        return self.code
+
+    __str__ = __repr__
+
+
+class _MicrobatchInstruction(_Base, frozen=True):
+    """An instruction about one microbatch, numbered 0..M-1 within the step."""
+
+    microbatch: int
+
+    def __repr__(self) -> str:
+        return f"{self.code}{self.microbatch}"
+
+    __str__ = __repr__
+
+
+class LoadMicrobatch(_MicrobatchInstruction, frozen=True):
+    """Take microbatch `microbatch` from the data: inputs on the first stage,
+    targets on the last (both when P=1)."""
+
+    code: ClassVar[str] = "L"
+
+
+class RecvActivation(_MicrobatchInstruction, frozen=True):
+    """Receive the previous stage's output for the microbatch (blocking)."""
+
+    code: ClassVar[str] = "RA"
+
+
+class Forward(_MicrobatchInstruction, frozen=True):
+    """Run this stage's layers forward; the last stage also computes the loss."""
+
+    code: ClassVar[str] = "F"
+
+
+class SendActivation(_MicrobatchInstruction, frozen=True):
+    """Send this stage's output for the microbatch to the next stage (non-blocking)."""
+
+    code: ClassVar[str] = "SA"
+
+
+class RecvGrad(_MicrobatchInstruction, frozen=True):
+    """Receive the gradient of this stage's output from the next stage (blocking)."""
+
+    code: ClassVar[str] = "RG"
+
+
+class Backward(_MicrobatchInstruction, frozen=True):
+    """Back-propagate the microbatch through this stage, accumulating gradients."""
+
+    code: ClassVar[str] = "B"
+
+
+class SendGrad(_MicrobatchInstruction, frozen=True):
+    """Send the gradient of this stage's input to the previous stage (non-blocking)."""
+
+    code: ClassVar[str] = "SG"
+
+
+class ReduceGrads(_Base, frozen=True):
+    """All-reduce gradients across data-parallel replicas (reserved; the
+    pipeline schedules do not emit it)."""
+
+    code: ClassVar[str] = "RED"
+
+
+class OptimizerStep(_Base, frozen=True):
+    """Apply the accumulated gradients: the step boundary."""
+
+    code: ClassVar[str] = "OPT"
+
+
+Instruction = (
+    LoadMicrobatch
+    | RecvActivation
+    | Forward
+    | SendActivation
+    | RecvGrad
+    | Backward
+    | SendGrad
+    | ReduceGrads
+    | OptimizerStep
+)
+"""Any pipeline instruction (a tagged union, decodable with msgspec)."""
+
+
+def format_instructions(instructions: Iterable[Instruction]) -> str:
+    """Render a program compactly, e.g. ``"L0 F0 SA0 RG0 B0 OPT"``."""
+    return " ".join(map(str, instructions))

@@ -1,0 +1,189 @@
+"""Pipeline schedules as pure functions of (schedule, stage, P, M).
+
+`build_schedule` returns the instruction list one stage runs for one training
+step. Each microbatch m appears on every stage as a forward block and a
+backward block:
+
+    forward block   [L m] [RA m] F m [SA m]
+    backward block  [RG m] B m [SG m]
+
+where `L` (LoadMicrobatch) is on the first stage (inputs) and on the last
+stage (targets for the loss) — both when P=1 —, `RA` on every stage but the
+first, `SA`/`RG` on every stage but the last, and `SG` on every stage but the
+first. A step ends with one `OptimizerStep`; `ReduceGrads` is left to data
+parallelism and never emitted here.
+
+The two schedules only differ in how the blocks interleave:
+
+* GPipe: all M forward blocks, then all M backward blocks in the order
+  0..M-1 on every stage (as torch.distributed.pipelining's ScheduleGPipe).
+  Every stage handles the microbatches in the same order, so each receive
+  has its send issued earlier by the neighbour and the point-to-point
+  channels match in FIFO order: no deadlock. Peak memory: M activations.
+* 1F1B (PipeDream-Flush, Megatron's non-interleaved schedule): stage r runs
+  ``w = min(P - r - 1, M)`` warm-up forwards, then M - w pairs
+  (forward w+i, backward i), then the w cool-down backwards. At most
+  ``min(P - r, M)`` activations are alive at once.
+
+Both have the bubble fraction (P-1)/(M+P-1) when forward and backward costs
+are equal per stage. M < P is fine: 1F1B then degenerates to warm-up and
+cool-down only on the early stages.
+
+Receives are meant to block and sends not to (buffered/posted, waited on
+later). With sends that block until the peer receives, the plain 1F1B list
+deadlocks — an executor must then pair a send with the following receive
+(`batch_isend_irecv`), as the simulator's ``rendezvous_sends`` mode shows.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from evtrain.errors import UsageError
+from evtrain.stages.instructions import (
+    Backward,
+    Forward,
+    Instruction,
+    LoadMicrobatch,
+    OptimizerStep,
+    RecvActivation,
+    RecvGrad,
+    SendActivation,
+    SendGrad,
+)
+
+__all__ = [
+    "Schedule",
+    "backward_block",
+    "bubble_fraction",
+    "build_schedule",
+    "forward_block",
+    "max_in_flight",
+    "parse_schedule",
+]
+
+
+class Schedule(StrEnum):
+    """The pipeline schedules evtrain knows; the value is the spec/CLI name."""
+
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+
+
+def parse_schedule(schedule: str | Schedule) -> Schedule:
+    """Turn a name (case-insensitive) into a `Schedule`; `UsageError` if unknown."""
+    try:
+        return Schedule(str(schedule).lower())
+    except ValueError:
+        names = ", ".join(s.value for s in Schedule)
+        raise UsageError(f"unknown schedule {schedule!r}; choose one of: {names}") from None
+
+
+def _check_positive(name: str, value: int) -> None:
+    # bool is an int subclass; True stages would be a bug, not a count.
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise UsageError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def _check_shape(stage: int, num_stages: int, num_microbatches: int) -> None:
+    _check_positive("num_stages", num_stages)
+    _check_positive("num_microbatches", num_microbatches)
+    if not isinstance(stage, int) or isinstance(stage, bool) or not 0 <= stage < num_stages:
+        raise UsageError(f"stage must be in 0..{num_stages - 1}, got {stage!r}")
+
+
+def forward_block(stage: int, num_stages: int, microbatch: int) -> list[Instruction]:
+    """The instructions around microbatch `microbatch`'s forward on `stage`."""
+    first, last = stage == 0, stage == num_stages - 1
+    block: list[Instruction] = []
+    if first or last:
+        block.append(LoadMicrobatch(microbatch))
+    if not first:
+        block.append(RecvActivation(microbatch))
+    block.append(Forward(microbatch))
+    if not last:
+        block.append(SendActivation(microbatch))
+    return block
+
+
+def backward_block(stage: int, num_stages: int, microbatch: int) -> list[Instruction]:
+    """The instructions around microbatch `microbatch`'s backward on `stage`."""
+    first, last = stage == 0, stage == num_stages - 1
+    block: list[Instruction] = []
+    if not last:
+        block.append(RecvGrad(microbatch))
+    block.append(Backward(microbatch))
+    if not first:
+        block.append(SendGrad(microbatch))
+    return block
+
+
+def build_schedule(
+    schedule: str | Schedule,
+    stage: int,
+    num_stages: int,
+    num_microbatches: int,
+    *,
+    forward_only: bool = False,
+) -> list[Instruction]:
+    """The instruction list stage `stage` of `num_stages` runs for one step.
+
+    `forward_only=True` gives the evaluation program: the forward blocks in
+    order 0..M-1 (the same for both schedules), with no backward and no
+    `OptimizerStep`. Raises `UsageError` for an unknown schedule name, a count
+    below 1 or a stage outside 0..P-1.
+    """
+    kind = parse_schedule(schedule)
+    _check_shape(stage, num_stages, num_microbatches)
+    P, M = num_stages, num_microbatches
+
+    def fwd(m: int) -> list[Instruction]:
+        return forward_block(stage, P, m)
+
+    def bwd(m: int) -> list[Instruction]:
+        return backward_block(stage, P, m)
+
+    program: list[Instruction] = []
+    if forward_only:
+        for m in range(M):
+            program += fwd(m)
+        return program
+
+    if kind is Schedule.GPIPE:
+        for m in range(M):
+            program += fwd(m)
+        for m in range(M):
+            program += bwd(m)
+    else:
+        warmup = min(P - stage - 1, M)
+        for m in range(warmup):
+            program += fwd(m)
+        # Steady state: the forward goes first so the activation it sends
+        # downstream is in flight while this stage waits for the gradient.
+        for i in range(M - warmup):
+            program += fwd(warmup + i)
+            program += bwd(i)
+        for m in range(M - warmup, M):
+            program += bwd(m)
+    program.append(OptimizerStep())
+    return program
+
+
+def max_in_flight(
+    schedule: str | Schedule, stage: int, num_stages: int, num_microbatches: int
+) -> int:
+    """Theoretical peak of activations stored on `stage` (forwards whose
+    backward has not run): ``min(P - stage, M)`` for 1F1B, ``M`` for GPipe."""
+    kind = parse_schedule(schedule)
+    _check_shape(stage, num_stages, num_microbatches)
+    if kind is Schedule.GPIPE:
+        return num_microbatches
+    return min(num_stages - stage, num_microbatches)
+
+
+def bubble_fraction(num_stages: int, num_microbatches: int) -> float:
+    """Idle share of a step for GPipe and 1F1B with equal per-stage costs:
+    ``(P - 1) / (M + P - 1)``."""
+    _check_positive("num_stages", num_stages)
+    _check_positive("num_microbatches", num_microbatches)
+    return (num_stages - 1) / (num_microbatches + num_stages - 1)

@@ -1,0 +1,363 @@
+"""Run every stage's instruction list together, without processes, and check it.
+
+The model is the one the stage executor implements:
+
+* Compute (`Forward`, `Backward`) takes `forward_cost` / `backward_cost` time;
+  loads, communication, `ReduceGrads` and `OptimizerStep` take none.
+* Between neighbours there are four FIFO channels (activations s -> s+1,
+  gradients s+1 -> s), matched in order as torch.distributed point-to-point
+  messages are. A send is buffered: it never blocks (the executor posts it and
+  waits on it later). A receive blocks until the matching send was issued;
+  it then completes at the later of the two times. With
+  ``rendezvous_sends=True`` a send also blocks until the peer's receive
+  takes it (what waiting on each send at once amounts to).
+
+Because every channel has one sender and one receiver and receives block,
+the result does not depend on which stage the simulator advances first.
+
+It raises `DeadlockError` when no stage can move and some are unfinished,
+and `ScheduleError` for anything else that would break a real run: a receive
+that would get another microbatch's tensor, a forward without its input or
+targets, a backward before its forward or without its gradient, a microbatch
+computed twice or never, an unreceived send, an `OptimizerStep` before all
+backwards, and the cross-stage orderings (forward of m on s ends before it
+starts on s+1; backward of m on s+1 ends before it starts on s).
+
+The bubble fraction reported is ``1 - sum(busy) / (P * makespan)``: the idle
+share of all stage-time in the step. `SimulationResult.stage_idle_fraction`
+gives the per-stage ``idle / makespan`` as well.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
+
+from evtrain.errors import UsageError
+from evtrain.stages.instructions import (
+    Backward,
+    Forward,
+    Instruction,
+    LoadMicrobatch,
+    OptimizerStep,
+    RecvActivation,
+    RecvGrad,
+    ReduceGrads,
+    SendActivation,
+    SendGrad,
+)
+from evtrain.stages.schedules import build_schedule
+
+__all__ = [
+    "DeadlockError",
+    "ScheduleError",
+    "SimulationResult",
+    "Span",
+    "simulate",
+    "simulate_programs",
+]
+
+
+class ScheduleError(Exception):
+    """The instruction lists would fail or compute the wrong thing if run."""
+
+
+class DeadlockError(ScheduleError):
+    """No stage can make progress; `stuck` maps each unfinished stage to the
+    instruction it waits at."""
+
+    def __init__(self, stuck: dict[int, Instruction], positions: dict[int, int]) -> None:
+        self.stuck = stuck
+        where = "; ".join(
+            f"stage {s} waits at {ins} (instruction {positions[s]})" for s, ins in stuck.items()
+        )
+        super().__init__(f"deadlock: {where}")
+
+
+class Span(NamedTuple):
+    """One compute interval on a stage's timeline."""
+
+    start: float
+    end: float
+    kind: Literal["forward", "backward"]
+    microbatch: int
+
+
+@dataclass(frozen=True, slots=True)
+class SimulationResult:
+    """What one simulated step did.
+
+    `timelines[s]` lists stage s's compute spans in execution order;
+    `peak_in_flight[s]` is the most activations stage s held at once
+    (forwards done whose backward was not yet done); `busy[s]` its compute
+    time; `makespan` the time the last stage finished; `bubble_fraction`
+    ``1 - sum(busy) / (P * makespan)`` (0 when the makespan is 0).
+    """
+
+    num_stages: int
+    num_microbatches: int
+    timelines: tuple[tuple[Span, ...], ...]
+    peak_in_flight: tuple[int, ...]
+    busy: tuple[float, ...]
+    makespan: float
+    bubble_fraction: float
+
+    @property
+    def stage_idle_fraction(self) -> tuple[float, ...]:
+        """Per stage, ``(makespan - busy) / makespan`` (0 when the makespan is 0)."""
+        if self.makespan == 0:
+            return tuple(0.0 for _ in self.busy)
+        return tuple((self.makespan - b) / self.makespan for b in self.busy)
+
+
+class _Message:
+    """A tensor in a channel: which microbatch, when it was sent, and (for
+    rendezvous sends) when a receive took it."""
+
+    __slots__ = ("microbatch", "sent_at", "taken_at")
+
+    def __init__(self, microbatch: int, sent_at: float) -> None:
+        self.microbatch = microbatch
+        self.sent_at = sent_at
+        self.taken_at: float | None = None
+
+
+_ACT, _GRAD = "activation", "gradient"
+
+
+class _Stage:
+    """Mutable per-stage state while simulating."""
+
+    def __init__(self, program: Sequence[Instruction]) -> None:
+        self.program = program
+        self.pc = 0
+        self.clock = 0.0
+        self.loaded: set[int] = set()
+        self.received: dict[str, set[int]] = {_ACT: set(), _GRAD: set()}
+        self.forwarded: set[int] = set()
+        self.backwarded: set[int] = set()
+        self.optimizer_steps = 0
+        self.in_flight = 0
+        self.peak = 0
+        self.busy = 0.0
+        self.spans: list[Span] = []
+        self.pending_send: _Message | None = None  # rendezvous mode only
+
+
+def simulate(
+    schedule: str,
+    num_stages: int,
+    num_microbatches: int,
+    forward_cost: float = 1.0,
+    backward_cost: float = 1.0,
+    *,
+    rendezvous_sends: bool = False,
+) -> SimulationResult:
+    """Build every stage's program for `schedule` ("gpipe" or "1f1b") and
+    simulate one step; see `simulate_programs`."""
+    programs = [
+        build_schedule(schedule, s, num_stages, num_microbatches) for s in range(num_stages)
+    ]
+    return simulate_programs(
+        programs,
+        num_microbatches,
+        forward_cost,
+        backward_cost,
+        rendezvous_sends=rendezvous_sends,
+    )
+
+
+def simulate_programs(
+    programs: Sequence[Sequence[Instruction]],
+    num_microbatches: int,
+    forward_cost: float = 1.0,
+    backward_cost: float = 1.0,
+    *,
+    rendezvous_sends: bool = False,
+) -> SimulationResult:
+    """Simulate one step of arbitrary per-stage programs (`programs[s]` for
+    stage s) over `num_microbatches` microbatches.
+
+    A program without any `Backward` is a forward-only (evaluation) program;
+    otherwise every microbatch must be backwarded once and the program must
+    end the step with exactly one `OptimizerStep`. Raises `DeadlockError` or
+    `ScheduleError` as described in the module docstring.
+    """
+    for name, cost in (("forward_cost", forward_cost), ("backward_cost", backward_cost)):
+        if not math.isfinite(cost) or cost < 0:
+            raise UsageError(f"{name} must be a finite number >= 0, got {cost!r}")
+    if not programs:
+        raise UsageError("programs must hold at least one stage's program")
+    if num_microbatches < 1:
+        raise UsageError(f"num_microbatches must be >= 1, got {num_microbatches!r}")
+
+    P, M = len(programs), num_microbatches
+    stages = [_Stage(p) for p in programs]
+    # channels[(kind, src, dst)]: FIFO of messages sent but not yet received.
+    channels: dict[tuple[str, int, int], deque[_Message]] = {}
+
+    def fail(s: int, ins: Instruction, why: str) -> ScheduleError:
+        return ScheduleError(f"stage {s} at {ins} (instruction {stages[s].pc}): {why}")
+
+    def send(s: int, ins: Instruction, kind: str, dst: int) -> bool:
+        st = stages[s]
+        if st.pending_send is None:
+            msg = _Message(ins.microbatch, st.clock)
+            channels.setdefault((kind, s, dst), deque()).append(msg)
+            if not rendezvous_sends:
+                return True
+            st.pending_send = msg
+        if st.pending_send.taken_at is None:
+            return False
+        st.clock = max(st.clock, st.pending_send.taken_at)
+        st.pending_send = None
+        return True
+
+    def recv(s: int, ins: Instruction, kind: str, src: int) -> bool:
+        st = stages[s]
+        queue = channels.get((kind, src, s))
+        if not queue:
+            return False
+        msg = queue.popleft()
+        if msg.microbatch != ins.microbatch:
+            raise fail(s, ins, f"would receive the {kind} of microbatch {msg.microbatch}")
+        st.clock = msg.taken_at = max(st.clock, msg.sent_at)
+        st.received[kind].add(ins.microbatch)
+        return True
+
+    def compute(s: int, ins: Instruction, cost: float) -> None:
+        st = stages[s]
+        kind: Literal["forward", "backward"] = "forward" if isinstance(ins, Forward) else "backward"
+        st.spans.append(Span(st.clock, st.clock + cost, kind, ins.microbatch))
+        st.clock += cost
+        st.busy += cost
+
+    def step(s: int, ins: Instruction) -> bool:
+        """Execute `ins` on stage s; False when it must wait."""
+        st = stages[s]
+        first, last = s == 0, s == P - 1
+        m = getattr(ins, "microbatch", 0)
+        if not 0 <= m < M:
+            raise fail(s, ins, f"microbatch outside 0..{M - 1}")
+        match ins:
+            case LoadMicrobatch():
+                st.loaded.add(m)
+            case RecvActivation():
+                if first:
+                    raise fail(s, ins, "the first stage has no previous stage")
+                return recv(s, ins, _ACT, s - 1)
+            case RecvGrad():
+                if last:
+                    raise fail(s, ins, "the last stage has no next stage")
+                return recv(s, ins, _GRAD, s + 1)
+            case SendActivation():
+                if last:
+                    raise fail(s, ins, "the last stage has no next stage")
+                if m not in st.forwarded:
+                    raise fail(s, ins, "sends an activation before its forward")
+                return send(s, ins, _ACT, s + 1)
+            case SendGrad():
+                if first:
+                    raise fail(s, ins, "the first stage has no previous stage")
+                if m not in st.backwarded:
+                    raise fail(s, ins, "sends a gradient before its backward")
+                return send(s, ins, _GRAD, s - 1)
+            case Forward():
+                if m in st.forwarded:
+                    raise fail(s, ins, "forwards the microbatch twice")
+                if (first or last) and m not in st.loaded:
+                    raise fail(s, ins, "forward before LoadMicrobatch (inputs/targets)")
+                if not first and m not in st.received[_ACT]:
+                    raise fail(s, ins, "forward before its activation was received")
+                compute(s, ins, forward_cost)
+                st.forwarded.add(m)
+                st.in_flight += 1
+                st.peak = max(st.peak, st.in_flight)
+            case Backward():
+                if m in st.backwarded:
+                    raise fail(s, ins, "backwards the microbatch twice")
+                if m not in st.forwarded:
+                    raise fail(s, ins, "backward before its forward")
+                if not last and m not in st.received[_GRAD]:
+                    raise fail(s, ins, "backward before its gradient was received")
+                compute(s, ins, backward_cost)
+                st.backwarded.add(m)
+                st.in_flight -= 1
+            case ReduceGrads():
+                pass  # data parallelism is not simulated
+            case OptimizerStep():
+                if len(st.backwarded) != M or st.optimizer_steps:
+                    raise fail(s, ins, "optimizer step must come once, after all M backwards")
+                st.optimizer_steps += 1
+            case _:
+                raise fail(s, ins, f"unknown instruction {ins!r}")
+        return True
+
+    # Advance every stage as far as it can go until none can; in a Kahn-style
+    # network like this one the visiting order does not change any time.
+    moved = True
+    while moved:
+        moved = False
+        for s, st in enumerate(stages):
+            while st.pc < len(st.program) and step(s, st.program[st.pc]):
+                st.pc += 1
+                moved = True
+    stuck = {s: st.program[st.pc] for s, st in enumerate(stages) if st.pc < len(st.program)}
+    if stuck:
+        raise DeadlockError(stuck, {s: stages[s].pc for s in stuck})
+
+    _check_complete(stages, channels, M)
+    _check_cross_stage_order(stages)
+    makespan = max(st.clock for st in stages)
+    busy = tuple(st.busy for st in stages)
+    return SimulationResult(
+        num_stages=P,
+        num_microbatches=M,
+        timelines=tuple(tuple(st.spans) for st in stages),
+        peak_in_flight=tuple(st.peak for st in stages),
+        busy=busy,
+        makespan=makespan,
+        bubble_fraction=1 - sum(busy) / (P * makespan) if makespan else 0.0,
+    )
+
+
+def _check_complete(
+    stages: list[_Stage], channels: dict[tuple[str, int, int], deque[_Message]], M: int
+) -> None:
+    """Every microbatch forwarded once per stage, backwarded once (training)
+    or never (forward-only), one optimizer step per training program, and no
+    message left unreceived."""
+    everything = set(range(M))
+    training = any(st.backwarded for st in stages)
+    for s, st in enumerate(stages):
+        if st.forwarded != everything:
+            missing = everything - st.forwarded
+            raise ScheduleError(f"stage {s} never forwards microbatches {missing}")
+        if training and st.backwarded != everything:
+            missing = everything - st.backwarded
+            raise ScheduleError(f"stage {s} never backwards microbatches {missing}")
+        if training and st.optimizer_steps != 1:
+            raise ScheduleError(f"stage {s} has no OptimizerStep")
+    for (kind, src, dst), queue in channels.items():
+        if queue:
+            mbs = [msg.microbatch for msg in queue]
+            raise ScheduleError(f"stage {dst} never receives the {kind}s {mbs} sent by stage {src}")
+
+
+def _check_cross_stage_order(stages: list[_Stage]) -> None:
+    """Forward of m ends on s before it starts on s+1; backward of m ends on
+    s+1 before it starts on s. Implied by the receives when the program has
+    them; checked on the timelines so a schedule cannot skip them."""
+    spans = [{(sp.kind, sp.microbatch): sp for sp in st.spans} for st in stages]
+    for s in range(len(stages) - 1):
+        for (kind, m), here in spans[s].items():
+            there = spans[s + 1].get((kind, m))
+            if there is None:
+                continue
+            if kind == "forward" and here.end > there.start:
+                raise ScheduleError(f"forward of microbatch {m} starts on stage {s + 1} too early")
+            if kind == "backward" and there.end > here.start:
+                raise ScheduleError(f"backward of microbatch {m} starts on stage {s} too early")

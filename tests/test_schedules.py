@@ -1,0 +1,320 @@
+"""Schedules are data: check GPipe and 1F1B against theory with the simulator."""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from evtrain.errors import UsageError
+from evtrain.stages.instructions import (
+    Backward,
+    Forward,
+    Instruction,
+    LoadMicrobatch,
+    OptimizerStep,
+    RecvActivation,
+    RecvGrad,
+    ReduceGrads,
+    SendActivation,
+    SendGrad,
+    format_instructions,
+)
+from evtrain.stages.schedules import (
+    Schedule,
+    bubble_fraction,
+    build_schedule,
+    max_in_flight,
+)
+from evtrain.stages.simulator import (
+    DeadlockError,
+    ScheduleError,
+    simulate,
+    simulate_programs,
+)
+
+SCHEDULES = ["gpipe", "1f1b"]
+STAGES = range(1, 9)
+MICROBATCHES = range(1, 33)
+
+
+def programs(schedule: str, P: int, M: int, **kw: bool) -> list[list[Instruction]]:
+    return [build_schedule(schedule, s, P, M, **kw) for s in range(P)]
+
+
+def text(program: list[Instruction]) -> str:
+    return format_instructions(program)
+
+
+# --- exact programs, written out by hand -------------------------------------
+
+
+def test_1f1b_two_stages_three_microbatches_exact() -> None:
+    L, RA, F, SA, RG, B, SG = (
+        LoadMicrobatch,
+        RecvActivation,
+        Forward,
+        SendActivation,
+        RecvGrad,
+        Backward,
+        SendGrad,
+    )
+    stage0 = [
+        L(0), F(0), SA(0),                     # warm-up: P-0-1 = 1 forward
+        L(1), F(1), SA(1), RG(0), B(0),        # steady: F1 B0
+        L(2), F(2), SA(2), RG(1), B(1),        # steady: F2 B1
+        RG(2), B(2),                           # cool-down
+        OptimizerStep(),
+    ]  # fmt: skip
+    stage1 = [
+        L(0), RA(0), F(0), B(0), SG(0),        # no warm-up on the last stage
+        L(1), RA(1), F(1), B(1), SG(1),
+        L(2), RA(2), F(2), B(2), SG(2),
+        OptimizerStep(),
+    ]  # fmt: skip
+    assert build_schedule("1f1b", 0, 2, 3) == stage0
+    assert build_schedule("1f1b", 1, 2, 3) == stage1
+
+
+@pytest.mark.parametrize(
+    ("schedule", "P", "M", "expected"),
+    [
+        ("gpipe", 1, 2, ["L0 F0 L1 F1 B0 B1 OPT"]),
+        ("1f1b", 1, 2, ["L0 F0 B0 L1 F1 B1 OPT"]),
+        (
+            "gpipe",
+            2,
+            2,
+            [
+                "L0 F0 SA0 L1 F1 SA1 RG0 B0 RG1 B1 OPT",
+                "L0 RA0 F0 L1 RA1 F1 B0 SG0 B1 SG1 OPT",
+            ],
+        ),
+        (
+            # M < P: the early stages only warm up and cool down.
+            "1f1b",
+            3,
+            2,
+            [
+                "L0 F0 SA0 L1 F1 SA1 RG0 B0 RG1 B1 OPT",
+                "RA0 F0 SA0 RA1 F1 SA1 RG0 B0 SG0 RG1 B1 SG1 OPT",
+                "L0 RA0 F0 B0 SG0 L1 RA1 F1 B1 SG1 OPT",
+            ],
+        ),
+        (
+            "1f1b",
+            3,
+            4,
+            [
+                "L0 F0 SA0 L1 F1 SA1 L2 F2 SA2 RG0 B0 L3 F3 SA3 RG1 B1 RG2 B2 RG3 B3 OPT",
+                "RA0 F0 SA0 RA1 F1 SA1 RG0 B0 SG0 RA2 F2 SA2 RG1 B1 SG1 RA3 F3 SA3 RG2 B2 SG2 "
+                "RG3 B3 SG3 OPT",
+                "L0 RA0 F0 B0 SG0 L1 RA1 F1 B1 SG1 L2 RA2 F2 B2 SG2 L3 RA3 F3 B3 SG3 OPT",
+            ],
+        ),
+    ],
+)
+def test_known_programs(schedule: str, P: int, M: int, expected: list[str]) -> None:
+    assert [text(p) for p in programs(schedule, P, M)] == expected
+
+
+def test_schedule_names() -> None:
+    expected = build_schedule("1f1b", 1, 3, 5)
+    assert build_schedule(Schedule.ONE_F_ONE_B, 1, 3, 5) == expected
+    assert build_schedule("1F1B", 1, 3, 5) == expected
+    assert [s.value for s in Schedule] == ["gpipe", "1f1b"]
+
+
+def test_forward_only_program() -> None:
+    progs = programs("1f1b", 3, 2, forward_only=True)
+    assert [text(p) for p in progs] == [
+        "L0 F0 SA0 L1 F1 SA1",
+        "RA0 F0 SA0 RA1 F1 SA1",
+        "L0 RA0 F0 L1 RA1 F1",
+    ]
+    result = simulate_programs(progs, 2)
+    assert all(len(t) == 2 and {sp.kind for sp in t} == {"forward"} for t in result.timelines)
+    assert result.makespan == 4  # M + P - 1 forwards of cost 1
+
+
+# --- structure and simulation over the whole grid -----------------------------
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("P", STAGES)
+def test_program_structure(schedule: str, P: int) -> None:
+    for M, s in itertools.product(MICROBATCHES, range(P)):
+        prog = build_schedule(schedule, s, P, M)
+        first, last = s == 0, s == P - 1
+        kinds = Counter(type(ins) for ins in prog)
+        assert kinds[Forward] == kinds[Backward] == M
+        assert kinds[LoadMicrobatch] == (M if first or last else 0)
+        assert kinds[RecvActivation] == kinds[SendGrad] == (0 if first else M)
+        assert kinds[SendActivation] == kinds[RecvGrad] == (0 if last else M)
+        assert kinds[ReduceGrads] == 0
+        assert prog[-1] == OptimizerStep() and kinds[OptimizerStep] == 1
+        # Each stage visits microbatches in order: FIFO channels then match.
+        assert [i.microbatch for i in prog if isinstance(i, Forward)] == list(range(M))
+        assert [i.microbatch for i in prog if isinstance(i, Backward)] == list(range(M))
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("P", STAGES)
+def test_simulation_matches_theory(schedule: str, P: int) -> None:
+    for M in MICROBATCHES:
+        result = simulate(schedule, P, M)  # raises on deadlock or misordering
+        assert result.peak_in_flight == tuple(max_in_flight(schedule, s, P, M) for s in range(P))
+        if schedule == "1f1b":
+            assert result.peak_in_flight == tuple(min(P - s, M) for s in range(P))
+        else:
+            assert result.peak_in_flight == (M,) * P
+        assert result.makespan == 2 * (M + P - 1)
+        assert result.bubble_fraction == pytest.approx((P - 1) / (M + P - 1))
+        assert result.bubble_fraction == pytest.approx(bubble_fraction(P, M))
+        assert result.stage_idle_fraction == pytest.approx([bubble_fraction(P, M)] * P)
+        check_timelines(result.timelines, M)
+
+
+def check_timelines(timelines, M: int) -> None:
+    """Independent of the simulator's own checks: each stage computes every
+    microbatch's forward and backward once, forward first, with no overlap;
+    forward goes down the pipe, backward comes back up."""
+    where = []
+    for spans in timelines:
+        assert sorted((sp.kind, sp.microbatch) for sp in spans) == sorted(
+            itertools.product(["backward", "forward"], range(M))
+        )
+        assert all(a.end <= b.start for a, b in itertools.pairwise(spans))
+        at = {(sp.kind, sp.microbatch): sp for sp in spans}
+        assert all(at["forward", m].end <= at["backward", m].start for m in range(M))
+        where.append(at)
+    for s, m in itertools.product(range(len(timelines) - 1), range(M)):
+        assert where[s]["forward", m].end <= where[s + 1]["forward", m].start
+        assert where[s + 1]["backward", m].end <= where[s]["backward", m].start
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    schedule=st.sampled_from(SCHEDULES),
+    P=st.integers(1, 8),
+    M=st.integers(1, 32),
+    f=st.floats(0.1, 5.0),
+    b=st.floats(0.1, 5.0),
+)
+def test_uneven_costs(schedule: str, P: int, M: int, f: float, b: float) -> None:
+    """With equal per-stage costs the step is (M+P-1)(f+b) for any f, b."""
+    result = simulate(schedule, P, M, forward_cost=f, backward_cost=b)
+    assert result.makespan == pytest.approx((M + P - 1) * (f + b))
+    assert result.busy == pytest.approx([M * (f + b)] * P)
+    check_timelines(result.timelines, M)
+
+
+# --- the checker catches broken schedules -------------------------------------
+
+
+def test_recv_grad_before_send_deadlocks() -> None:
+    progs = programs("1f1b", 2, 3)
+    # Stage 0 waits for microbatch 0's gradient before sending its activation.
+    assert text(progs[0][:4]) == "L0 F0 SA0 L1"
+    progs[0].insert(2, progs[0].pop(progs[0].index(RecvGrad(0))))
+    with pytest.raises(DeadlockError) as err:
+        simulate_programs(progs, 3)
+    assert err.value.stuck == {0: RecvGrad(0), 1: RecvActivation(0)}
+    assert "stage 0 waits at RG0" in str(err.value)
+    assert "stage 1 waits at RA0" in str(err.value)
+
+
+def test_receive_out_of_order_is_caught() -> None:
+    progs = programs("gpipe", 2, 2)
+    i, j = progs[1].index(RecvActivation(0)), progs[1].index(RecvActivation(1))
+    progs[1][i], progs[1][j] = progs[1][j], progs[1][i]
+    with pytest.raises(ScheduleError, match="would receive the activation of microbatch 0"):
+        simulate_programs(progs, 2)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize(("P", "M"), [(1, 2), (2, 3), (3, 2), (4, 5)])
+def test_dropping_any_instruction_is_caught(schedule: str, P: int, M: int) -> None:
+    progs = programs(schedule, P, M)
+    for s, k in [(s, k) for s, prog in enumerate(progs) for k in range(len(prog))]:
+        broken = [list(p) for p in progs]
+        dropped = broken[s].pop(k)
+        with pytest.raises(ScheduleError):
+            simulate_programs(broken, M)
+            pytest.fail(f"dropping {dropped} on stage {s} went unnoticed")
+
+
+@pytest.mark.parametrize(
+    ("stage", "edit", "message"),
+    [
+        (0, lambda p: p.insert(0, RecvActivation(0)), "first stage has no previous"),
+        (0, lambda p: p.remove(LoadMicrobatch(0)), "forward before LoadMicrobatch"),
+        (1, lambda p: p.insert(0, Backward(0)), "backward before its forward"),
+        (1, lambda p: p.insert(-1, Forward(1)), "forwards the microbatch twice"),
+        (1, lambda p: p.insert(0, OptimizerStep()), "optimizer step must come once"),
+        (0, lambda p: p.append(Forward(7)), "microbatch outside 0..1"),
+        (1, lambda p: p.remove(SendGrad(1)), "waits at RG1"),
+        (0, lambda p: p.append(SendActivation(1)), "never receives the activations"),
+    ],
+)
+def test_specific_mistakes(stage: int, edit, message: str) -> None:
+    progs = programs("1f1b", 2, 2)
+    edit(progs[stage])
+    with pytest.raises(ScheduleError, match=message):
+        simulate_programs(progs, 2)
+
+
+@pytest.mark.parametrize("P", range(2, 6))
+def test_waiting_on_each_send_deadlocks_1f1b_but_not_gpipe(P: int) -> None:
+    """Why the executor must not wait on a send before the next receive."""
+    for M in (2, 3, 8):
+        with pytest.raises(DeadlockError):
+            simulate("1f1b", P, M, rendezvous_sends=True)
+        result = simulate("gpipe", P, M, rendezvous_sends=True)
+        assert result.makespan == 2 * (M + P - 1)
+
+
+# --- instructions as data, and bad input --------------------------------------
+
+
+def test_instructions_print_compactly_and_roundtrip() -> None:
+    prog = [*build_schedule("1f1b", 1, 3, 2), ReduceGrads()]
+    assert text(prog) == "RA0 F0 SA0 RA1 F1 SA1 RG0 B0 SG0 RG1 B1 SG1 OPT RED"
+    assert repr(Forward(3)) == "F3" and str(LoadMicrobatch(3)) == "L3"
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(prog), type=list[Instruction]) == prog
+    assert len(set(prog)) == len(prog)  # frozen structs hash by value
+    with pytest.raises(AttributeError):
+        prog[1].microbatch = 5  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("x", 0, 2, 2), "unknown schedule 'x'; choose one of: gpipe, 1f1b"),
+        (("1f1b", 0, 0, 2), "num_stages must be an integer >= 1, got 0"),
+        (("gpipe", 0, 2, 0), "num_microbatches must be an integer >= 1, got 0"),
+        (("1f1b", 2, 2, 2), r"stage must be in 0..1, got 2"),
+        (("1f1b", -1, 2, 2), r"stage must be in 0..1, got -1"),
+        (("1f1b", 0, True, 2), "num_stages must be an integer"),
+        (("1f1b", 0, 2, 2.0), "num_microbatches must be an integer"),
+    ],
+)
+def test_bad_input(args: tuple, message: str) -> None:
+    with pytest.raises(UsageError) as err:
+        build_schedule(*args)
+    assert message in str(err.value)
+    with pytest.raises(UsageError):
+        max_in_flight(*args)
+
+
+def test_bad_simulation_input() -> None:
+    with pytest.raises(UsageError, match="unknown schedule"):
+        simulate("pipedream", 2, 2)
+    with pytest.raises(UsageError, match="backward_cost must be a finite number >= 0"):
+        simulate("1f1b", 2, 2, backward_cost=-1.0)
+    with pytest.raises(UsageError, match="num_microbatches"):
+        bubble_fraction(2, 0)
