@@ -1,0 +1,548 @@
+"""The job spec: one training job described as plain data plus factories.
+
+A job spec is a Python file that defines a module-level ``job`` (or a
+``make_job()`` returning one); `evtrain.spec.load_job` loads it. Every stage
+process loads the spec itself, so nothing here is ever pickled, and
+everything heavy is a *factory* called where it is needed: each stage calls
+only its own layer factories, so the rest of the model is never allocated.
+
+Example::
+
+    import functools
+    import torch
+    from torch import nn
+    from evtrain.job import Job, layer
+
+    job = Job(
+        name="mlp",
+        layers=[layer(nn.Linear, 16, 64), layer(nn.ReLU), layer(nn.Linear, 64, 1)],
+        loss_fn=nn.functional.mse_loss,
+        optimizer=functools.partial(torch.optim.SGD, lr=0.05),
+        train_data=lambda: (torch.randn(256, 16), torch.randn(256, 1)),
+        batch_size=32,
+        num_microbatches=4,
+        max_steps=100,
+    )
+
+Steps, batches and microbatches: one *step* is one optimizer step. It reads
+``grad_accum`` batches of ``batch_size`` samples, each split into
+``num_microbatches`` equal microbatches that flow through the pipeline. The
+loss of every microbatch is scaled by ``1 / (num_microbatches * grad_accum)``
+before its backward, so with a mean-reduced ``loss_fn`` one step equals a
+single-process step on all ``batch_size * grad_accum`` samples at once.
+``max_steps``, ``eval_every``, the LR scheduler and every hook count steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from evtrain.data import DataStream
+from evtrain.errors import SpecError
+from evtrain.stages.schedules import Schedule
+
+__all__ = [
+    "DEVICES",
+    "SCHEDULES",
+    "SPAN_MODES",
+    "Job",
+    "TensorPair",
+    "accuracy",
+    "layer",
+]
+
+LayerFactory = Callable[[], nn.Module]
+"""A zero-argument callable that builds one pipeline layer."""
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
+MetricFn = Callable[[torch.Tensor, torch.Tensor], "float | torch.Tensor"]
+DataSource = Any
+"""``(inputs, targets)`` tensors, or a zero-argument callable returning them or a
+map-style dataset of ``(input, target)`` pairs."""
+
+SCHEDULES: tuple[str, ...] = tuple(s.value for s in Schedule)
+"""Pipeline schedule names (``"gpipe"``, ``"1f1b"``)."""
+
+SPAN_MODES: tuple[str, ...] = ("all", "sampled", "off")
+"""Values of `Job.microbatch_spans`."""
+
+DEVICES: tuple[str, ...] = ("cpu", "cuda")
+"""Values of `Job.device`."""
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def layer(cls: Callable[..., nn.Module], /, *args: Any, **kwargs: Any) -> LayerFactory:
+    """A factory for one layer: ``layer(nn.Linear, 4, 8)()`` builds ``nn.Linear(4, 8)``.
+
+    It is a `functools.partial`, so it is picklable when ``cls`` and the
+    arguments are.
+    """
+    return functools.partial(cls, *args, **kwargs)
+
+
+def accuracy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Classification accuracy: fraction of rows whose arg-max over the last dim equals ``target``.
+
+    A ready metric for `Job.metrics`, e.g. ``metrics={"accuracy": accuracy}``.
+    """
+    return (output.argmax(dim=-1) == target).float().mean()
+
+
+class TensorPair(NamedTuple):
+    """A data set as two stacked tensors with the same first dimension."""
+
+    inputs: torch.Tensor
+    targets: torch.Tensor
+
+    @property
+    def num_samples(self) -> int:
+        """Number of (input, target) pairs."""
+        return int(self.inputs.shape[0])
+
+
+def _is_int(value: object) -> bool:
+    # bool is an int subclass; `stages=True` is a bug, not a count.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(field: str, value: object, *, minimum: int, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if not _is_int(value) or value < minimum:  # type: ignore[operator]
+        raise SpecError(field, f"expected an integer >= {minimum}, got {value!r}")
+
+
+def _to_tensor_pair(field: str, value: Any) -> TensorPair:
+    """Normalize a data source into stacked ``(inputs, targets)`` tensors."""
+    if callable(value) and not isinstance(value, tuple | list):
+        try:
+            value = value()
+        except Exception as exc:
+            raise SpecError(field, f"loading the data failed: {type(exc).__name__}: {exc}") from exc
+    if (
+        isinstance(value, tuple | list)
+        and len(value) == 2
+        and all(isinstance(t, torch.Tensor) for t in value)
+    ):
+        inputs, targets = value
+    elif isinstance(getattr(value, "tensors", None), tuple) and len(value.tensors) == 2:
+        # torch.utils.data.TensorDataset: already stacked.
+        inputs, targets = value.tensors
+    elif hasattr(value, "__len__") and hasattr(value, "__getitem__"):
+        n = len(value)
+        if n == 0:
+            raise SpecError(field, "the data set is empty")
+        try:
+            pairs = [value[i] for i in range(n)]
+            inputs = torch.stack([torch.as_tensor(p[0]) for p in pairs])
+            targets = torch.stack([torch.as_tensor(p[1]) for p in pairs])
+        except Exception as exc:
+            raise SpecError(
+                field,
+                "expected a map-style data set of (input, target) pairs with equal "
+                f"shapes; stacking failed: {type(exc).__name__}: {exc}",
+            ) from exc
+    else:
+        raise SpecError(
+            field,
+            "expected (inputs, targets) tensors, a map-style data set of (input, target) "
+            f"pairs, or a callable returning one; got {type(value).__name__}",
+        )
+    if inputs.dim() == 0 or targets.dim() == 0:
+        raise SpecError(field, "inputs and targets need a first (sample) dimension")
+    if inputs.shape[0] != targets.shape[0]:
+        raise SpecError(
+            field, f"{inputs.shape[0]} inputs but {targets.shape[0]} targets; they must match"
+        )
+    if inputs.shape[0] == 0:
+        raise SpecError(field, "the data set is empty")
+    # Stages slice microbatches out of these and send them point to point.
+    return TensorPair(inputs.contiguous(), targets.contiguous())
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class Job:
+    """One training job. Construct it in a spec file; it validates itself.
+
+    Every instance is valid: construction and `with_overrides` run
+    `validate`, which raises `evtrain.errors.SpecError` naming the bad field.
+    Data is loaded lazily (`train_tensors`, `eval_tensors`) and cached on the
+    instance.
+    """
+
+    name: str
+    """Job name: letters, digits, ``.``, ``_``, ``-``. Used in the default run directory."""
+
+    layers: Sequence[LayerFactory]
+    """One zero-argument factory per pipeline layer, in order (see `layer`).
+
+    The model is ``nn.Sequential(*(f() for f in layers))``; a stage builds
+    only its own slice. Each layer takes and returns one tensor. Factories
+    are called with the CPU RNG seeded from (`seed`, layer index), so the
+    initial weights do not depend on the partition."""
+
+    loss_fn: LossFn
+    """``loss_fn(output, target) -> scalar tensor``, mean-reduced over the microbatch."""
+
+    optimizer: OptimizerFactory
+    """``optimizer(params) -> torch.optim.Optimizer``, e.g.
+    ``functools.partial(torch.optim.SGD, lr=0.1)``. Each stage builds one over its own
+    parameters."""
+
+    train_data: DataSource
+    """``(inputs, targets)`` tensors, or a zero-argument callable returning those
+    or a map-style data set of ``(input, target)`` pairs. Kept as two stacked tensors."""
+
+    batch_size: int
+    """Samples per batch; a multiple of `num_microbatches`."""
+
+    num_microbatches: int = 4
+    """Microbatches per batch (M); must divide `batch_size`. M < `stages` is allowed."""
+
+    max_steps: int | None = None
+    """Optimizer steps to train. With `epochs` too, training stops at whichever comes first."""
+
+    epochs: int | None = None
+    """Passes over the training set (incomplete last batch dropped). At least one of
+    `max_steps` and `epochs` is required."""
+
+    lr_scheduler: SchedulerFactory | None = None
+    """``lr_scheduler(optimizer) -> LRScheduler``, stepped once after every optimizer step."""
+
+    eval_data: DataSource | None = None
+    """Evaluation data, same forms as `train_data`; read in order, every sample once."""
+
+    eval_batch_size: int | None = None
+    """Eval batch size (default `batch_size`); a multiple of `num_microbatches`. The last
+    eval batch holds the remainder (see `evtrain.data.eval_microbatches`)."""
+
+    eval_every: int | None = None
+    """Evaluate every this many steps (and hooks may ask for more). Needs `eval_data`."""
+
+    metrics: Mapping[str, MetricFn] = dataclasses.field(default_factory=dict)
+    """Extra eval metrics ``fn(output, target) -> float | tensor`` (a mean over the
+    microbatch), computed on the last stage and averaged weighted by microbatch size.
+    ``loss`` is always reported and is a reserved name. See `accuracy`."""
+
+    grad_clip: float | None = None
+    """Clip the global L2 norm of all gradients (across stages) to this value."""
+
+    grad_accum: int = 1
+    """Batches per optimizer step: step k reads batches ``k*a .. k*a + a - 1`` (a = grad_accum)."""
+
+    seed: int = 0
+    """Seeds layer initialization (per layer) and data shuffling (per epoch)."""
+
+    run_dir: str | Path = "runs/{name}"
+    """Where logs, metrics and checkpoints go; ``{name}`` is replaced by `name`. Always a
+    `Path` after construction (relative paths are relative to the launcher's cwd)."""
+
+    stages: int = 2
+    """Number of pipeline stages P (at most the number of layers)."""
+
+    balance: Sequence[int] | None = None
+    """Layers per stage, e.g. ``[3, 2]``; ``None`` balances by parameter count."""
+
+    schedule: str = "1f1b"
+    """Pipeline schedule: ``"1f1b"`` or ``"gpipe"``."""
+
+    device: str = "cpu"
+    """``"cpu"`` or ``"cuda"`` (each stage then uses ``cuda:{local_rank}``, NCCL)."""
+
+    hooks: Sequence[Mapping[str, Any] | str] = ()
+    """Hooks the launcher starts, as plain data: ``dict(type="logging", every=10)`` or
+    ``dict(type="mypkg.mod:MyHook", priority=50, ...)``; a bare string is ``dict(type=s)``."""
+
+    microbatch_spans: str = "sampled"
+    """Publish microbatch forward/backward spans: ``"all"``, ``"sampled"`` or ``"off"``."""
+
+    threads: int | None = None
+    """``torch.set_num_threads`` in each stage process; ``None`` keeps torch's default."""
+
+    _cache: dict[str, Any] = dataclasses.field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+
+    def __post_init__(self) -> None:
+        # Normalize containers so later code sees one shape (frozen: bypass setattr).
+        def put(name: str, value: Any) -> None:
+            object.__setattr__(self, name, value)
+
+        if isinstance(self.layers, nn.Module):
+            raise SpecError(
+                "layers",
+                "got an nn.Module; give one factory per layer, e.g. "
+                "[layer(nn.Linear, 4, 8), layer(nn.ReLU)], so each stage builds only its own",
+            )
+        if isinstance(self.layers, Sequence) and not isinstance(self.layers, str):
+            put("layers", tuple(self.layers))
+        if isinstance(self.balance, Sequence) and not isinstance(self.balance, str):
+            put("balance", tuple(self.balance))
+        if isinstance(self.hooks, Sequence) and not isinstance(self.hooks, str):
+            put("hooks", tuple({"type": h} if isinstance(h, str) else h for h in self.hooks))
+        if isinstance(self.metrics, Mapping):
+            put("metrics", dict(self.metrics))
+        if isinstance(self.schedule, str):
+            put("schedule", self.schedule.lower())
+        if isinstance(self.name, str) and isinstance(self.run_dir, str | Path):
+            put("run_dir", Path(str(self.run_dir).replace("{name}", self.name)))
+        if _is_int(self.grad_clip):
+            put("grad_clip", float(self.grad_clip))  # type: ignore[arg-type]
+        self.validate()
+
+    # ------------------------------------------------------------------ checks
+
+    def validate(self) -> None:
+        """Check every field; raise `SpecError` naming the first bad one.
+
+        Cheap: does not load data (`train_tensors` checks the data and
+        `total_steps` checks `batch_size` against the data set size).
+        """
+        if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
+            raise SpecError(
+                "name", f"expected letters, digits, '.', '_' or '-' (no spaces), got {self.name!r}"
+            )
+        self._validate_layers()
+        if not callable(self.loss_fn):
+            raise SpecError(
+                "loss_fn", f"expected a callable (output, target) -> loss, got {self.loss_fn!r}"
+            )
+        if not callable(self.optimizer) or isinstance(self.optimizer, torch.optim.Optimizer):
+            raise SpecError(
+                "optimizer",
+                "expected a factory params -> Optimizer, e.g. "
+                f"functools.partial(torch.optim.SGD, lr=0.1); got {self.optimizer!r}",
+            )
+        if self.lr_scheduler is not None and not callable(self.lr_scheduler):
+            raise SpecError(
+                "lr_scheduler",
+                f"expected a factory optimizer -> LRScheduler, got {self.lr_scheduler!r}",
+            )
+        if self.train_data is None:
+            raise SpecError("train_data", "is required")
+        _check_int("batch_size", self.batch_size, minimum=1)
+        _check_int("num_microbatches", self.num_microbatches, minimum=1)
+        if self.batch_size % self.num_microbatches:
+            raise SpecError(
+                "num_microbatches",
+                f"{self.num_microbatches} does not divide batch_size {self.batch_size}",
+            )
+        _check_int("max_steps", self.max_steps, minimum=1, optional=True)
+        _check_int("epochs", self.epochs, minimum=1, optional=True)
+        if self.max_steps is None and self.epochs is None:
+            raise SpecError("max_steps", "set max_steps or epochs (or both)")
+        _check_int("eval_batch_size", self.eval_batch_size, minimum=1, optional=True)
+        if self.effective_eval_batch_size % self.num_microbatches:
+            raise SpecError(
+                "eval_batch_size",
+                f"{self.effective_eval_batch_size} is not a multiple of "
+                f"num_microbatches {self.num_microbatches}",
+            )
+        _check_int("eval_every", self.eval_every, minimum=1, optional=True)
+        if self.eval_every is not None and self.eval_data is None:
+            raise SpecError("eval_every", "is set but eval_data is not")
+        self._validate_metrics()
+        if self.grad_clip is not None and (
+            not isinstance(self.grad_clip, float) or not self.grad_clip > 0
+        ):
+            raise SpecError("grad_clip", f"expected a number > 0 or None, got {self.grad_clip!r}")
+        _check_int("grad_accum", self.grad_accum, minimum=1)
+        _check_int("seed", self.seed, minimum=0)
+        if not isinstance(self.run_dir, Path) or str(self.run_dir) in ("", "."):
+            raise SpecError("run_dir", f"expected a directory path, got {self.run_dir!r}")
+        _check_int("stages", self.stages, minimum=1)
+        if self.stages > len(self.layers):
+            raise SpecError(
+                "stages", f"{self.stages} stages but only {len(self.layers)} layers to place"
+            )
+        self._validate_balance()
+        if self.schedule not in SCHEDULES:
+            raise SpecError(
+                "schedule",
+                f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}",
+            )
+        if self.device not in DEVICES:
+            hint = (
+                "; use 'cuda': each stage takes cuda:{local_rank}"
+                if isinstance(self.device, str) and self.device.startswith("cuda:")
+                else ""
+            )
+            raise SpecError(
+                "device", f"expected one of {', '.join(DEVICES)}, got {self.device!r}{hint}"
+            )
+        self._validate_hooks()
+        if self.microbatch_spans not in SPAN_MODES:
+            raise SpecError(
+                "microbatch_spans",
+                f"expected one of {', '.join(SPAN_MODES)}, got {self.microbatch_spans!r}",
+            )
+        _check_int("threads", self.threads, minimum=1, optional=True)
+
+    def _validate_layers(self) -> None:
+        if not isinstance(self.layers, tuple) or not self.layers:
+            raise SpecError("layers", "expected a non-empty list of layer factories")
+        for i, factory in enumerate(self.layers):
+            if isinstance(factory, nn.Module):
+                raise SpecError(
+                    "layers",
+                    f"layer {i} is an nn.Module instance; give a factory instead, e.g. "
+                    f"layer({type(factory).__name__}, ...), so only its stage builds it",
+                )
+            if not callable(factory):
+                raise SpecError("layers", f"layer {i} is not callable: {factory!r}")
+
+    def _validate_balance(self) -> None:
+        if self.balance is None:
+            return
+        if not isinstance(self.balance, tuple) or not all(_is_int(b) for b in self.balance):
+            raise SpecError("balance", f"expected a list of integers, got {self.balance!r}")
+        if len(self.balance) != self.stages:
+            raise SpecError(
+                "balance", f"has {len(self.balance)} entries but stages is {self.stages}"
+            )
+        if any(b < 1 for b in self.balance):
+            raise SpecError(
+                "balance", f"every stage needs at least one layer, got {list(self.balance)}"
+            )
+        if sum(self.balance) != len(self.layers):
+            raise SpecError(
+                "balance",
+                f"{list(self.balance)} places {sum(self.balance)} layers but there are "
+                f"{len(self.layers)}",
+            )
+
+    def _validate_metrics(self) -> None:
+        if not isinstance(self.metrics, dict):
+            raise SpecError(
+                "metrics", f"expected a dict name -> fn(output, target), got {self.metrics!r}"
+            )
+        for key, fn in self.metrics.items():
+            if not isinstance(key, str) or not key:
+                raise SpecError("metrics", f"metric names must be non-empty strings, got {key!r}")
+            if key == "loss":
+                raise SpecError("metrics", "'loss' is always reported; use another name")
+            if not callable(fn):
+                raise SpecError("metrics", f"metric {key!r} is not callable: {fn!r}")
+
+    def _validate_hooks(self) -> None:
+        if not isinstance(self.hooks, tuple):
+            raise SpecError("hooks", f"expected a list of hook specs, got {self.hooks!r}")
+        for i, hook in enumerate(self.hooks):
+            if not isinstance(hook, Mapping):
+                raise SpecError(
+                    "hooks", f"hook {i} must be a dict like dict(type='logging'), got {hook!r}"
+                )
+            kind = hook.get("type")
+            if not isinstance(kind, str) or not kind:
+                raise SpecError("hooks", f"hook {i} needs a string 'type', got {hook!r}")
+            if not all(isinstance(k, str) for k in hook):
+                raise SpecError("hooks", f"hook {i} has non-string keys: {hook!r}")
+
+    # ----------------------------------------------------------------- copies
+
+    def with_overrides(self, **fields: Any) -> Job:
+        """A validated copy with ``fields`` replaced (Job field names, typed values)."""
+        names = {f.name for f in dataclasses.fields(self) if f.init}
+        for key in fields:
+            if key not in names:
+                raise SpecError(key, "no such field")
+        return dataclasses.replace(self, **fields)
+
+    # ---------------------------------------------------------------- derived
+
+    @property
+    def num_layers(self) -> int:
+        """Number of pipeline layers."""
+        return len(self.layers)
+
+    @property
+    def microbatch_size(self) -> int:
+        """Samples per training microbatch (``batch_size // num_microbatches``)."""
+        return self.batch_size // self.num_microbatches
+
+    @property
+    def samples_per_step(self) -> int:
+        """Samples per optimizer step (``batch_size * grad_accum``)."""
+        return self.batch_size * self.grad_accum
+
+    @property
+    def effective_eval_batch_size(self) -> int:
+        """`eval_batch_size`, or `batch_size` when unset."""
+        return self.eval_batch_size if self.eval_batch_size is not None else self.batch_size
+
+    @property
+    def hook_specs(self) -> tuple[dict[str, Any], ...]:
+        """The hook specs as a tuple of plain dicts (always with a ``"type"``)."""
+        return tuple(dict(h) for h in self.hooks)  # type: ignore[arg-type]
+
+    def stage_device(self, local_rank: int = 0) -> torch.device:
+        """The device a stage with this ``local_rank`` uses (``cuda:{local_rank}`` for "cuda").
+
+        Raises `SpecError` (field ``device``) when CUDA is asked for but absent.
+        """
+        if self.device == "cuda":
+            if not torch.cuda.is_available():
+                raise SpecError("device", "'cuda' requested but CUDA is not available here")
+            count = torch.cuda.device_count()
+            if local_rank >= count:
+                raise SpecError(
+                    "device", f"local rank {local_rank} needs cuda:{local_rank}, only {count} GPUs"
+                )
+            return torch.device("cuda", local_rank)
+        return torch.device("cpu")
+
+    def train_tensors(self) -> TensorPair:
+        """The training set as stacked ``(inputs, targets)`` (loaded once, then cached)."""
+        if "train" not in self._cache:
+            self._cache["train"] = _to_tensor_pair("train_data", self.train_data)
+        return self._cache["train"]
+
+    def eval_tensors(self) -> TensorPair | None:
+        """The eval set as stacked ``(inputs, targets)``, or None without `eval_data`."""
+        if self.eval_data is None:
+            return None
+        if "eval" not in self._cache:
+            self._cache["eval"] = _to_tensor_pair("eval_data", self.eval_data)
+        return self._cache["eval"]
+
+    def train_stream(self) -> DataStream:
+        """The deterministic batch order for training (shuffled per epoch, last batch dropped).
+
+        Loads the training set to learn its size; raises `SpecError`
+        (``batch_size``) when a batch is larger than the data set.
+        """
+        n = self.train_tensors().num_samples
+        if self.batch_size > n:
+            raise SpecError(
+                "batch_size", f"{self.batch_size} is larger than the training set ({n} samples)"
+            )
+        return DataStream(n, self.batch_size, self.seed, grad_accum=self.grad_accum)
+
+    def total_steps(self) -> int:
+        """Optimizer steps the run takes: `max_steps`, capped by `epochs` when set.
+
+        Loads the training set when `epochs` is set. Raises `SpecError`
+        (``epochs``) when the epochs hold less than one whole step.
+        """
+        if self.epochs is None:
+            assert self.max_steps is not None  # validate() guarantees one of them
+            return self.max_steps
+        steps = self.train_stream().steps_for_epochs(self.epochs)
+        if steps < 1:
+            raise SpecError(
+                "epochs",
+                f"{self.epochs} epoch(s) hold less than one step of "
+                f"{self.samples_per_step} samples",
+            )
+        return steps if self.max_steps is None else min(steps, self.max_steps)
