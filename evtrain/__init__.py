@@ -1,0 +1,63 @@
+"""evtrain: async, event-driven pipeline-parallel training on PyTorch.
+
+Every pipeline stage is an actor that runs 1F1B/GPipe microbatch instructions and
+publishes lifecycle events on a ZeroMQ bus; hooks are subscriber processes.
+
+The public names below are imported lazily, so ``evtrain bus`` and ``--help``
+start without importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_EXPORTS: dict[str, str] = {
+    "Job": "evtrain.job",
+    "layer": "evtrain.job",
+    "accuracy": "evtrain.job",
+    "load_job": "evtrain.spec",
+    "apply_overrides": "evtrain.spec",
+    "UsageError": "evtrain.errors",
+    "SpecError": "evtrain.errors",
+    "Hook": "evtrain.hooks.hook",
+    "on": "evtrain.hooks.hook",
+    "HookRunner": "evtrain.hooks.runner",
+    "BusAddress": "evtrain.bus.address",
+    "Broker": "evtrain.bus.broker",
+    "Publisher": "evtrain.bus.publisher",
+    "Subscriber": "evtrain.bus.subscriber",
+    "RunState": "evtrain.run_state",
+}
+
+__all__ = [*sorted(_EXPORTS), "events"]
+
+if TYPE_CHECKING:
+    from evtrain import events
+    from evtrain.bus.address import BusAddress
+    from evtrain.bus.broker import Broker
+    from evtrain.bus.publisher import Publisher
+    from evtrain.bus.subscriber import Subscriber
+    from evtrain.errors import SpecError, UsageError
+    from evtrain.hooks.hook import Hook, on
+    from evtrain.hooks.runner import HookRunner
+    from evtrain.job import Job, accuracy, layer
+    from evtrain.run_state import RunState
+    from evtrain.spec import apply_overrides, load_job
+
+
+def __getattr__(name: str) -> Any:
+    if name == "events":
+        return importlib.import_module("evtrain.events")
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'evtrain' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
