@@ -32,7 +32,24 @@ _EXPORTS: dict[str, str] = {
     "RunState": "evtrain.run_state",
 }
 
-__all__ = [*sorted(_EXPORTS), "events"]
+__all__ = [
+    "Broker",
+    "BusAddress",
+    "Hook",
+    "HookRunner",
+    "Job",
+    "Publisher",
+    "RunState",
+    "SpecError",
+    "Subscriber",
+    "UsageError",
+    "accuracy",
+    "apply_overrides",
+    "events",
+    "layer",
+    "load_job",
+    "on",
+]
 
 if TYPE_CHECKING:
     from evtrain import events
