@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from evtrain.errors import UsageError
 from evtrain.logs import configure_logging
 
-COMMANDS: tuple[str, ...] = ("bus", "events", "hook")
+COMMANDS: tuple[str, ...] = ("bus", "ckpt", "events", "hook")
 """Modules of `evtrain.commands`, each with ``register(subparsers)``."""
 
 

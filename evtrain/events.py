@@ -291,12 +291,17 @@ class CommandAcked(Event, kw_only=True, tag="command.acked"):
 
 
 class CheckpointNow(Command, kw_only=True, tag="cmd.checkpoint"):
-    """Save a checkpoint; ``path`` is the checkpoint directory the stages write into."""
+    """Save a checkpoint; ``path`` is the checkpoint directory the stages write into.
+
+    With ``on_stop`` the stages do not save now: they keep the request armed and
+    save when the run ends (stop command, signal, last step).
+    """
 
     checkpoint_id: str
     path: str
     step: int | None = None
     reason: str = ""
+    on_stop: bool = False
 
 
 class EvaluateNow(Command, kw_only=True, tag="cmd.evaluate"):

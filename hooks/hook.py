@@ -144,12 +144,25 @@ class Hook:
         return await self.send_command(EvaluateNow(command_id=_new_id()), timeout=timeout)
 
     async def checkpoint(
-        self, checkpoint_id: str, path: str, *, reason: str = "", timeout: float = 60.0
+        self,
+        checkpoint_id: str,
+        path: str,
+        *,
+        reason: str = "",
+        on_stop: bool = False,
+        timeout: float = 60.0,
     ) -> list[CommandAcked]:
-        """Ask the stages to save a checkpoint into ``path`` at the next step boundary."""
+        """Ask the stages to save a checkpoint into ``path`` at the next step boundary.
+
+        ``on_stop`` arms it instead: the stages save when the run ends.
+        """
         return await self.send_command(
             CheckpointNow(
-                command_id=_new_id(), checkpoint_id=checkpoint_id, path=path, reason=reason
+                command_id=_new_id(),
+                checkpoint_id=checkpoint_id,
+                path=path,
+                reason=reason,
+                on_stop=on_stop,
             ),
             timeout=timeout,
         )

@@ -11,7 +11,9 @@ from typing import Any
 from evtrain.errors import UsageError
 from evtrain.hooks.hook import Hook
 
-BUILTIN_HOOKS: dict[str, str] = {}
+BUILTIN_HOOKS: dict[str, str] = {
+    "checkpoint": "evtrain.hooks.checkpoint:CheckpointHook",
+}
 """Short names of the built-in hooks and exporters -> ``module:Class``."""
 
 

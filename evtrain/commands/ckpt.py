@@ -1,0 +1,174 @@
+"""``evtrain ckpt``: list, verify and export checkpoints.
+
+* ``evtrain ckpt list RUN_DIR`` — one line per checkpoint: step, time, size,
+  metric, committed or not (``*`` marks the one a resume would use).
+* ``evtrain ckpt verify CKPT`` — check every file against its recorded sha256.
+* ``evtrain ckpt export CKPT -o FILE`` — one safetensors file of the whole
+  model, keys as in the unsplit ``nn.Sequential`` (``"3.weight"``), loadable
+  with ``build_full_model(job).load_state_dict(safetensors.torch.load_file(FILE))``.
+
+``CKPT`` is a checkpoint directory or a run directory (its latest committed
+checkpoint). Torch is imported only by ``export``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+from evtrain.checkpoints import (
+    latest_committed,
+    list_checkpoints,
+    read_manifest,
+    resolve_resume,
+    validate_checkpoint,
+)
+from evtrain.errors import UsageError
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add the ``ckpt`` subcommand and its actions."""
+    parser = sub.add_parser(
+        "ckpt",
+        help="list, verify and export checkpoints",
+        description="Inspect a run's checkpoints and export one for inference.",
+    )
+    actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+
+    listing = actions.add_parser(
+        "list",
+        help="list a run's checkpoints",
+        description="List the checkpoints of a run: step, time, size, metric, committed or not.",
+    )
+    listing.add_argument("run_dir", metavar="RUN_DIR", help="the run directory")
+    listing.add_argument("--json", action="store_true", help="one JSON object per line")
+    listing.set_defaults(func=run_list)
+
+    verify = actions.add_parser(
+        "verify",
+        help="check a checkpoint's files against their hashes",
+        description="Check a committed checkpoint: manifest, shard records, sizes and sha256.",
+    )
+    verify.add_argument("ckpt", metavar="CKPT", help="checkpoint directory or run directory")
+    verify.set_defaults(func=run_verify)
+
+    export = actions.add_parser(
+        "export",
+        help="write the full model as one safetensors file",
+        description=(
+            "Consolidate the model tensors of a committed checkpoint (any number of "
+            "stages) into one safetensors file with the unsplit model's keys."
+        ),
+    )
+    export.add_argument("ckpt", metavar="CKPT", help="checkpoint directory or run directory")
+    export.add_argument("-o", "--output", required=True, metavar="FILE", help="output file")
+    export.set_defaults(func=run_export)
+
+
+def _size(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"
+
+
+def run_list(args: argparse.Namespace) -> int:
+    """Print the table (or JSON lines)."""
+    infos = list_checkpoints(args.run_dir)
+    latest = latest_committed(args.run_dir)
+    if args.json:
+        for info in infos:
+            print(
+                json.dumps(
+                    {
+                        "step": info.step,
+                        "path": str(info.path),
+                        "committed": info.committed,
+                        "latest": latest is not None and info.path == latest.path,
+                        "time": info.time,
+                        "size_bytes": info.size_bytes,
+                        "metric_name": info.metric_name,
+                        "metric": info.metric,
+                        "checkpoint_id": info.checkpoint_id,
+                        "reason": info.reason,
+                        "shards": info.shards_done,
+                        "num_stages": info.num_stages,
+                    }
+                )
+            )
+        return 0
+    if not infos:
+        print(f"no checkpoints in {args.run_dir}")
+        return 0
+    header = ("", "STEP", "TIME", "SIZE", "METRIC", "COMMITTED", "SHARDS", "REASON")
+    rows = [header]
+    for info in infos:
+        metric = (
+            f"{info.metric_name}={info.metric:.6g}"
+            if info.metric is not None and info.metric_name
+            else "-"
+        )
+        shards = f"{info.shards_done}/{info.num_stages}" if info.num_stages else "0/?"
+        rows.append(
+            (
+                "*" if latest is not None and info.path == latest.path else "",
+                str(info.step),
+                time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info.time)),
+                _size(info.size_bytes),
+                metric,
+                "yes" if info.committed else "no",
+                shards,
+                info.reason or "-",
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    return 0
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    """Verify every file; a problem is a `CheckpointCorrupt` (exit 2) naming the file."""
+    path = resolve_resume(args.ckpt)
+    manifest = validate_checkpoint(path, hashes=True)
+    print(f"ok: {path} (step {manifest.step}, {manifest.num_stages} stages)")
+    return 0
+
+
+def run_export(args: argparse.Namespace) -> int:
+    """Write the consolidated safetensors file atomically."""
+    path = resolve_resume(args.ckpt)
+    manifest = read_manifest(path)
+    out = Path(args.output).expanduser()
+    if not out.parent.is_dir():
+        raise UsageError(f"output directory {out.parent} does not exist")
+    # torch only now: mistakes above are reported without the import cost.
+    from safetensors.torch import save_file
+
+    from evtrain.stages.checkpoint import read_model_tensors
+
+    tensors = read_model_tensors(path)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        save_file(
+            {k: t.contiguous() for k, t in tensors.items()},
+            str(tmp),
+            metadata={
+                "format": "pt",
+                "evtrain_checkpoint": str(path),
+                "checkpoint_id": manifest.checkpoint_id,
+                "step": str(manifest.step),
+            },
+        )
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    print(f"wrote {out}: {len(tensors)} tensors, {_size(nbytes)} (step {manifest.step} of {path})")
+    return 0
