@@ -9,6 +9,10 @@ published as a `BusDrops` event once the queue has room again.
 Its only peer is the broker, so NODROP cannot let one slow hook stall anyone: the
 broker's own XPUB towards the hooks keeps the default (drop) behaviour.
 
+The XPUB also receives whatever the broker passes upstream (subscriptions, and
+anything a rogue client sends to the broker's output): libzmq queues those
+without bound, so `publish` reads them away every few hundred calls.
+
 Not thread-safe: use one Publisher per thread.
 """
 
@@ -19,13 +23,17 @@ import time
 import structlog
 import zmq
 
+from evtrain.bus.security import CurveConfig
 from evtrain.errors import UsageError
 from evtrain.events import BusDrops, Message, encode
 
 log = structlog.get_logger("evtrain.bus.publisher")
 
 DEFAULT_HWM = 10_000
-_NOBLOCK_MORE = zmq.NOBLOCK | zmq.SNDMORE
+# Plain ints: pyzmq converts its enum flags on every call, which doubles a send's cost.
+_NOBLOCK = int(zmq.NOBLOCK)
+_NOBLOCK_MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
+_UPSTREAM_READ_EVERY = 256  # publishes between two reads of the upstream queue
 
 
 class Publisher:
@@ -33,7 +41,8 @@ class Publisher:
 
     ``endpoint`` is the broker's ``events_in`` or ``commands_in``. The constructor
     waits up to ``connect_timeout`` seconds until the broker's subscription arrives,
-    so nothing published afterwards is lost to a link still being set up.
+    so nothing published afterwards is lost to a link still being set up. ``curve``
+    is needed when the broker uses CURVE (see `evtrain.bus.security`).
     """
 
     def __init__(
@@ -46,12 +55,15 @@ class Publisher:
         connect_timeout: float = 10.0,
         drop_report_interval: float = 1.0,
         context: zmq.Context | None = None,
+        curve: CurveConfig | None = None,
     ) -> None:
         self.source = source
         self.run_id = run_id
         self.sent = 0
         self.dropped = 0
-        self._seq = 0
+        # One sequence per topic: a subscriber filtering by topic prefix still sees
+        # every number of the topics it gets, so only real losses look like gaps.
+        self._seqs: dict[bytes, int] = {}
         self._reported_drops = 0
         self._last_report = 0.0
         self._report_interval = drop_report_interval
@@ -60,6 +72,8 @@ class Publisher:
         self._sock.setsockopt(zmq.XPUB_NODROP, 1)
         self._sock.setsockopt(zmq.SNDHWM, hwm)
         self._sock.setsockopt(zmq.LINGER, 2000)
+        if curve is not None:
+            curve.apply(self._sock)
         try:
             self._sock.connect(endpoint)
         except zmq.ZMQError as exc:
@@ -67,37 +81,52 @@ class Publisher:
             raise UsageError(f"cannot connect to the bus at {endpoint}: {exc}") from None
         if not self._sock.poll(int(connect_timeout * 1000), zmq.POLLIN):
             self._sock.close(linger=0)
-            raise UsageError(
-                f"no evtrain broker answered at {endpoint} within {connect_timeout:g} s "
-                "(is `evtrain bus` running at that address?)"
+            hint = (
+                "check that the bus's curve directory holds an authorized key for us"
+                if curve is not None
+                else "is `evtrain bus` running there? a CURVE bus also needs --curve-dir"
             )
-        self._drain_subscriptions()
+            raise UsageError(
+                f"no evtrain broker answered at {endpoint} within {connect_timeout:g} s ({hint})"
+            )
+        self._send = self._sock.send
+        self._drain_upstream()
 
-    def _drain_subscriptions(self) -> None:
-        # Subscription frames queue up here; reading them keeps that queue short.
+    def _drain_upstream(self) -> None:
+        # Subscriptions (and any stray upstream frames) queue up without bound: read them.
+        recv = self._sock.recv
         try:
             while True:
-                self._sock.recv(zmq.NOBLOCK)
+                recv(_NOBLOCK)
         except zmq.Again:
             pass
 
     def publish(self, msg: Message) -> bool:
-        """Stamp and send ``msg``; returns False (and counts a drop) if the queue is full."""
-        seq = self._seq
-        self._seq = seq + 1
+        """Stamp and send ``msg``; returns False (and counts a drop) if the queue is full.
+
+        Never blocks: a full queue drops ``msg``; the drop still uses a sequence
+        number (subscribers see the gap) and is reported as a `BusDrops` event.
+        """
+        topic = msg.topic
+        seqs = self._seqs
+        seq = seqs.get(topic, 0)
+        seqs[topic] = seq + 1
         msg.seq = seq
         msg.source = self.source
         msg.run_id = self.run_id
         msg.ts = time.time()
         try:
-            self._sock.send(msg.topic, _NOBLOCK_MORE)
-            self._sock.send(encode(msg), zmq.NOBLOCK)
+            # The XPUB admits a whole message or nothing: HWM is checked per message.
+            self._send(topic, _NOBLOCK_MORE)
+            self._send(encode(msg), _NOBLOCK)
         except zmq.Again:
             self.dropped += 1
             return False
         self.sent += 1
         if self.dropped != self._reported_drops:
             self._report_drops()
+        if not self.sent % _UPSTREAM_READ_EVERY:
+            self._drain_upstream()
         return True
 
     def _report_drops(self, force: bool = False) -> None:
@@ -117,6 +146,11 @@ class Publisher:
         if self.dropped != self._reported_drops:
             self._report_drops(force=True)
         self._sock.close(linger=int(linger * 1000))
+
+    @property
+    def closed(self) -> bool:
+        """Whether `close` was called."""
+        return bool(self._sock.closed)
 
     def __enter__(self) -> Publisher:
         return self

@@ -8,8 +8,9 @@ payload]``: the topic is the type's tag (``step.ended``, ``checkpoint.committed`
 (``step.`` gets every step event), and the payload is msgpack.
 
 Every message carries the envelope fields: schema version ``v``, ``run_id``,
-``source`` (``stage/2``, ``hook/checkpoint``...), a per-source sequence number
-``seq`` (subscribers detect lost messages from gaps) and a wall-clock ``ts``.
+``source`` (``stage/2``, ``hook/checkpoint``...), a sequence number ``seq``
+counted per source and topic (subscribers detect lost messages from gaps, also
+when they filter by topic) and a wall-clock ``ts``.
 The publisher stamps them; constructors only fill in the payload fields.
 
 `decode` is the only way bytes become messages, and it raises `DecodeError` and

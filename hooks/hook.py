@@ -31,7 +31,7 @@ from evtrain.events import (
 
 if TYPE_CHECKING:
     from evtrain.hooks.runner import HookRunner
-    from evtrain.hooks.state import RunState
+    from evtrain.run_state import RunState
 
 E = TypeVar("E", bound=Message)
 Handler = Callable[[Any, Any], Awaitable[None] | None]

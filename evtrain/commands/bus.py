@@ -5,8 +5,15 @@ from __future__ import annotations
 import argparse
 import signal
 
+import structlog
+
 from evtrain.bus.address import BusAddress
-from evtrain.bus.broker import Broker
+from evtrain.bus.broker import DEFAULT_HWM, Broker
+from evtrain.bus.security import ensure_curve_dir, load_server
+from evtrain.commands.common import add_curve_argument
+from evtrain.errors import UsageError
+
+log = structlog.get_logger("evtrain.commands.bus")
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -17,7 +24,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         description=(
             "Run the evtrain broker: an event proxy (stages -> hooks), a command proxy "
             "(hooks -> stages) and the state service for late joiners. Prints its "
-            "address on the first line of stdout and runs until SIGINT/SIGTERM."
+            "address on the first line of stdout and runs until SIGINT/SIGTERM. "
+            "A private ipc directory it creates is removed when it exits."
         ),
     )
     where = parser.add_mutually_exclusive_group()
@@ -32,11 +40,26 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         metavar="HOST",
         help="bind tcp on HOST at free ports (use --bus tcp://HOST:PORT for fixed ones)",
     )
+    add_curve_argument(parser, server=True)
+    parser.add_argument(
+        "--hwm",
+        type=int,
+        default=DEFAULT_HWM,
+        metavar="N",
+        help=f"messages queued per peer before the broker drops (default: {DEFAULT_HWM})",
+    )
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """Bind, print the address, proxy until a signal arrives."""
+    if args.hwm < 1:
+        raise UsageError(f"--hwm must be at least 1, got {args.hwm}")
+    curve = None
+    if args.curve_dir:
+        curve = load_server(ensure_curve_dir(args.curve_dir))
+        log.info("curve keys", directory=args.curve_dir)
+    fresh = not args.bus
     if args.bus:
         address = BusAddress.parse(args.bus)
     elif args.tcp:
@@ -47,10 +70,12 @@ def run(args: argparse.Namespace) -> int:
     # inherit the mask of the thread that starts them: block before starting.
     signals = {signal.SIGINT, signal.SIGTERM}
     signal.pthread_sigmask(signal.SIG_BLOCK, signals)
-    broker = Broker(address)
+    # A directory we just made is ours to remove; one the user named is removed
+    # only if the broker had to create it.
+    broker = Broker(address, hwm=args.hwm, curve=curve, remove_dir=True if fresh else None)
     broker.start()
-    print(address, flush=True)
     try:
+        print(address, flush=True)
         signal.sigwait(signals)
     finally:
         broker.stop()

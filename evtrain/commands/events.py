@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
-import anyio
-
+from evtrain.bus.address import BusAddress
+from evtrain.bus.security import CurveConfig
 from evtrain.bus.subscriber import Subscriber
-from evtrain.commands.common import add_bus_argument, bus_address
+from evtrain.commands.common import add_bus_argument, add_curve_argument, connect_bus, run_async
+from evtrain.errors import UsageError
 from evtrain.events import Message, to_builtins
 
 _ENVELOPE = ("v", "run_id", "source", "seq", "ts", "type")
@@ -24,6 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         description="Subscribe to a bus and print its events, one per line.",
     )
     add_bus_argument(parser)
+    add_curve_argument(parser)
     parser.add_argument(
         "--topic",
         action="append",
@@ -60,12 +63,22 @@ def _short(value: object) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Print events until --count, --timeout or Ctrl-C."""
-    address = bus_address(args)
-    return anyio.run(_tail, address, args)
+    if args.count is not None and args.count < 1:
+        raise UsageError(f"--count must be at least 1, got {args.count}")
+    if args.timeout is not None and args.timeout <= 0:
+        raise UsageError(f"--timeout must be positive, got {args.timeout:g}")
+    address, curve = connect_bus(args)
+    try:
+        return run_async(_tail, address, curve, args)
+    except BrokenPipeError:
+        # The reader went away (``| head``): stop quietly, like other Unix tools.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
 
 
-async def _tail(address: object, args: argparse.Namespace) -> int:
-    subscriber = Subscriber(address.endpoint("events_out"), args.topic or [""])  # type: ignore[attr-defined]
+async def _tail(address: BusAddress, curve: CurveConfig | None, args: argparse.Namespace) -> int:
+    subscriber = Subscriber(address.endpoint("events_out"), args.topic or [""], curve=curve)
     seen = 0
     try:
         while args.count is None or seen < args.count:

@@ -7,7 +7,8 @@ import signal
 
 import anyio
 
-from evtrain.commands.common import add_bus_argument, bus_address
+from evtrain.commands.common import add_bus_argument, add_curve_argument, connect_bus, run_async
+from evtrain.errors import UsageError
 from evtrain.hooks.loader import BUILTIN_HOOKS, build_hook, parse_options
 from evtrain.hooks.runner import HookRunner
 
@@ -25,6 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     )
     parser.add_argument("ref", metavar="HOOK", help="built-in name or package.module:Class")
     add_bus_argument(parser)
+    add_curve_argument(parser)
     parser.add_argument(
         "--option",
         "-o",
@@ -39,10 +41,14 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 def run(args: argparse.Namespace) -> int:
     """Build the hook, attach it, run until interrupted (or the run ends)."""
-    address = bus_address(args)
+    # Build first: a bad hook reference or option is reported without touching the bus.
     hook = build_hook(args.ref, parse_options(args.option))
-    runner = HookRunner([hook], address, exit_on_run_end=args.exit_on_run_end)
-    anyio.run(_serve, runner)
+    address, curve = connect_bus(args)
+    runner = HookRunner([hook], address, exit_on_run_end=args.exit_on_run_end, curve=curve)
+    try:
+        run_async(_serve, runner)
+    except TimeoutError as exc:  # the broker answered but our events never came back
+        raise UsageError(str(exc)) from None
     return 0
 
 

@@ -1,0 +1,593 @@
+"""The bus with real processes and a real broker: order, loss accounting, hostile frames,
+CURVE, and the broker's own lifecycle."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import anyio
+import pytest
+import zmq
+import zmq.auth
+from bus_procs import SCRIPT, Buses, Lines, env_with_tests, step_event
+
+from evtrain.bus.address import BusAddress
+from evtrain.bus.broker import Broker
+from evtrain.bus.commands import CommandReceiver
+from evtrain.bus.publisher import Publisher
+from evtrain.bus.security import (
+    CurveConfig,
+    ensure_curve_dir,
+    load_client,
+    load_server,
+)
+from evtrain.bus.state_service import fetch_snapshot, ping_broker
+from evtrain.bus.subscriber import Subscriber
+from evtrain.errors import UsageError
+from evtrain.events import (
+    BusDrops,
+    CheckpointCommitted,
+    CheckpointRequested,
+    EvaluateNow,
+    Heartbeat,
+    Message,
+    RunEnded,
+    RunStarted,
+    StepEnded,
+    StepStarted,
+    encode,
+)
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def buses(procs: object) -> Iterator[Buses]:
+    """Start ``evtrain bus`` processes; each is stopped (and its directory gone) after."""
+    group = Buses(procs)
+    try:
+        yield group
+    finally:
+        group.stop_all()
+
+
+def start_bus(buses: Buses, *args: str) -> tuple[subprocess.Popen[str], BusAddress]:
+    """``evtrain bus`` in its own process; its first stdout line is the address."""
+    proc, address = buses.start(*args)
+    return proc, BusAddress.parse(address)
+
+
+async def collect(
+    sub: Subscriber, until: object, timeout: float = 20.0, per_message: float = 0.0
+) -> list[Message]:
+    """Receive until ``until(msg)`` is true for a message (returned list includes it)."""
+    out: list[Message] = []
+    with anyio.fail_after(timeout):
+        while True:
+            for msg in await sub.receive(timeout=0.5):
+                if per_message:
+                    time.sleep(per_message)  # a slow consumer: blocks like real work
+                out.append(msg)
+                if until(msg):  # type: ignore[operator]
+                    return out
+
+
+async def connect(
+    sub: Subscriber, address: BusAddress, *, curve: CurveConfig | None = None
+) -> None:
+    """Publish probes until ``sub`` receives one: its subscription is then live."""
+    sub.subscribe("heartbeat")
+    with Publisher(address.endpoint("events_in"), source="test/probe", curve=curve) as probe:
+        with anyio.fail_after(10):
+            while True:
+                probe.publish(Heartbeat(state="probe"))
+                batch = await sub.receive(timeout=0.05)
+                if any(m.source == "test/probe" for m in batch):
+                    return
+
+
+def broker_threads() -> set[str]:
+    return {t.name for t in threading.enumerate() if t.name.startswith("evtrain-")}
+
+
+# --- ordering and loss ----------------------------------------------------------------
+
+
+async def test_two_publisher_processes_and_a_hook_process_lose_nothing(
+    buses: Buses, procs: object, tmp_path: Path
+) -> None:
+    count = 3000
+    _, address = start_bus(buses)
+    out = tmp_path / "seen.json"
+    watch = Subscriber(address.endpoint("events_out"), ["hook.started"])
+    await connect(watch, address)
+    hook = procs.evtrain(  # type: ignore[attr-defined]
+        "--log-level",
+        "warning",
+        "hook",
+        "bus_procs:Recorder",
+        "--bus",
+        str(address),
+        "-o",
+        f"path={out}",
+        "-o",
+        f"expect={2 * count}",
+        env=env_with_tests(),
+    )
+    await collect(watch, lambda m: m.source == "hook/recorder")  # subscribed and live
+    publishers = [
+        procs.python(  # type: ignore[attr-defined]
+            SCRIPT,
+            "publish",
+            "--bus",
+            str(address),
+            "--source",
+            f"stage/{i}",
+            "--stage",
+            str(i),
+            "--count",
+            str(count),
+        )
+        for i in range(2)
+    ]
+    for pub in publishers:
+        stats = Lines(pub).json()
+        assert stats["dropped"] == 0
+        assert pub.wait(timeout=20) == 0
+    assert hook.wait(timeout=20) == 0, hook.stderr.read()
+    seen = [tuple(row) for row in json.loads(out.read_text())]
+    for i in range(2):
+        mine = [(seq, step) for source, seq, step in seen if source == f"stage/{i}"]
+        assert [step for _, step in mine] == list(range(count))  # all, in order
+        assert [seq for seq, _ in mine] == list(range(count))  # no gap, no duplicate
+    watch.close()
+
+
+async def test_slow_subscriber_sees_gaps_and_never_blocks_the_publisher(
+    buses: Buses,
+    procs: object,
+) -> None:
+    count = 20_000
+    _, address = start_bus(buses, "--hwm", "200")
+    sub = Subscriber(address.endpoint("events_out"), [""], hwm=100)
+    await connect(sub, address)
+    pub = procs.python(  # type: ignore[attr-defined]
+        SCRIPT,
+        "publish",
+        "--bus",
+        str(address),
+        "--source",
+        "stage/0",
+        "--count",
+        str(count),
+        "--marker",
+        stdin=subprocess.PIPE,
+    )
+    lines = Lines(pub)
+    received: list[Message] = []
+    # Consume slowly (0.2 ms per message) while the burst runs and until it is gone.
+    with anyio.fail_after(30):
+        stats = None
+        while True:
+            batch = await sub.receive(timeout=0.5)
+            for msg in batch:
+                time.sleep(0.0002)
+                received.append(msg)
+            if stats is None:
+                try:
+                    stats = lines.json(timeout=0.001)
+                except AssertionError:
+                    pass
+            elif not batch:
+                break  # burst over and drained
+    assert stats is not None
+    # The publishing loop was never blocked by the slow consumer. (The bound on the
+    # slowest call is loose: on a loaded 2-core machine the OS may pause any process.)
+    assert stats["p99_call_s"] < 0.005, stats
+    assert stats["max_call_s"] < 0.5, stats
+    assert stats["seconds"] < 5.0, stats
+    assert pub.stdin is not None
+    pub.stdin.write("go\n")
+    pub.stdin.flush()
+    marker = lines.json()
+    assert marker["sent"]
+    received += await collect(
+        sub, lambda m: isinstance(m, StepEnded) and m.source == "stage/0" and m.step == count
+    )
+    mine = [m for m in received if m.source == "stage/0" and isinstance(m, StepEnded)]
+    missing = sub.gaps.missing.get("stage/0", 0)
+    assert missing > 0  # the slow subscriber lost events, and knows how many
+    # Every sequence number up to the marker was either received or counted missing.
+    assert len(mine) + missing == marker["marker_seq"] + 1
+    assert [m.seq for m in mine] == sorted(m.seq for m in mine)
+    assert sub.malformed == 0
+    sub.close()
+
+
+async def test_publisher_queue_overflow_is_counted_reported_and_seen_as_gap(
+    buses: Buses,
+    procs: object,
+) -> None:
+    broker, address = start_bus(buses)
+    sub = Subscriber(address.endpoint("events_out"), [""])
+    await connect(sub, address)
+    pub = procs.python(  # type: ignore[attr-defined]
+        SCRIPT,
+        "publish",
+        "--bus",
+        str(address),
+        "--source",
+        "stage/7",
+        "--count",
+        "30000",
+        "--hwm",
+        "500",
+        "--marker",
+        "--wait-start",
+        stdin=subprocess.PIPE,
+    )
+    lines = Lines(pub)
+    assert lines.json()["connected"]
+    assert pub.stdin is not None
+    os.kill(broker.pid, signal.SIGSTOP)  # the broker stops draining the publisher
+    try:
+        pub.stdin.write("go\n")
+        pub.stdin.flush()
+        stats = lines.json()
+    finally:
+        os.kill(broker.pid, signal.SIGCONT)
+    # The whole burst finished while the broker was frozen: a full queue drops, it
+    # does not block.
+    assert stats["dropped"] > 0, stats
+    assert stats["p99_call_s"] < 0.005, stats
+    assert stats["max_call_s"] < 0.5, stats
+    await anyio.sleep(0.5)  # the broker forwards what the publisher's queue held
+    pub.stdin.write("go\n")
+    pub.stdin.flush()
+    marker = lines.json()
+    received = await collect(sub, lambda m: isinstance(m, BusDrops) and m.source == "stage/7")
+    drops = received[-1]
+    assert isinstance(drops, BusDrops)
+    assert drops.total_dropped == drops.dropped == stats["dropped"] == marker["dropped"]
+    mine = [m for m in received if m.source == "stage/7" and isinstance(m, StepEnded)]
+    # Downstream of the publisher nothing was lost: the subscriber's gap is the drop.
+    assert sub.gaps.missing.get("stage/7", 0) == stats["dropped"]
+    assert len(mine) + stats["dropped"] == marker["marker_seq"] + 1 == 30000 + 1
+    sub.close()
+
+
+async def test_topic_filtered_subscriber_sees_no_false_gaps(ipc_bus: BusAddress) -> None:
+    # Sequence numbers count per (source, topic): events filtered out by the
+    # subscriber's prefix must not look like losses.
+    with Broker(ipc_bus):
+        sub = Subscriber(ipc_bus.endpoint("events_out"), ["step.ended"])
+        await connect(sub, ipc_bus)
+        with Publisher(ipc_bus.endpoint("events_in"), source="stage/0") as pub:
+            for step in range(200):
+                pub.publish(StepStarted(step=step, stage=0))
+                pub.publish(Heartbeat(step=step))
+                pub.publish(StepEnded(step=step, stage=0))
+        got = await collect(sub, lambda m: isinstance(m, StepEnded) and m.step == 199)
+        steps = [m.step for m in got if isinstance(m, StepEnded)]
+        assert steps == list(range(200))
+        assert sub.gaps.total_missing == 0
+        assert sub.gaps.missing == {}
+        sub.close()
+
+
+async def test_prefix_filters_through_the_broker(ipc_bus: BusAddress) -> None:
+    with Broker(ipc_bus):
+        subs = {
+            prefix: Subscriber(ipc_bus.endpoint("events_out"), [prefix])
+            for prefix in ("step.", "checkpoint.", "step.ended", "")
+        }
+        for sub in subs.values():
+            sub.subscribe("heartbeat")
+            await connect(sub, ipc_bus)
+        sent: list[Message] = [
+            StepStarted(step=1, stage=0),
+            StepEnded(step=1, stage=0),
+            CheckpointRequested(checkpoint_id="c", step=1, path="/x"),
+            CheckpointCommitted(checkpoint_id="c", step=1, path="/x"),
+            RunEnded(status="completed"),
+        ]
+        with Publisher(ipc_bus.endpoint("events_in"), source="stage/0") as pub:
+            for msg in sent:
+                pub.publish(msg)
+            pub.publish(Heartbeat(state="end"))
+        got = {
+            prefix: [
+                m.topic.decode()
+                for m in await collect(sub, lambda m: getattr(m, "state", "") == "end")
+                if m.source == "stage/0" and not isinstance(m, Heartbeat)
+            ]
+            for prefix, sub in subs.items()
+        }
+        assert got["step."] == ["step.started", "step.ended"]
+        assert got["step.ended"] == ["step.ended"]
+        assert got["checkpoint."] == ["checkpoint.requested", "checkpoint.committed"]
+        assert got[""] == [m.topic.decode() for m in sent]
+        for sub in subs.values():
+            sub.close()
+
+
+# --- hostile frames -------------------------------------------------------------------
+
+
+def garbage(rng: random.Random, count: int) -> Iterable[list[bytes]]:
+    """Messages that are not ``[topic, valid payload]``, in every shape."""
+    valid = encode(step_event(3))
+    for i in range(count):
+        kind = i % 9
+        if kind == 0:
+            yield [rng.randbytes(rng.randrange(0, 300))]
+        elif kind == 1:
+            yield [b"step.ended", rng.randbytes(rng.randrange(0, 300))]
+        elif kind == 2:
+            yield [b"step.ended", valid[: rng.randrange(len(valid))]]  # truncated
+        elif kind == 3:
+            yield [b"step.started", valid]  # topic does not match the payload
+        elif kind == 4:
+            yield [b"step.ended"]  # a topic alone
+        elif kind == 5:
+            yield [b"step.ended", b"step.ended"]
+        elif kind == 6:
+            yield [b"step.ended", valid[:-1], b"extra"]
+        elif kind == 7:
+            yield [b"", b""]
+        else:
+            yield [rng.randbytes(8), valid]
+
+
+def send_raw(sock: zmq.Socket, messages: Iterable[list[bytes]]) -> int:
+    sent = 0
+    for frames in messages:
+        sock.send_multipart(frames)
+        sent += 1
+    return sent
+
+
+async def test_garbage_crashes_neither_broker_nor_subscriber(buses: Buses, procs: object) -> None:
+    broker, address = start_bus(buses)
+    sub = Subscriber(address.endpoint("events_out"), [""])
+    await connect(sub, address)
+    rng = random.Random(11)
+    ctx = zmq.Context()
+    try:
+        # Publishers of garbage on the broker's input: a PUB and an XPUB.
+        for kind in (zmq.PUB, zmq.XPUB):
+            raw = ctx.socket(kind)
+            raw.setsockopt(zmq.LINGER, 1000)
+            raw.setsockopt(zmq.SNDHWM, 100_000)
+            raw.connect(address.endpoint("events_in"))
+            await anyio.sleep(0.3)  # the broker's subscription arrives
+            send_raw(raw, garbage(rng, 1500))
+            raw.close()
+        # Upstream garbage at the broker's output, and at the state endpoint.
+        upstream = ctx.socket(zmq.XSUB)
+        upstream.connect(address.endpoint("events_out"))
+        send_raw(upstream, ([rng.randbytes(rng.randrange(1, 50))] for _ in range(1000)))
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.connect(address.endpoint("state"))
+        send_raw(dealer, garbage(rng, 500))
+        commands = ctx.socket(zmq.PUB)
+        commands.connect(address.endpoint("commands_in"))
+        await anyio.sleep(0.3)
+        send_raw(commands, garbage(rng, 500))
+        # Bytes that are not even ZMTP, straight into every socket file.
+        for role in ("events_in", "events_out", "commands_in", "commands_out", "state"):
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.connect(address.endpoint(role)[len("ipc://") :])
+                s.sendall(rng.randbytes(4096))
+        for sock in (upstream, dealer, commands):
+            sock.close(linger=0)
+        # Valid events afterwards still arrive, all of them, in order.
+        with Publisher(address.endpoint("events_in"), source="stage/1") as pub:
+            for i in range(200):
+                pub.publish(step_event(i, 1))
+            pub.publish(
+                RunStarted(
+                    name="after",
+                    num_stages=1,
+                    num_microbatches=1,
+                    schedule="1f1b",
+                    max_steps=1,
+                    batch_size=1,
+                )
+            )
+        got = await collect(sub, lambda m: isinstance(m, RunStarted))
+        steps = [m.step for m in got if isinstance(m, StepEnded) and m.source == "stage/1"]
+        assert steps == list(range(200))
+        assert sub.malformed > 1500  # counted, not delivered
+        assert broker.poll() is None  # the broker is alive...
+        snapshot = fetch_snapshot(address, timeout=5)  # ...and its state service answers
+        assert any(isinstance(m, RunStarted) and m.name == "after" for m in snapshot)
+    finally:
+        ctx.destroy(linger=0)
+        sub.close()
+
+
+async def test_raw_frames_straight_to_a_subscriber() -> None:
+    directory = Path(tempfile.mkdtemp(prefix="evt-", dir="/tmp"))
+    endpoint = f"ipc://{directory}/raw"
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.PUB)
+    raw.setsockopt(zmq.SNDHWM, 0)
+    raw.bind(endpoint)
+    sub = Subscriber(endpoint, [""], hwm=0)
+    try:
+        await anyio.sleep(0.3)  # our subscription reaches the PUB
+        rng = random.Random(5)
+        honest = 0
+        malformed = 0
+        for i, frames in enumerate(garbage(rng, 3000)):
+            raw.send_multipart(frames)
+            malformed += 1
+            if i % 30 == 0:  # honest messages between the garbage: none may be lost
+                ev = step_event(honest)
+                ev.source, ev.seq = "stage/0", honest
+                raw.send_multipart([ev.topic, encode(ev)])
+                honest += 1
+        got: list[Message] = []
+        with anyio.fail_after(20):
+            while len(got) < honest:
+                got += await sub.receive(timeout=1)
+        assert [m.seq for m in got] == list(range(honest))
+        assert sub.gaps.total_missing == 0
+        # Most garbage is counted one by one; a topic-only message may merge with
+        # the garbage after it into one malformed count, never with a good message.
+        assert malformed * 0.75 <= sub.malformed <= malformed
+        assert await sub.receive(timeout=0.2) == []
+    finally:
+        sub.close()
+        ctx.destroy(linger=0)
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+# --- commands ---------------------------------------------------------------------------
+
+
+async def test_command_receiver_applies_once_and_acknowledges_repeats(
+    ipc_bus: BusAddress,
+) -> None:
+    with Broker(ipc_bus):
+        stage_pub = Publisher(ipc_bus.endpoint("events_in"), source="stage/0")
+        receiver = CommandReceiver(ipc_bus.endpoint("commands_out"), publisher=stage_pub)
+        acks = Subscriber(ipc_bus.endpoint("events_out"), ["command.acked"])
+        await connect(acks, ipc_bus)
+        issuer = Publisher(ipc_bus.endpoint("commands_in"), source="hook/test")
+        command = EvaluateNow(command_id="c-1")
+        got: list = []
+        with anyio.fail_after(10):
+            while not got:  # retry until the receiver's subscription is live
+                issuer.publish(command)
+                await anyio.sleep(0.05)
+                got = receiver.poll()
+        assert [c.command_id for c in got] == ["c-1"]
+        receiver.ack(got[0], stage=0, step=4)
+        first = await collect(acks, lambda m: True)
+        assert first[0].command_id == "c-1" and first[0].step == 4
+        # The issuer did not see it and retries: no second application, the same ack again.
+        issuer.publish(command)
+        with anyio.fail_after(5):
+            while receiver.duplicates == 0 or receiver.poll():
+                assert receiver.poll() == []
+                await anyio.sleep(0.02)
+        again = await collect(acks, lambda m: True)
+        assert again[0].command_id == "c-1" and again[0].seq > first[0].seq
+        for closable in (issuer, acks, receiver, stage_pub):
+            closable.close()
+
+
+# --- CURVE ------------------------------------------------------------------------------
+
+
+def test_curve_dir_is_private_and_stable(tmp_path: Path) -> None:
+    keys = ensure_curve_dir(tmp_path / "keys")
+    assert stat.S_IMODE(keys.stat().st_mode) == 0o700
+    for name in ("server", "client"):
+        assert stat.S_IMODE((keys / f"{name}.key_secret").stat().st_mode) == 0o600
+    assert (keys / "authorized" / "client.key").is_file()
+    first = load_client(keys)
+    ensure_curve_dir(keys)  # reused, not regenerated
+    assert load_client(keys) == first
+    assert load_server(keys).public == first.server_public
+    assert "secret" not in repr(first).replace("secret=", "")
+    open_dir = tmp_path / "open"
+    open_dir.mkdir(mode=0o755)
+    os.chmod(open_dir, 0o755)
+    with pytest.raises(UsageError, match="accessible"):
+        ensure_curve_dir(open_dir)
+    with pytest.raises(UsageError, match="does not exist"):
+        load_client(tmp_path / "missing")
+
+
+async def test_curve_admits_known_keys_only(tmp_path: Path, tcp_bus: BusAddress) -> None:
+    keys = ensure_curve_dir(tmp_path / "keys")
+    client = load_client(keys)
+    rogue_dir = tmp_path / "rogue"
+    rogue_dir.mkdir()
+    zmq.auth.create_certificates(rogue_dir, "rogue")
+    public, secret = zmq.auth.load_certificate(rogue_dir / "rogue.key_secret")
+    assert secret is not None
+    rogue = CurveConfig(server_public=client.server_public, public=public, secret=secret)
+    with Broker(tcp_bus, curve=load_server(keys)):
+        good = Subscriber(tcp_bus.endpoint("events_out"), [""], curve=client)
+        bad = Subscriber(tcp_bus.endpoint("events_out"), [""], curve=rogue)
+        plain = Subscriber(tcp_bus.endpoint("events_out"), [""])
+        await connect(good, tcp_bus, curve=client)
+        with Publisher(tcp_bus.endpoint("events_in"), source="stage/0", curve=client) as pub:
+            for i in range(50):
+                pub.publish(step_event(i))
+            pub.publish(RunEnded(status="completed"))
+        got = await collect(good, lambda m: isinstance(m, RunEnded))
+        assert [m.step for m in got if isinstance(m, StepEnded)] == list(range(50))
+        await anyio.sleep(0.5)
+        assert await bad.receive(timeout=0.2) == []  # an unknown key receives nothing
+        assert await plain.receive(timeout=0.2) == []  # and so does a client without CURVE
+        with pytest.raises(UsageError, match="no evtrain broker answered"):
+            Publisher(tcp_bus.endpoint("events_in"), source="x", curve=rogue, connect_timeout=0.5)
+        with pytest.raises(UsageError):
+            Publisher(tcp_bus.endpoint("events_in"), source="x", connect_timeout=0.5)
+        assert ping_broker(tcp_bus, 5, curve=client)
+        assert not ping_broker(tcp_bus, 0.5, curve=rogue)
+        assert any(isinstance(m, StepEnded) for m in fetch_snapshot(tcp_bus, 5, curve=client))
+        for sub in (good, bad, plain):
+            sub.close()
+
+
+# --- the broker itself ------------------------------------------------------------------
+
+
+def test_broker_stop_is_idempotent_and_leaves_nothing() -> None:
+    before = broker_threads()
+    address = BusAddress.parse(f"ipc:///tmp/evt-new-{os.getpid()}-{time.monotonic_ns()}")
+    broker = Broker(address)
+    broker.start()
+    assert Path(address.location).is_dir()
+    assert broker_threads() > before
+    broker.check()
+    broker.stop()
+    broker.stop()
+    assert broker_threads() == before
+    assert not Path(address.location).exists()  # it created the directory: removed
+
+    kept = BusAddress.new_ipc()
+    with Broker(kept) as other:
+        other.check()
+    assert Path(kept.location).is_dir() and not os.listdir(kept.location)
+    os.rmdir(kept.location)
+    assert broker_threads() == before
+
+
+def test_binding_a_busy_bus_is_a_usage_error(ipc_bus: BusAddress, tcp_bus: BusAddress) -> None:
+    before = broker_threads()
+    with Broker(ipc_bus) as first:
+        with pytest.raises(UsageError, match="already running"):
+            Broker(ipc_bus).start()
+        first.check()  # the running broker was not disturbed
+        assert ping_broker(ipc_bus, 5)
+    # The state port (the fifth) is taken: the state service's bind fails cleanly.
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", tcp_bus.port + 4))
+        squatter.listen()
+        with pytest.raises(UsageError, match="cannot bind"):
+            Broker(tcp_bus).start()
+    assert broker_threads() == before
+
+
+def test_ping_a_missing_broker(ipc_bus: BusAddress) -> None:
+    assert not ping_broker(ipc_bus, 0.2)
+    assert fetch_snapshot(ipc_bus, 0.2) == []

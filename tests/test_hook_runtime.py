@@ -1,0 +1,251 @@
+"""The hook runtime on a real broker: errors, priorities, commands, late join."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+
+import anyio
+import pytest
+from bus_procs import SCRIPT, Lines
+
+from evtrain.bus.address import BusAddress
+from evtrain.bus.broker import Broker
+from evtrain.bus.publisher import Publisher
+from evtrain.bus.state_service import fetch_snapshot
+from evtrain.bus.subscriber import Subscriber
+from evtrain.events import (
+    CommandAcked,
+    EvaluateNow,
+    HookError,
+    Message,
+    RunEnded,
+    RunStarted,
+    StageStarted,
+    StepEnded,
+    StopRun,
+)
+from evtrain.hooks import CommandTimeout, Hook, HookRunner, on
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def bus(ipc_bus: BusAddress) -> Iterator[BusAddress]:
+    """A broker in this process (its proxies are C threads) on a private ipc bus."""
+    with Broker(ipc_bus):
+        yield ipc_bus
+
+
+@asynccontextmanager
+async def attached(*hooks: Hook, bus: BusAddress, **options: object) -> AsyncIterator[HookRunner]:
+    """Run ``hooks`` in this process until the block ends."""
+    runner = HookRunner(list(hooks), bus, **options)  # type: ignore[arg-type]
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(runner.run)
+        with anyio.fail_after(20):
+            await runner.ready.wait()
+        try:
+            yield runner
+        finally:
+            runner.stop()
+
+
+def stage_pub(bus: BusAddress, stage: int = 0) -> Publisher:
+    return Publisher(bus.endpoint("events_in"), source=f"stage/{stage}", run_id="run-1")
+
+
+async def wait_until(predicate: object, timeout: float = 10.0) -> None:
+    with anyio.fail_after(timeout):
+        while not predicate():  # type: ignore[operator]
+            await anyio.sleep(0.01)
+
+
+class Flaky(Hook):
+    """Raises on step 2; records everything it handled."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.handled: list[int] = []
+
+    @on(StepEnded)
+    async def check(self, ev: StepEnded) -> None:
+        if ev.step == 2:
+            raise ValueError("boom at step 2")
+        self.handled.append(ev.step)
+
+
+async def test_a_raising_handler_does_not_stop_its_hook(bus: BusAddress) -> None:
+    errors = Subscriber(bus.endpoint("events_out"), ["hook.error"])
+    hook = Flaky()
+    async with attached(hook, bus=bus):
+        with stage_pub(bus) as pub:
+            for step in range(5):
+                pub.publish(StepEnded(step=step, stage=0))
+            await wait_until(lambda: hook.handled == [0, 1, 3, 4])
+        with anyio.fail_after(10):
+            batch = await errors.receive()
+    error = batch[0]
+    assert isinstance(error, HookError)
+    assert (error.hook, error.handler, error.event_type) == ("flaky", "check", "step.ended")
+    assert "boom at step 2" in error.error and "ValueError" in error.traceback
+    assert error.source == "hook/flaky"
+    errors.close()
+
+
+class Ordered(Hook):
+    def __init__(self, label: str, calls: list[str], priority: int | None = None) -> None:
+        super().__init__(priority=priority)
+        self.label = label
+        self.calls = calls
+
+    @classmethod
+    def hook_name(cls) -> str:
+        return "ordered"
+
+    @on(StepEnded)
+    def seen(self, ev: StepEnded) -> None:
+        self.calls.append(f"{self.label}{ev.step}")
+
+
+async def test_hooks_in_one_runner_run_by_priority_then_registration(bus: BusAddress) -> None:
+    calls: list[str] = []
+    late = Ordered("late", calls, priority=50)
+    first = Ordered("first", calls, priority=5)
+    tie = Ordered("tie", calls, priority=50)
+    async with attached(late, first, tie, bus=bus):
+        with stage_pub(bus) as pub:
+            pub.publish(StepEnded(step=1, stage=0))
+            pub.publish(StepEnded(step=2, stage=0))
+        await wait_until(lambda: len(calls) == 6)
+    assert calls == ["first1", "late1", "tie1", "first2", "late2", "tie2"]
+
+
+class Commander(Hook):
+    """Sends commands on request of the test."""
+
+
+async def test_a_command_reaches_a_stage_process_and_its_ack_returns(
+    bus: BusAddress, procs: object
+) -> None:
+    stage = procs.python(SCRIPT, "stage", "--bus", str(bus), "--stage", "0")  # type: ignore[attr-defined]
+    lines = Lines(stage)
+    assert (await anyio.to_thread.run_sync(lines.json))["ready"]
+    hook = Commander()
+    async with attached(hook, bus=bus, retry_interval=0.2):
+        command = EvaluateNow(command_id=uuid.uuid4().hex)
+        acks = await hook.send_command(command, timeout=15, acks=1)
+        assert [(a.command_id, a.stage, a.ok, a.detail) for a in acks] == [
+            (command.command_id, 0, True, "done")
+        ]
+        assert isinstance(acks[0], CommandAcked) and acks[0].source == "stage/0"
+        # stop() goes through the same path and the stage saw each command once.
+        stop_acks = await hook.stop("enough", timeout=15)
+        assert stop_acks[0].command == "cmd.stop"
+    seen = [await anyio.to_thread.run_sync(lines.json) for _ in range(2)]
+    assert [s["command"] for s in seen] == ["cmd.evaluate", "cmd.stop"]
+
+
+async def test_a_command_sent_before_the_stage_connects_gets_through_by_retry(
+    bus: BusAddress, procs: object
+) -> None:
+    hook = Commander()
+    async with attached(hook, bus=bus, retry_interval=0.2):
+        result: dict[str, list[CommandAcked]] = {}
+
+        async def send() -> None:
+            result["acks"] = await hook.send_command(
+                StopRun(command_id="early", reason="test"), timeout=20, acks=1
+            )
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(send)
+            await anyio.sleep(0.6)  # published at least twice into the void by now
+            assert "acks" not in result
+            procs.python(SCRIPT, "stage", "--bus", str(bus), "--stage", "3")  # type: ignore[attr-defined]
+    assert [(a.command_id, a.stage) for a in result["acks"]] == [("early", 3)]
+
+
+async def test_an_unacknowledged_command_times_out(bus: BusAddress) -> None:
+    hook = Commander()
+    async with attached(hook, bus=bus, retry_interval=0.1):
+        with anyio.fail_after(5):
+            with pytest.raises(CommandTimeout, match="0 of 2 acknowledgements"):
+                await hook.send_command(EvaluateNow(command_id="lost"), timeout=0.5, acks=2)
+
+
+class StateWatcher(Hook):
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps: list[tuple[int, int]] = []
+
+    @on(StepEnded)
+    def step(self, ev: StepEnded) -> None:
+        self.steps.append((ev.stage, ev.step))
+
+
+async def test_a_late_joiner_knows_the_run_at_once(bus: BusAddress) -> None:
+    with stage_pub(bus, 0) as pub0, stage_pub(bus, 1) as pub1:
+        pub0.publish(
+            RunStarted(
+                name="late",
+                num_stages=2,
+                num_microbatches=4,
+                schedule="1f1b",
+                max_steps=100,
+                batch_size=32,
+            )
+        )
+        for stage, pub in ((0, pub0), (1, pub1)):
+            pub.publish(
+                StageStarted(
+                    stage=stage,
+                    num_stages=2,
+                    rank=stage,
+                    host="h",
+                    pid=1,
+                    device="cpu",
+                    layers=[stage],
+                    num_params=10,
+                )
+            )
+            pub.publish(StepEnded(step=5, stage=stage, loss=0.5 if stage else None))
+        # Nobody listened; the broker's state service did.
+        with anyio.fail_after(10):
+            while len([m for m in fetch_snapshot(bus) if isinstance(m, StepEnded)]) < 2:
+                await anyio.sleep(0.02)
+        hook = StateWatcher()
+        async with attached(hook, bus=bus):
+            state = hook.state
+            assert state.run is not None and state.run.name == "late"
+            assert sorted(state.stages) == [0, 1] and state.num_stages == 2
+            assert state.step == 5
+            assert state.last_step[1].loss == 0.5
+            assert sorted(hook.steps) == [(0, 5), (1, 5)]  # handlers saw the snapshot
+            pub1.publish(StepEnded(step=6, stage=1))
+            await wait_until(lambda: (1, 6) in hook.steps)
+            assert hook.state.step == 6
+            assert sorted(hook.steps) == [(0, 5), (1, 5), (1, 6)]  # nothing twice
+
+
+class Ender(Hook):
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[Message] = []
+
+    @on(RunEnded)
+    def ended(self, ev: RunEnded) -> None:
+        self.events.append(ev)
+
+
+async def test_exit_on_run_end(bus: BusAddress) -> None:
+    hook = Ender()
+    runner = HookRunner([hook], bus, exit_on_run_end=True)
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(runner.run)
+            await runner.ready.wait()
+            with stage_pub(bus) as pub:
+                pub.publish(RunEnded(status="completed", reason="done"))
+    assert [e.reason for e in hook.events] == ["done"]  # type: ignore[attr-defined]
