@@ -125,6 +125,7 @@ def build_schedule(
     num_microbatches: int,
     *,
     forward_only: bool = False,
+    lookahead: int = 0,
 ) -> list[Instruction]:
     """The instruction list stage `stage` of `num_stages` runs for one step.
 
@@ -132,9 +133,19 @@ def build_schedule(
     order 0..M-1 (the same for both schedules), with no backward and no
     `OptimizerStep`. Raises `UsageError` for an unknown schedule name, a count
     below 1 or a stage outside 0..P-1.
+
+    `lookahead` (1F1B only) adds that many warm-up forwards on every stage
+    but the last: ``w = min(P - stage - 1 + lookahead, M)``. With unit costs
+    the makespan is unchanged, but each activation is sent one (or more)
+    microbatch earlier, so the next stage's receive no longer waits for a
+    gradient round trip in the steady state; the price is ``lookahead``
+    more stored activations on those stages. 0 is textbook PipeDream-Flush.
+    The stage runtime uses 1 (see `evtrain.stages.executor`).
     """
     kind = parse_schedule(schedule)
     _check_shape(stage, num_stages, num_microbatches)
+    if not isinstance(lookahead, int) or isinstance(lookahead, bool) or lookahead < 0:
+        raise UsageError(f"lookahead must be an integer >= 0, got {lookahead!r}")
     P, M = num_stages, num_microbatches
 
     def fwd(m: int) -> list[Instruction]:
@@ -155,7 +166,8 @@ def build_schedule(
         for m in range(M):
             program += bwd(m)
     else:
-        warmup = min(P - stage - 1, M)
+        extra = lookahead if stage < P - 1 else 0
+        warmup = min(P - stage - 1 + extra, M)
         for m in range(warmup):
             program += fwd(m)
         # Steady state: the forward goes first so the activation it sends
@@ -170,15 +182,22 @@ def build_schedule(
 
 
 def max_in_flight(
-    schedule: str | Schedule, stage: int, num_stages: int, num_microbatches: int
+    schedule: str | Schedule,
+    stage: int,
+    num_stages: int,
+    num_microbatches: int,
+    *,
+    lookahead: int = 0,
 ) -> int:
     """Theoretical peak of activations stored on `stage` (forwards whose
-    backward has not run): ``min(P - stage, M)`` for 1F1B, ``M`` for GPipe."""
+    backward has not run): ``min(P - stage, M)`` for 1F1B (plus `lookahead`
+    on every stage but the last), ``M`` for GPipe."""
     kind = parse_schedule(schedule)
     _check_shape(stage, num_stages, num_microbatches)
     if kind is Schedule.GPIPE:
         return num_microbatches
-    return min(num_stages - stage, num_microbatches)
+    extra = lookahead if stage < num_stages - 1 else 0
+    return min(num_stages - stage + extra, num_microbatches)
 
 
 def bubble_fraction(num_stages: int, num_microbatches: int) -> float:

@@ -1,0 +1,527 @@
+"""Runs one stage's instruction list: a training step or an evaluation pass.
+
+The executor is deliberately synchronous. gloo's point-to-point work can
+only be waited on, not polled or awaited (FIELD_NOTES), so the stage actor
+hands a whole step to one worker thread (one thread hop per step) and keeps
+its event loop free for heartbeats, signals and publishing.
+
+How instructions map to communication (see `evtrain.stages.p2p`):
+
+* At the start of every accumulation pass the stage *posts* the receives of
+  all its activations (non-first stages), and right after its first
+  activation send those of all its output gradients (non-last stages);
+  `RecvActivation` / `RecvGrad` then only wait for the data. gloo moves a
+  message only once its receive is posted, so a just-in-time receive would
+  cost a round trip. ``recv_window`` can bound how many are posted ahead.
+* 1F1B runs with one extra warm-up forward on every stage but the last
+  (`DEFAULT_LOOKAHEAD`), so activations arrive before they are needed.
+* `SendActivation` / `SendGrad` post an ``isend`` and never wait for it; the
+  sends are waited on once, at the end of the step, when every peer has
+  certainly posted the matching receive (so this cannot deadlock).
+* `OptimizerStep` is the step boundary: the per-step control exchange
+  (global gradient norm, commands, signals — `evtrain.stages.control`),
+  clipping, the optimizer and LR-scheduler steps.
+
+The last stage computes ``loss_fn(output, target)`` per microbatch and
+back-propagates ``loss / (M * grad_accum)``, so with a mean-reduced loss a
+step equals one single-process step on all the step's samples.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from evtrain.data import DataStream, eval_microbatches
+from evtrain.job import Job
+from evtrain.stages.control import ControlResult, StepControl
+from evtrain.stages.instructions import (
+    Backward,
+    Forward,
+    Instruction,
+    LoadMicrobatch,
+    OptimizerStep,
+    RecvActivation,
+    RecvGrad,
+    ReduceGrads,
+    SendActivation,
+    SendGrad,
+)
+from evtrain.stages.p2p import Mailbox, PendingRecv, TensorSpec
+from evtrain.stages.schedules import build_schedule
+
+__all__ = ["DEFAULT_LOOKAHEAD", "EvalStats", "Span", "StageExecutor", "StepStats"]
+
+
+@dataclass(frozen=True)
+class Span:
+    """One timed piece of a step; times are ``time.perf_counter`` seconds."""
+
+    kind: str
+    """``"forward"``, ``"backward"`` or ``"wait"``."""
+    microbatch: int
+    start: float
+    end: float
+    op: str = ""
+    """For waits: ``recv_act``, ``recv_grad``, ``send`` or ``control``."""
+
+
+@dataclass
+class StepStats:
+    """What one training step measured on this stage."""
+
+    step: int
+    loss: float | None
+    lr: float | None
+    grad_norm: float
+    samples: int
+    epoch: int
+    duration_s: float
+    forward_s: float
+    backward_s: float
+    comm_wait_s: float
+    control: ControlResult
+    spans: list[Span] = field(default_factory=list)
+
+
+@dataclass
+class EvalStats:
+    """One evaluation pass; ``metrics`` is empty except on the last stage."""
+
+    metrics: dict[str, float]
+    samples: int
+    num_batches: int
+    duration_s: float
+
+
+_GradClip = float | None
+
+DEFAULT_LOOKAHEAD = 1
+"""Extra 1F1B warm-up forwards on every stage but the last (`build_schedule`'s
+``lookahead``). With the textbook warm-up (0), a 2-stage pipeline on gloo
+pays a gradient round trip per microbatch: the first stage sends activation
+m only after the backward that waited for gradient m-2, so the last stage,
+the busiest one, waits for it. One extra forward hides that latency for the
+cost of one more stored activation per stage (measured: the last stage's
+activation waits drop to ~0 in the steady state, steps ~7% shorter)."""
+
+
+class StageExecutor:
+    """Executes the instruction lists of one pipeline stage.
+
+    ``specs`` maps every microbatch size of the run to this stage's (input,
+    output) `TensorSpec`, as agreed by `evtrain.stages.p2p.exchange_shapes`
+    (the output spec is None on the last stage, which sends nothing).
+    ``train_inputs`` is needed on the first stage and ``train_targets`` on the
+    last (likewise for eval). ``lookahead`` applies to 1F1B (see
+    `DEFAULT_LOOKAHEAD`); ``recv_window`` bounds the receives posted ahead
+    (default: all of a pass).
+    """
+
+    def __init__(
+        self,
+        *,
+        job: Job,
+        stage: int,
+        num_stages: int,
+        device: torch.device,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+        mailbox: Mailbox,
+        control: StepControl,
+        stream: DataStream,
+        specs: dict[int, tuple[TensorSpec, TensorSpec | None]],
+        train_inputs: torch.Tensor | None,
+        train_targets: torch.Tensor | None,
+        eval_inputs: torch.Tensor | None = None,
+        eval_targets: torch.Tensor | None = None,
+        eval_num_samples: int = 0,
+        recv_window: int | None = None,
+        lookahead: int = DEFAULT_LOOKAHEAD,
+    ) -> None:
+        self.job = job
+        self.stage = stage
+        self.num_stages = num_stages
+        self.first = stage == 0
+        self.last = stage == num_stages - 1
+        self.device = device
+        self.module = module
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.mailbox = mailbox
+        self.control = control
+        self.stream = stream
+        self.specs = specs
+        self.train_inputs = train_inputs
+        self.train_targets = train_targets
+        self.eval_inputs = eval_inputs
+        self.eval_targets = eval_targets
+        self.eval_num_samples = eval_num_samples
+        self.M = job.num_microbatches
+        self.recv_window = recv_window or self.M
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.stop_requested = False
+        """Set (from another thread) when this process got SIGTERM/SIGINT."""
+
+        self.lookahead = lookahead if job.schedule == "1f1b" else 0
+        program = build_schedule(job.schedule, stage, num_stages, self.M, lookahead=self.lookahead)
+        if not program or not isinstance(program[-1], OptimizerStep):
+            raise RuntimeError("a training schedule must end with OptimizerStep")
+        # grad_accum passes run the program without its OptimizerStep; the
+        # boundary runs once after the last pass.
+        self._pass_program = self._compile(program[:-1])
+        self._eval_programs: dict[int, list[tuple[Callable[[int], None], int]]] = {}
+        self._loss_scale = 1.0 / (self.M * job.grad_accum)
+
+        # Per-pass state, indexed by microbatch.
+        self._inputs: list[torch.Tensor | None] = []
+        self._targets: list[torch.Tensor | None] = []
+        self._outputs: list[torch.Tensor | None] = []
+        self._losses: list[torch.Tensor | None] = []
+        self._grads: list[torch.Tensor | None] = []
+        self._recv_act: list[PendingRecv | None] = []
+        self._recv_grad: list[PendingRecv | None] = []
+        self._sizes: list[int] = []
+        self._grads_posted = True
+        self._act_specs: list[TensorSpec] = []
+        self._out_specs: list[TensorSpec | None] = []
+        self._batch_x: list[torch.Tensor] = []
+        self._batch_y: list[torch.Tensor] = []
+        self._mb_offset = 0
+        self._spans: list[Span] | None = None
+        self._forward_s = 0.0
+        self._backward_s = 0.0
+        self._loss_sum: torch.Tensor | None = None
+        self._eval_sums: dict[str, torch.Tensor] = {}
+        self._training = True
+
+    # ------------------------------------------------------------ compilation
+
+    def _compile(self, program: Sequence[Instruction]) -> list[tuple[Callable[[int], None], int]]:
+        handlers: dict[type, Callable[[int], None]] = {
+            LoadMicrobatch: self._load,
+            RecvActivation: self._recv_activation,
+            Forward: self._forward,
+            SendActivation: self._send_activation,
+            RecvGrad: self._recv_grad_wait,
+            Backward: self._backward,
+            SendGrad: self._send_grad,
+        }
+        compiled = []
+        for instruction in program:
+            if isinstance(instruction, ReduceGrads):
+                raise NotImplementedError("ReduceGrads is reserved for data parallelism")
+            if isinstance(instruction, OptimizerStep):
+                raise RuntimeError("OptimizerStep may only end a training program")
+            compiled.append((handlers[type(instruction)], instruction.microbatch))
+        return compiled
+
+    # ---------------------------------------------------------------- training
+
+    def train_step(self, step: int, *, record_spans: bool = False) -> StepStats:
+        """Run training step ``step`` (1-based: step k reads the data of index k-1)."""
+        start = time.perf_counter()
+        self._bind_device()
+        # The boundary's control receives, posted now so the peers' numbers
+        # are waiting when this stage reaches the boundary.
+        self.control.prepare()
+        self._spans = [] if record_spans else None
+        self._forward_s = self._backward_s = 0.0
+        self._loss_sum = None
+        self.mailbox.reset_wait()
+        self._training = True
+        index = step - 1
+        mb = self.job.microbatch_size
+        in_spec, out_spec = self.specs[mb]
+        for accum in range(self.job.grad_accum):
+            self._mb_offset = accum * self.M
+            sizes = [mb] * self.M
+            self._begin_pass(sizes, [in_spec] * self.M, [out_spec] * self.M)
+            self._load_batch(self.stream.indices(index, accum), train=True)
+            for handler, microbatch in self._pass_program:
+                handler(microbatch)
+        lr = float(self.optimizer.param_groups[0]["lr"]) if self.optimizer is not None else None
+        control = self._optimizer_step()
+        drain_start, drain_end = self.mailbox.drain_sends()
+        if self._spans is not None and drain_end - drain_start > 1e-4:
+            self._spans.append(Span("wait", -1, drain_start, drain_end, "send"))
+        self._end_pass()
+        loss = None
+        if self.last and self._loss_sum is not None:
+            loss = float(self._loss_sum) / (self.M * self.job.grad_accum)
+        return StepStats(
+            step=step,
+            loss=loss,
+            lr=lr,
+            grad_norm=control.grad_norm,
+            samples=self.job.samples_per_step,
+            epoch=self.stream.epoch_of(index),
+            duration_s=time.perf_counter() - start,
+            forward_s=self._forward_s,
+            backward_s=self._backward_s,
+            comm_wait_s=self.mailbox.reset_wait(),
+            control=control,
+            spans=self._spans or [],
+        )
+
+    def _bind_device(self) -> None:
+        # The current CUDA device is per thread, and each call may run on
+        # another worker thread of the actor.
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
+    def _optimizer_step(self) -> ControlResult:
+        """The step boundary: control exchange, clipping, optimizer and scheduler."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        sq_norm = 0.0
+        if grads:
+            norms = torch._foreach_norm(grads)
+            sq_norm = float(torch.stack(norms).double().square().sum())
+        clip: _GradClip = self.job.grad_clip
+        start = time.perf_counter()
+        exchange = self.control.start(sq_norm, self.stop_requested)
+        if clip is None:
+            # Nothing here needs the global norm: overlap the exchange's
+            # latency with the optimizer step.
+            self._apply_optimizer()
+            wait_start = time.perf_counter()
+            result = exchange.finish()
+            end = time.perf_counter()
+            self.mailbox.wait_s += end - wait_start
+        else:
+            result = exchange.finish()
+            end = time.perf_counter()
+            self.mailbox.wait_s += end - start
+            norm = result.grad_norm
+            if grads and math.isfinite(norm):
+                coef = clip / (norm + 1e-6)
+                if coef < 1.0:
+                    torch._foreach_mul_(grads, coef)
+            self._apply_optimizer()
+        if self._spans is not None:
+            self._spans.append(Span("wait", -1, start, end, "control"))
+        return result
+
+    def _apply_optimizer(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+
+    # ------------------------------------------------------------------ passes
+
+    def _begin_pass(
+        self,
+        sizes: Sequence[int],
+        in_specs: Sequence[TensorSpec],
+        out_specs: Sequence[TensorSpec | None],
+    ) -> None:
+        n = len(sizes)
+        self._sizes = list(sizes)
+        self._inputs = [None] * n
+        self._targets = [None] * n
+        self._outputs = [None] * n
+        self._losses = [None] * n
+        self._grads = [None] * n
+        self._act_specs = list(in_specs)
+        self._out_specs = list(out_specs)
+        self._recv_act = [None] * n
+        self._recv_grad = [None] * n
+        # Post receives early: gloo moves a send's data only once the receive
+        # is posted, so a just-in-time receive costs a round trip per message.
+        window = min(self.recv_window, n)
+        if not self.first:
+            for m in range(window):
+                self._recv_act[m] = self.mailbox.post_recv_activation(self._act_specs[m])
+        # Gradient receives are posted right after the first activation send
+        # (`_post_grad_receives`): not needed before then, and posting them
+        # here would delay the first stage's first forward, which the whole
+        # pipeline waits for.
+        self._grads_posted = self.last or not self._training
+
+    def _post_grad_receives(self) -> None:
+        self._grads_posted = True
+        for m in range(min(self.recv_window, len(self._out_specs))):
+            spec = self._out_specs[m]
+            if spec is not None and spec.carries_grad:
+                self._recv_grad[m] = self.mailbox.post_recv_grad(spec)
+
+    def _end_pass(self) -> None:
+        self._inputs = self._targets = self._outputs = self._losses = self._grads = []
+        self._batch_x = self._batch_y = []
+
+    def _load_batch(self, indices: torch.Tensor, *, train: bool) -> None:
+        inputs = self.train_inputs if train else self.eval_inputs
+        targets = self.train_targets if train else self.eval_targets
+        mb = self.job.microbatch_size
+        if self.first and inputs is not None:
+            batch = inputs.index_select(0, indices).to(self.device, non_blocking=True)
+            self._batch_x = list(batch.split(mb))
+        if self.last and targets is not None:
+            batch = targets.index_select(0, indices).to(self.device, non_blocking=True)
+            self._batch_y = list(batch.split(mb))
+
+    # ------------------------------------------------------------ instructions
+
+    def _load(self, m: int) -> None:
+        if self.first:
+            self._inputs[m] = self._batch_x[m]
+        if self.last:
+            self._targets[m] = self._batch_y[m]
+
+    def _recv_activation(self, m: int) -> None:
+        pending = self._recv_act[m]
+        assert pending is not None, f"activation {m} was never posted"
+        self._recv_act[m] = None
+        tensor, start, end = self.mailbox.wait(pending)
+        if self._spans is not None:
+            self._spans.append(Span("wait", self._mb_offset + m, start, end, "recv_act"))
+        nxt = m + self.recv_window
+        if nxt < len(self._recv_act):
+            self._recv_act[nxt] = self.mailbox.post_recv_activation(self._act_specs[nxt])
+        if self._training and self._act_specs[m].carries_grad:
+            tensor.requires_grad_(True)
+        self._inputs[m] = tensor
+
+    def _forward(self, m: int) -> None:
+        x = self._inputs[m]
+        start = time.perf_counter()
+        out = self.module(x)
+        if self.last:
+            if self._training:
+                loss = self.job.loss_fn(out, self._targets[m])
+                self._losses[m] = loss
+                detached = loss.detach()
+                self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
+            else:
+                self._eval_metrics(out, self._targets[m], self._sizes[m])
+        else:
+            self._outputs[m] = out
+        end = time.perf_counter()
+        self._forward_s += end - start
+        if self._spans is not None:
+            self._spans.append(Span("forward", self._mb_offset + m, start, end))
+
+    def _send_activation(self, m: int) -> None:
+        out = self._outputs[m]
+        assert out is not None
+        self.mailbox.send_activation(out)
+        if not self._training:
+            self._outputs[m] = None
+        elif not self._grads_posted:
+            self._post_grad_receives()
+
+    def _recv_grad_wait(self, m: int) -> None:
+        if not self._grads_posted:  # a program without SendActivation first
+            self._post_grad_receives()
+        pending = self._recv_grad[m]
+        self._recv_grad[m] = None
+        if pending is None:  # integer outputs carry no gradient
+            return
+        tensor, start, end = self.mailbox.wait(pending)
+        if self._spans is not None:
+            self._spans.append(Span("wait", self._mb_offset + m, start, end, "recv_grad"))
+        nxt = m + self.recv_window
+        spec = self._out_specs[nxt] if nxt < len(self._out_specs) else None
+        if spec is not None and spec.carries_grad:
+            self._recv_grad[nxt] = self.mailbox.post_recv_grad(spec)
+        self._grads[m] = tensor
+
+    def _backward(self, m: int) -> None:
+        start = time.perf_counter()
+        if self.last:
+            loss = self._losses[m]
+            self._losses[m] = None
+            assert loss is not None
+            (loss * self._loss_scale).backward()
+        else:
+            out, grad = self._outputs[m], self._grads[m]
+            self._outputs[m] = self._grads[m] = None
+            if grad is not None and out is not None and out.requires_grad:
+                torch.autograd.backward(out, grad)
+        end = time.perf_counter()
+        self._backward_s += end - start
+        if self._spans is not None:
+            self._spans.append(Span("backward", self._mb_offset + m, start, end))
+
+    def _send_grad(self, m: int) -> None:
+        x = self._inputs[m]
+        self._inputs[m] = None
+        if not self._act_specs[m].carries_grad:
+            return
+        assert x is not None
+        grad = x.grad if x.grad is not None else torch.zeros_like(x)
+        self.mailbox.send_grad(grad)
+
+    # -------------------------------------------------------------- evaluation
+
+    def evaluate(self) -> EvalStats:
+        """One forward-only pass over the eval set in ``eval()`` mode without grad.
+
+        Every sample is read once (see `evtrain.data.eval_microbatches`); the
+        last stage averages ``loss`` and the job's metrics weighted by
+        microbatch size.
+        """
+        start = time.perf_counter()
+        self._bind_device()
+        num_samples = self.eval_num_samples
+        plan = eval_microbatches(num_samples, self.job.effective_eval_batch_size, self.M)
+        self._training = False
+        self._spans = None
+        self._eval_sums = {}
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            with torch.no_grad():
+                for batch in plan:
+                    self._eval_batch(batch)
+            self.mailbox.drain_sends()
+        finally:
+            self._training = True
+            self.module.train(was_training)
+            self._end_pass()
+        metrics: dict[str, float] = {}
+        if self.last and num_samples:
+            metrics = {k: float(v) / num_samples for k, v in self._eval_sums.items()}
+        self.mailbox.reset_wait()
+        return EvalStats(metrics, num_samples, len(plan), time.perf_counter() - start)
+
+    def _eval_batch(self, batch: Sequence[range]) -> None:
+        sizes = [len(r) for r in batch]
+        self._mb_offset = 0
+        self._begin_pass(
+            sizes, [self.specs[n][0] for n in sizes], [self.specs[n][1] for n in sizes]
+        )
+        self._batch_x = []
+        self._batch_y = []
+        if self.first and self.eval_inputs is not None:
+            self._batch_x = [self.eval_inputs[r.start : r.stop].to(self.device) for r in batch]
+        if self.last and self.eval_targets is not None:
+            self._batch_y = [self.eval_targets[r.start : r.stop].to(self.device) for r in batch]
+        program = self._eval_programs.get(len(batch))
+        if program is None:
+            program = self._compile(
+                build_schedule(
+                    self.job.schedule, self.stage, self.num_stages, len(batch), forward_only=True
+                )
+            )
+            self._eval_programs[len(batch)] = program
+        for handler, microbatch in program:
+            handler(microbatch)
+
+    def _eval_metrics(self, output: torch.Tensor, target: torch.Tensor | None, n: int) -> None:
+        assert target is not None
+        values = {"loss": self.job.loss_fn(output, target)}
+        for name, fn in self.job.metrics.items():
+            values[name] = fn(output, target)
+        for name, value in values.items():
+            weighted = torch.as_tensor(value, device=self.device).detach().double() * n
+            previous = self._eval_sums.get(name)
+            self._eval_sums[name] = weighted if previous is None else previous + weighted
