@@ -1,0 +1,185 @@
+"""``evtrain launch``: run a job spec — broker, supervised hooks, elastic stage workers."""
+
+from __future__ import annotations
+
+import argparse
+
+
+class _LaunchParser(argparse.ArgumentParser):
+    """The ``launch`` parser; it adds the spec override flags on first use.
+
+    They come from `evtrain.spec`, which imports torch, and building the CLI
+    must not: every ``evtrain hook`` process builds the whole parser, and
+    importing torch there would add ~2 s to each hook's start.
+    """
+
+    _overrides_added = False
+
+    def _add_overrides(self) -> None:
+        if not self._overrides_added:
+            from evtrain.spec import add_override_arguments
+
+            self._overrides_added = True
+            add_override_arguments(self)
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[no-untyped-def,override]
+        self._add_overrides()
+        return super().parse_known_args(args, namespace)
+
+    def format_usage(self) -> str:
+        self._add_overrides()
+        return super().format_usage()
+
+    def format_help(self) -> str:
+        self._add_overrides()
+        return super().format_help()
+
+
+_DESCRIPTION = (
+    "start the event bus, the spec's hooks (as supervised processes) and one stage "
+    "worker per pipeline stage through torch.distributed.elastic; show progress; exit 0 "
+    "when the run completed or stopped cleanly, 1 when a stage failed (its error is "
+    "shown), 2 for a bad spec, override or hook. Ctrl-C / SIGTERM stop the workers at "
+    "a step boundary."
+)
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add the ``launch`` subcommand."""
+    parser = sub.add_parser(
+        "launch",
+        help="train a job spec with pipeline-parallel stage workers",
+        description="Validate the job spec (default: the built-in demo), " + _DESCRIPTION,
+    )
+    parser.add_argument(
+        "spec",
+        metavar="SPEC",
+        nargs="?",
+        help="job spec file (defines `job` or make_job()); default: the built-in demo",
+    )
+    add_launch_arguments(parser)
+
+
+def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every ``launch`` option but the spec (``evtrain demo`` shares them)."""
+    parser.__class__ = _LaunchParser  # see _LaunchParser: override flags come lazily
+    group = parser.add_argument_group("launcher")
+    group.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="K",
+        help="restart the stage workers up to K times after a failure (elastic; default 0)",
+    )
+    group.add_argument(
+        "--bus",
+        metavar="ADDRESS",
+        help="bus to bind: ipc:///DIR or tcp://HOST:PORT (ports PORT..PORT+4); "
+        "default: a new private ipc directory. Several machines need tcp://",
+    )
+    group.add_argument(
+        "--external-bus",
+        action="store_true",
+        help="--bus names a broker that already runs (`evtrain bus`, e.g. a compose "
+        "service): connect to it instead of binding one",
+    )
+    group.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="with --external-bus: wait up to S seconds for the broker to answer (default 30)",
+    )
+    group.add_argument("--no-hooks", action="store_true", help="do not start the spec's hooks")
+    group.add_argument(
+        "--hook-restarts",
+        type=int,
+        default=5,
+        metavar="N",
+        help="restart a crashing hook up to N times (default 5)",
+    )
+    group.add_argument(
+        "--resume",
+        nargs="?",
+        const="latest",
+        metavar="PATH",
+        help="resume from a checkpoint (no PATH: the run directory's latest committed one)",
+    )
+    group.add_argument(
+        "--load-weights", metavar="PATH", help="load model weights only and start at step 0"
+    )
+    group.add_argument(
+        "--dump-weights",
+        metavar="DIR",
+        help="at the end each stage writes its parameters to DIR/stage-R.safetensors",
+    )
+    group.add_argument("--run-id", metavar="ID", help="run id (default: time + random)")
+    group.add_argument(
+        "--grace",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="on Ctrl-C/SIGTERM, seconds the workers get to stop at a step boundary before "
+        "they are terminated (default 30)",
+    )
+    group.add_argument(
+        "--start-method",
+        choices=("spawn", "forkserver", "fork"),
+        default="forkserver",
+        help="how elastic starts the workers (default forkserver: forks of a process that "
+        "imported torch once; spawn: a fresh interpreter each)",
+    )
+    group.add_argument("--quiet", "-q", action="store_true", help="no progress line")
+    nodes = parser.add_argument_group(
+        "several machines (run on each; single node is the tested path)"
+    )
+    nodes.add_argument("--nnodes", type=int, default=1, metavar="N", help="number of machines")
+    nodes.add_argument(
+        "--node-rank",
+        type=int,
+        metavar="R",
+        help="this machine's rank, needed with --nnodes > 1 (node 0 runs the bus, the hooks "
+        "and the rendezvous store; node r runs stages r*P/N .. (r+1)*P/N-1)",
+    )
+    nodes.add_argument(
+        "--rdzv-endpoint",
+        metavar="HOST:PORT",
+        help="rendezvous address on node 0 that every machine reaches; pass the same "
+        "--run-id and --bus tcp://HOST:PORT on every machine",
+    )
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Launch the job; returns the exit status."""
+    from evtrain.launcher import Launcher, LaunchOptions
+    from evtrain.spec import overrides_from_args
+
+    spec = getattr(args, "spec", None)
+    if spec is None:
+        from evtrain.demo import SPEC_PATH
+
+        spec = SPEC_PATH
+    options = LaunchOptions(
+        spec=spec,
+        overrides=overrides_from_args(args),
+        max_restarts=args.max_restarts,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        rdzv_endpoint=args.rdzv_endpoint,
+        bus=args.bus,
+        external_bus=args.external_bus,
+        bus_wait_s=args.connect_timeout,
+        hooks=not args.no_hooks,
+        hook_restarts=args.hook_restarts,
+        resume=args.resume,
+        load_weights=args.load_weights,
+        dump_weights=args.dump_weights,
+        run_id=args.run_id,
+        quiet=args.quiet,
+        grace_s=args.grace,
+        start_method=args.start_method,
+        log_format=args.log_format,
+        log_level=args.log_level,
+    )
+    return Launcher(options).run()

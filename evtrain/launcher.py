@@ -1,0 +1,770 @@
+"""The launcher behind ``evtrain launch``: broker, supervised hooks, elastic stage workers.
+
+One `Launcher` runs one job on this node:
+
+1. It loads and validates the spec with its overrides and every hook the
+   spec names *before* starting anything, so a mistake is one line and exit
+   status 2. It picks a run id, creates the run directory and writes
+   ``run.json`` there (run id, spec, overrides, bus address; completed with
+   the outcome at the end).
+2. It starts the broker in threads of its own process (``ipc://`` in a fresh
+   private directory by default; ``--bus tcp://HOST:PORT`` for several
+   machines) and prints the bus address, so anyone can attach
+   ``evtrain hook ... --bus ADDR`` or ``evtrain events --bus ADDR``. With
+   ``--external-bus`` it binds nothing: ``--bus`` names a broker that is
+   already running (``evtrain bus``, e.g. its own docker-compose service),
+   and the launcher waits until it answers.
+3. It starts the spec's hooks as supervised processes
+   (`evtrain.hook_supervisor`) and waits until each has attached.
+4. It starts the stage workers through torch.distributed.elastic, run by a
+   child process (`evtrain.elastic_agent`; that module says why a process
+   and not a thread), and follows the run on the bus: progress line
+   (`evtrain.progress`), stage failures, the end of the run.
+5. At the end hooks get time to finish (they exit on `RunEnded`), then it
+   prints a summary and returns the exit status: 0 when the run completed or
+   was stopped cleanly (by a hook's stop command, or by SIGTERM/Ctrl-C when
+   the stages ended the run at a step boundary); 1 when a stage failed (its
+   error and traceback are printed); 128 + N when signal N arrived before
+   the stages could stop cleanly.
+
+Signals: the agent and every hook run in their own session, so a Ctrl-C at
+the terminal reaches only the launcher, which orders the shutdown in phases
+(see `Launcher._escalate`): the first SIGINT/SIGTERM publishes a `StopRun`
+command, so every stage ends the run at the same step boundary and returns
+normally (``RunEnded(status="stopped")``, exit status 0); if the workers have
+not ended after ``grace_s``, or on a second signal, the agent gets SIGTERM
+and elastic sends SIGTERM to each worker, then SIGKILL after
+``ELASTIC_SHUTDOWN_S``; after that, or on a third signal, the agent's whole
+process group (the workers are in it) gets SIGKILL. Children also carry
+``PR_SET_PDEATHSIG``: if the launcher itself is killed, the agent and the
+hooks receive SIGTERM and shut down the same way.
+
+Several machines: run ``evtrain launch`` on each with the same ``--nnodes``,
+``--rdzv-endpoint HOST0:PORT``, ``--run-id`` and ``--bus tcp://HOST0:PORT2``
+(addresses of node 0 that every node reaches) and its own ``--node-rank``.
+Node 0 binds the bus, runs the hooks and hosts elastic's static rendezvous
+store; node r runs global ranks (stages) r*P/N .. (r+1)*P/N-1. Only the
+single-node path is covered by tests; two "nodes" on one machine (loopback
+addresses) were tried by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import anyio
+import structlog
+
+from evtrain.bus.address import BusAddress
+from evtrain.bus.broker import Broker
+from evtrain.bus.publisher import Publisher
+from evtrain.bus.subscriber import Subscriber
+from evtrain.elastic_agent import AgentConfig
+from evtrain.errors import UsageError
+from evtrain.events import (
+    CommandAcked,
+    EvalEnded,
+    HookStarted,
+    Message,
+    RunEnded,
+    RunStarted,
+    StageFailed,
+    StepEnded,
+    StopRun,
+)
+from evtrain.hook_supervisor import HookSupervisor, set_pdeathsig
+from evtrain.progress import Progress
+
+__all__ = ["LaunchOptions", "Launcher", "new_run_id"]
+
+log = structlog.get_logger("evtrain.launcher")
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+LAUNCHER_SOURCE = "launcher"
+_TOPICS = (
+    RunStarted.topic.decode(),
+    RunEnded.topic.decode(),
+    StepEnded.topic.decode(),
+    EvalEnded.topic.decode(),
+    StageFailed.topic.decode(),
+    HookStarted.topic.decode(),
+    CommandAcked.topic.decode(),
+)
+_POLL_S = 0.1
+_STOP_RETRY_S = 1.0
+ELASTIC_SHUTDOWN_S = 5
+"""Seconds elastic gives workers between its SIGTERM and SIGKILL (second stop phase)."""
+_KILL_AFTER_S = ELASTIC_SHUTDOWN_S + 10
+
+
+def _exit_on_signal(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def new_run_id() -> str:
+    """A sortable, unique run id: ``20250101-120000-a1b2c3``."""
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
+
+
+@dataclass(kw_only=True)
+class LaunchOptions:
+    """Everything ``evtrain launch`` was asked to do (the CLI fills it in)."""
+
+    spec: str
+    """Path of the job spec file."""
+    overrides: dict[str, str] = field(default_factory=dict)
+    """Override strings (`evtrain.spec.apply_overrides`), passed on to every worker."""
+    max_restarts: int = 0
+    """Elastic restarts of the worker group after a failure."""
+    nnodes: int = 1
+    node_rank: int | None = None
+    rdzv_endpoint: str | None = None
+    """Rendezvous ``HOST:PORT`` (required with ``nnodes > 1``)."""
+    bus: str | None = None
+    """Bus address to bind (node 0) or join (other nodes); default: a private ipc dir."""
+    external_bus: bool = False
+    """``bus`` is a broker someone else runs (``evtrain bus``): connect, never bind."""
+    bus_wait_s: float = 30.0
+    """With ``external_bus``: seconds to wait for that broker to answer."""
+    hooks: bool = True
+    """Start the spec's hooks (``--no-hooks``: don't)."""
+    hook_restarts: int = 5
+    """Restarts of one crashing hook before the launcher gives up on it."""
+    resume: str | None = None
+    """Checkpoint to resume (``"latest"``: the run directory's latest committed one)."""
+    load_weights: str | None = None
+    dump_weights: str | None = None
+    """Directory where every stage writes its final parameters (testing/export aid)."""
+    run_id: str | None = None
+    quiet: bool = False
+    grace_s: float = 30.0
+    """Seconds the workers get to end the run after the stop command, before signals."""
+    hook_attach_timeout: float = 60.0
+    hook_finish_timeout: float = 10.0
+    start_method: str = "forkserver"
+    """How elastic starts workers: ``forkserver`` (default: forks of one process that
+    imported torch once), ``spawn`` (a fresh interpreter each) or ``fork``."""
+    log_format: str = "console"
+    """Log format of every process started (hooks: ``--log-format``, workers: env)."""
+    log_level: str = "info"
+
+
+class Launcher:
+    """Runs one job on this node; see the module docstring. Use `run` (once)."""
+
+    def __init__(
+        self, options: LaunchOptions, *, out: TextIO | None = None, err: TextIO | None = None
+    ) -> None:
+        self.options = options
+        self.out = out or sys.stdout
+        self.err = err or sys.stderr
+        self.job: Any = None
+        self.run_id = options.run_id or new_run_id()
+        self.run_dir: Path | None = None
+        self.address: BusAddress | None = None
+        self.progress = Progress(self.out, enabled=not options.quiet)
+        self._broker: Broker | None = None
+        self._owns_ipc_dir = False
+        self._agent: subprocess.Popen[bytes] | None = None
+        self._supervisor: HookSupervisor | None = None
+        self._ended: RunEnded | None = None
+        self._ended_event: anyio.Event | None = None
+        self._stop_signal: int | None = None
+        self._stop_phase = 0
+        self._phase_deadline: float | None = None
+        self._stop_id = secrets.token_hex(8)
+        self._stop_acks: set[int] = set()
+        self._stop_sent_at = 0.0
+        self._command_publisher: Publisher | None = None
+        self._config_sent = False
+        self._started = time.monotonic()
+        self._started_at = time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime())
+
+    # ------------------------------------------------------------------ checks
+
+    @property
+    def is_bus_owner(self) -> bool:
+        """Whether this node binds the bus and runs the hooks (node 0)."""
+        return self.options.nnodes == 1 or self.options.node_rank == 0
+
+    def prepare(self) -> None:
+        """Load and validate everything; raise `UsageError` before anything starts."""
+        from evtrain.hooks.loader import build_hook_from_spec
+        from evtrain.spec import apply_overrides, load_job
+
+        opts = self.options
+        if opts.max_restarts < 0:
+            raise UsageError(f"--max-restarts must be >= 0, got {opts.max_restarts}")
+        if opts.hook_restarts < 0:
+            raise UsageError(f"--hook-restarts must be >= 0, got {opts.hook_restarts}")
+        if opts.nnodes < 1:
+            raise UsageError(f"--nnodes must be >= 1, got {opts.nnodes}")
+        if opts.node_rank is not None and not 0 <= opts.node_rank < opts.nnodes:
+            raise UsageError(f"--node-rank must be in 0..{opts.nnodes - 1}, got {opts.node_rank}")
+        if opts.nnodes > 1:
+            if opts.node_rank is None:
+                raise UsageError("--nnodes > 1 needs --node-rank (0 on the node that runs the bus)")
+            if not opts.run_id:
+                raise UsageError("--nnodes > 1 needs the same --run-id on every node")
+            if not opts.rdzv_endpoint:
+                raise UsageError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT")
+            if not opts.bus or not opts.bus.startswith("tcp://"):
+                raise UsageError(
+                    "--nnodes > 1 needs --bus tcp://HOST:PORT on node 0 that every node reaches"
+                )
+        if opts.external_bus and not opts.bus:
+            raise UsageError("--external-bus needs --bus ADDRESS of a running `evtrain bus`")
+        if not opts.bus_wait_s > 0:
+            raise UsageError(f"--connect-timeout must be positive, got {opts.bus_wait_s:g}")
+        if opts.start_method not in ("spawn", "forkserver", "fork"):
+            raise UsageError(f"unknown start method {opts.start_method!r}")
+        job = apply_overrides(load_job(opts.spec), opts.overrides)
+        if job.stages % opts.nnodes:
+            raise UsageError(f"{job.stages} stages do not split evenly over --nnodes {opts.nnodes}")
+        if job.device == "cuda":
+            job.stage_device(job.stages // opts.nnodes - 1)  # SpecError when GPUs are missing
+        if opts.hooks and self.is_bus_owner:
+            for spec in job.hook_specs:
+                build_hook_from_spec(spec)  # UsageError naming the hook and option
+        self.address = BusAddress.parse(opts.bus) if opts.bus else None
+        self.job = job
+
+    # ------------------------------------------------------------------ running
+
+    def run(self) -> int:
+        """Launch the job and follow it to the end; returns the exit status."""
+        # Until the event loop takes over the signals, SIGTERM unwinds through
+        # the cleanup below instead of killing this process on the spot.
+        previous = signal.signal(signal.SIGTERM, _exit_on_signal)
+        # The agent process starts first, idle until it is told what to run:
+        # its torch import (and the fork server's) overlaps ours and the spec
+        # loading. If validation fails it is killed before it did anything.
+        self._agent = self._start_agent()
+        try:
+            self.prepare()
+            if self.options.external_bus:
+                self._wait_for_broker()  # before anything is created or started
+            job = self.job
+            self.run_dir = Path(job.run_dir).expanduser().resolve()
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            if self.is_bus_owner and not self.options.external_bus:
+                if self.address is None:
+                    self.address = BusAddress.new_ipc()
+                    self._owns_ipc_dir = True
+                self._broker = Broker(self.address)
+                self._broker.start()
+            assert self.address is not None
+            self._write_run_json(status="running")
+            self._print_header()
+            status = anyio.run(self._main)
+            self._write_run_json(status=self._final_status(status), exit_status=status)
+            return status
+        finally:
+            self._cleanup()
+            signal.signal(signal.SIGTERM, previous)
+
+    def _wait_for_broker(self) -> None:
+        """Block until the external broker answers; `UsageError` after ``bus_wait_s``."""
+        from evtrain.bus.state_service import ping_broker
+
+        assert self.address is not None
+        # One request: ZeroMQ keeps reconnecting until the broker is up, so a
+        # broker that starts a little later (compose) still answers in time.
+        if not ping_broker(self.address, self.options.bus_wait_s):
+            raise UsageError(
+                f"--external-bus: no evtrain broker answered at {self.address} within "
+                f"{self.options.bus_wait_s:g} s (is `evtrain bus --bus ...` running there?)"
+            )
+
+    def _print_header(self) -> None:
+        job, address = self.job, self.address
+        steps = f"{job.max_steps} steps" if job.max_steps is not None else f"{job.epochs} epochs"
+        self._say(
+            f"evtrain launch: run {self.run_id} | {job.name} | {job.stages} stages "
+            f"({job.schedule}, {job.num_microbatches} microbatches) | {steps}"
+        )
+        self._say(f"  bus: {address}  (attach: evtrain hook MODULE:CLASS --bus {address})")
+        self._say(f"  run dir: {self.run_dir}")
+
+    def _say(self, text: str) -> None:
+        self.out.write(text + "\n")
+        self.out.flush()
+
+    async def _main(self) -> int:
+        self._ended_event = anyio.Event()
+        assert self.address is not None
+        # Subscribed before any hook starts, so no hook's HookStarted is missed.
+        subscriber = Subscriber(self.address.endpoint("events_out"), _TOPICS)
+        with (
+            subscriber,
+            anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals,
+        ):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._watch_signals, signals)
+                tg.start_soon(self._read_bus, subscriber)
+                try:
+                    status = await self._drive()
+                finally:
+                    tg.cancel_scope.cancel()
+        return status
+
+    async def _watch_signals(self, signals: Any) -> None:
+        async for signum in signals:
+            if self._stop_signal is None:
+                self._stop_signal = int(signum)
+            log.warning(
+                "signal received", signal=signal.Signals(signum).name, phase=self._stop_phase + 1
+            )
+            self._escalate()
+
+    def _escalate(self) -> None:
+        """Move to the next stop phase (a signal arrived, or the current phase timed out).
+
+        1. a `StopRun` command on the bus: every stage stops at the same step
+           boundary and returns normally, so elastic sees success;
+        2. SIGTERM to the agent: elastic sends SIGTERM to every worker (which
+           also stop at a step boundary if they can) and SIGKILL after
+           ``ELASTIC_SHUTDOWN_S``;
+        3. SIGKILL to the agent's whole process group.
+
+        Why not begin with 2: after a worker returns, elastic's worker wrapper
+        waits for the agent to collect its result, which an agent that was
+        signalled never does, so every clean stop would last the whole
+        shutdown timeout and end with SIGKILL.
+        """
+        self._stop_phase += 1
+        now = time.monotonic()
+        if self._stop_phase == 1 and not self._config_sent:
+            self._stop_phase = 3  # no workers yet: nothing to stop gently
+        if self._stop_phase == 1:
+            log.warning("stopping the run at the next step boundary")
+            self._phase_deadline = now + self.options.grace_s
+            self._send_stop()
+        elif self._stop_phase == 2:
+            log.warning("escalating: elastic terminates the workers")
+            self._phase_deadline = now + _KILL_AFTER_S
+            self._term_agent()
+        else:
+            log.warning("killing every process of the run")
+            self._phase_deadline = None
+            self._kill_agent()
+
+    def _send_stop(self) -> None:
+        """(Re)publish the launcher's `StopRun`; stages apply one id once."""
+        assert self.address is not None
+        if self._command_publisher is None:
+            try:
+                self._command_publisher = Publisher(
+                    self.address.endpoint("commands_in"),
+                    source=LAUNCHER_SOURCE,
+                    run_id=self.run_id,
+                    connect_timeout=2.0,
+                )
+            except UsageError as exc:
+                log.warning("cannot send the stop command", error=str(exc))
+                return
+        reason = f"launcher got {signal.Signals(self._stop_signal or signal.SIGTERM).name}"
+        self._command_publisher.publish(StopRun(command_id=self._stop_id, reason=reason))
+        self._stop_sent_at = time.monotonic()
+
+    def _stop_tick(self) -> None:
+        """Retry the stop command until every stage acknowledged it; escalate on timeout."""
+        if self._stop_phase == 0:
+            return
+        now = time.monotonic()
+        if self._phase_deadline is not None and now > self._phase_deadline:
+            self._escalate()
+            return
+        if (
+            self._stop_phase == 1
+            and len(self._stop_acks) < self.job.stages
+            and now - self._stop_sent_at > _STOP_RETRY_S
+        ):
+            self._send_stop()
+
+    async def _read_bus(self, subscriber: Subscriber) -> None:
+        while True:
+            for msg in await subscriber.receive(timeout=0.5):
+                self._on_event(msg)
+
+    def _on_event(self, msg: Message) -> None:
+        if msg.run_id and msg.run_id != self.run_id:
+            return  # another run sharing this bus
+        self.progress.update(msg)
+        if isinstance(msg, HookStarted):
+            if self._supervisor is not None:
+                self._supervisor.attached(msg.pid)
+        elif isinstance(msg, RunStarted):
+            log.debug("run started", after_s=round(time.monotonic() - self._started, 2))
+            if self._ended is not None and self._ended.status == "failed":
+                # Elastic restarted the workers after a failure: the run goes on.
+                self._ended = None
+                self._ended_event = anyio.Event()
+                if self._supervisor is not None:
+                    self._supervisor.revive()
+        elif isinstance(msg, CommandAcked):
+            if msg.command_id == self._stop_id:
+                self._stop_acks.add(msg.stage)
+        elif isinstance(msg, RunEnded) and msg.source != LAUNCHER_SOURCE:
+            self._ended = msg
+            if self._supervisor is not None:
+                self._supervisor.mark_run_ended()
+            if self._ended_event is not None:
+                self._ended_event.set()
+
+    async def _drive(self) -> int:
+        opts = self.options
+        specs = self.job.hook_specs if (opts.hooks and self.is_bus_owner) else ()
+        self._supervisor = HookSupervisor(
+            specs,
+            self.address,  # type: ignore[arg-type]
+            max_restarts=opts.hook_restarts,
+            env=self._hook_env(),
+            log_args=("--log-format", opts.log_format, "--log-level", opts.log_level),
+        )
+        self._supervisor.start_all()
+        problem = await self._wait_hooks_attached()
+        if problem is not None or self._stop_signal is not None:
+            if problem is not None:
+                self.err.write(f"evtrain launch: error: {problem}\n")
+            self._close_agent_stdin()
+            await self._wait_agent(timeout=10)
+            self._supervisor.terminate()
+            if self._stop_signal is not None:
+                return 128 + self._stop_signal
+            return EXIT_FAILED
+        log.debug("hooks attached", after_s=round(time.monotonic() - self._started, 2))
+        self._config_sent = self._send_agent_config()
+        if not self._config_sent:
+            self.err.write("evtrain launch: error: the elastic agent process died at startup\n")
+            self._supervisor.terminate()
+            return EXIT_FAILED
+        agent_status = await self._follow()
+        await self._wait_run_ended(timeout=1.0)
+        self._kill_agent()  # anything left in the agent's process group
+        if self._ended is None and self.is_bus_owner:
+            self._publish_run_ended(agent_status)
+        await self._finish_hooks()
+        self.progress.close()
+        return self._report(agent_status)
+
+    # -- the agent --------------------------------------------------------------
+
+    def _start_agent(self) -> subprocess.Popen[bytes]:
+        env = dict(os.environ)
+        # The stage actor configures its logging from these (stages/actor.py).
+        env["EVTRAIN_LOG_FORMAT"] = self.options.log_format
+        env["EVTRAIN_LOG_LEVEL"] = self.options.log_level
+        # With the rendezvous TCPStore shared into the workers (torch's default)
+        # a restarted worker group reads the previous attempt's gloo/NCCL
+        # addresses from the same store keys and fails to connect
+        # (pytorch/pytorch#135712; seen here with --max-restarts). A fresh
+        # store per attempt avoids it.
+        env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+        return subprocess.Popen(
+            [sys.executable, "-m", "evtrain.elastic_agent", self.options.start_method],
+            env=env,
+            stdin=subprocess.PIPE,
+            start_new_session=True,
+            preexec_fn=set_pdeathsig(),
+        )
+
+    def agent_config(self) -> AgentConfig:
+        """The elastic configuration of this node's worker group."""
+        from evtrain.stages.worker import WorkerConfig
+
+        opts, job = self.options, self.job
+        worker = WorkerConfig(
+            spec_path=str(Path(opts.spec).expanduser().resolve()),
+            overrides=dict(opts.overrides),
+            bus=str(self.address),
+            run_id=self.run_id,
+            resume=opts.resume,
+            load_weights=opts.load_weights,
+            dump_weights_dir=(
+                str(Path(opts.dump_weights).expanduser().resolve()) if opts.dump_weights else None
+            ),
+        )
+        if opts.nnodes == 1:
+            # As torchrun --standalone: a c10d store on a free loopback port.
+            backend, endpoint, rdzv_configs = "c10d", "127.0.0.1:0", {}
+            rdzv_run_id = self.run_id
+        else:
+            endpoint = opts.rdzv_endpoint or ""
+            rdzv_run_id = self.run_id  # --run-id, the same on every node
+            # As torchrun with --node-rank: node r holds ranks r*P/N .. (r+1)*P/N-1.
+            backend, rdzv_configs = "static", {"rank": opts.node_rank}
+        assert self.run_dir is not None
+        return AgentConfig(
+            worker_config=worker.encode(),
+            nproc_per_node=job.stages // opts.nnodes,
+            min_nodes=opts.nnodes,
+            max_nodes=opts.nnodes,
+            rdzv_backend=backend,
+            rdzv_endpoint=endpoint,
+            rdzv_configs=rdzv_configs,
+            run_id=rdzv_run_id,
+            max_restarts=opts.max_restarts,
+            shutdown_timeout=ELASTIC_SHUTDOWN_S,
+            start_method=opts.start_method,
+            log_dir=str(self.run_dir / "elastic"),
+            failure_file=str(self._failure_file()),
+        )
+
+    def _failure_file(self) -> Path:
+        assert self.run_dir is not None
+        node = f"-node{self.options.node_rank}" if self.options.nnodes > 1 else ""
+        return self.run_dir / "elastic" / f"{self.run_id}{node}-failure.txt"
+
+    def _send_agent_config(self) -> bool:
+        assert self._agent is not None and self._agent.stdin is not None
+        try:
+            self._agent.stdin.write((self.agent_config().encode() + "\n").encode())
+            self._agent.stdin.close()
+        except (BrokenPipeError, OSError):
+            return False
+        return True
+
+    def _close_agent_stdin(self) -> None:
+        if self._agent is not None and self._agent.stdin is not None:
+            try:
+                self._agent.stdin.close()
+            except OSError:
+                pass
+
+    async def _follow(self) -> int:
+        """Supervise hooks and show progress until the agent exits; its exit status."""
+        assert self._agent is not None and self._supervisor is not None
+        while (code := self._agent.poll()) is None:
+            self._supervisor.poll()
+            self.progress.tick()
+            self._stop_tick()
+            await anyio.sleep(_POLL_S)
+        return code
+
+    async def _wait_agent(self, timeout: float) -> None:
+        assert self._agent is not None
+        with anyio.move_on_after(timeout):
+            while self._agent.poll() is None:
+                await anyio.sleep(_POLL_S)
+        self._kill_agent()
+
+    def _term_agent(self) -> None:
+        if self._agent is not None and self._agent.poll() is None:
+            try:
+                # Only the agent: elastic forwards SIGTERM to each worker itself.
+                os.kill(self._agent.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+    def _kill_agent(self) -> None:
+        if self._agent is None:
+            return
+        try:
+            # The agent leads its session; its workers are in its process group.
+            os.killpg(self._agent.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            self._agent.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            log.error("the elastic agent did not die", pid=self._agent.pid)
+
+    # -- hooks ------------------------------------------------------------------
+
+    def _hook_env(self) -> dict[str, str]:
+        # Hook modules that sit next to the spec are importable, as they are for
+        # the spec itself (evtrain.spec.load_job appends its directory).
+        env = dict(os.environ)
+        spec_dir = str(Path(self.options.spec).expanduser().resolve().parent)
+        paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        if spec_dir not in paths:
+            paths.append(spec_dir)
+        env["PYTHONPATH"] = os.pathsep.join(paths)
+        return env
+
+    async def _wait_hooks_attached(self) -> str | None:
+        """None once every hook attached; else why not (timeout, crash loop, signal)."""
+        assert self._supervisor is not None
+        deadline = time.monotonic() + self.options.hook_attach_timeout
+        while not self._supervisor.all_attached():
+            if self._stop_signal is not None:
+                return None
+            problem = self._supervisor.startup_problem()
+            if problem is not None:
+                return problem
+            if time.monotonic() > deadline:
+                waiting = ", ".join(self._supervisor.waiting_for())
+                return (
+                    f"hooks did not attach to the bus within "
+                    f"{self.options.hook_attach_timeout:g} s: {waiting}"
+                )
+            self._supervisor.poll()
+            await anyio.sleep(_POLL_S / 2)
+        return None
+
+    async def _finish_hooks(self) -> None:
+        assert self._supervisor is not None
+        self._supervisor.mark_run_ended()
+        with anyio.move_on_after(self.options.hook_finish_timeout):
+            while self._supervisor.running():
+                self._supervisor.poll()
+                await anyio.sleep(0.05)
+        for hook in self._supervisor.running():
+            log.warning("hook still running after the run; terminating it", hook=hook.label)
+        await anyio.to_thread.run_sync(self._supervisor.terminate)
+
+    # -- the end ----------------------------------------------------------------
+
+    async def _wait_run_ended(self, timeout: float) -> None:
+        # The stages' RunEnded may still be on its way when the agent exits.
+        if self._ended is None and self._ended_event is not None:
+            with anyio.move_on_after(timeout):
+                await self._ended_event.wait()
+
+    def _publish_run_ended(self, agent_status: int) -> None:
+        """Tell hooks the run is over when the stages could not (they failed or were killed)."""
+        assert self.address is not None
+        if self._stop_signal is not None and agent_status != EXIT_FAILED:
+            status, reason = "stopped", f"launcher got {signal.Signals(self._stop_signal).name}"
+        elif agent_status == 0:
+            status, reason = "completed", ""
+        else:
+            status, reason = "failed", self._failure_line() or "stage workers failed"
+        try:
+            with Publisher(
+                self.address.endpoint("events_in"),
+                source=LAUNCHER_SOURCE,
+                run_id=self.run_id,
+                connect_timeout=2.0,
+            ) as publisher:
+                publisher.publish(
+                    RunEnded(status=status, reason=reason, step=self.progress.stats.steps_done)
+                )
+        except UsageError as exc:  # a remote bus that went away
+            log.warning("could not publish the end of the run", error=str(exc))
+
+    def _failure_line(self) -> str | None:
+        failures = sorted(self.progress.stats.failures, key=lambda f: f.ts)
+        if not failures:
+            return None
+        first = failures[0]
+        at = f" at step {first.step}" if first.step is not None else ""
+        return f"stage {first.stage} failed{at}: {first.error}"
+
+    def _report(self, agent_status: int) -> int:
+        """Print the summary (and the failure), return the exit status."""
+        status = self._exit_status(agent_status)
+        ended = self._ended
+        if status == EXIT_OK:
+            word = ended.status if ended is not None else "completed"
+        elif self._stop_signal is not None and status != EXIT_FAILED:
+            word = f"interrupted ({signal.Signals(self._stop_signal).name})"
+        else:
+            word = "failed"
+        self._say(
+            self.progress.summary(
+                status=word, wall_s=time.monotonic() - self._started, run_dir=str(self.run_dir)
+            )
+        )
+        if status == EXIT_FAILED:
+            self._print_failure(agent_status)
+        return status
+
+    def _exit_status(self, agent_status: int) -> int:
+        ended = self._ended
+        if self._stop_signal is not None:
+            if agent_status == 0 or (ended is not None and ended.status != "failed"):
+                return EXIT_OK  # the workers ended the run at a step boundary
+            if agent_status == EXIT_FAILED and self.progress.stats.failures:
+                return EXIT_FAILED
+            return 128 + self._stop_signal
+        if agent_status != 0:
+            return EXIT_FAILED
+        if ended is not None and ended.status == "failed":
+            return EXIT_FAILED
+        return EXIT_OK
+
+    def _print_failure(self, agent_status: int) -> None:
+        failures = sorted(self.progress.stats.failures, key=lambda f: f.ts)
+        if not failures:
+            # No stage said why (killed by a signal, out of memory...): elastic's summary.
+            report = ""
+            if self._failure_file().exists():
+                report = self._failure_file().read_text().rstrip() + "\n"
+            self.err.write(
+                f"evtrain launch: error: stage workers failed (elastic agent exit status "
+                f"{agent_status})\n{report}"
+            )
+            self.err.flush()
+            return
+        first = failures[0]
+        self.err.write(f"evtrain launch: error: {self._failure_line()}\n")
+        if first.traceback:
+            self.err.write(first.traceback.rstrip() + "\n")
+        for other in failures[1:]:
+            self.err.write(f"  (then stage {other.stage} failed: {other.error})\n")
+        if self._failure_file().exists():
+            # It also names workers that died without a word (a signal, OOM).
+            self.err.write(f"  elastic's summary of the worker exits: {self._failure_file()}\n")
+        self.err.flush()
+
+    def _final_status(self, status: int) -> str:
+        if status == EXIT_OK:
+            return self._ended.status if self._ended is not None else "completed"
+        if status == EXIT_FAILED:
+            return "failed"
+        return "interrupted"
+
+    def _write_run_json(self, **extra: Any) -> None:
+        if self.run_dir is None or not self.is_bus_owner:
+            return
+        stats = self.progress.stats
+        data: dict[str, Any] = {
+            "run_id": self.run_id,
+            "name": self.job.name,
+            "spec": str(Path(self.options.spec).expanduser().resolve()),
+            "overrides": dict(self.options.overrides),
+            "bus": str(self.address),
+            "run_dir": str(self.run_dir),
+            "stages": self.job.stages,
+            "schedule": self.job.schedule,
+            "nnodes": self.options.nnodes,
+            "max_restarts": self.options.max_restarts,
+            "resume": self.options.resume,
+            "load_weights": self.options.load_weights,
+            "launcher_pid": os.getpid(),
+            "started": self._started_at,
+            "steps": stats.steps_done,
+            "final_loss": stats.last_loss,
+            "last_eval": stats.last_eval.metrics if stats.last_eval is not None else None,
+        }
+        data.update(extra)
+        path = self.run_dir / "run.json"
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(data, indent=2) + "\n")
+        os.replace(tmp, path)
+
+    def _cleanup(self) -> None:
+        """Whatever happened: no process of ours left, broker stopped, ipc dir removed."""
+        self._kill_agent()
+        if self._command_publisher is not None:
+            self._command_publisher.close(linger=0)
+        if self._supervisor is not None:
+            self._supervisor.kill()
+        if self._broker is not None:
+            self._broker.stop()
+            self._broker = None
+        if self._owns_ipc_dir and self.address is not None:
+            shutil.rmtree(self.address.location, ignore_errors=True)

@@ -1,0 +1,202 @@
+"""Shared by the launch tests: tiny job specs, launching them, finding leftover processes."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+TESTS_DIR = Path(__file__).resolve().parent
+MARKER_ENV = "EVTRAIN_TEST_MARKER"
+
+SPEC_TEMPLATE = '''\
+"""A tiny MLP job for the launch tests (generated)."""
+
+import functools
+import os
+import time
+
+import torch
+from torch import nn
+
+from evtrain.job import Job, layer
+
+
+def make_data(num_samples, offset):
+    gen = torch.Generator().manual_seed(4321 + offset)
+    x = torch.randn(num_samples, 8, generator=gen)
+    y = 0.5 * x[:, :1] + torch.sin(x[:, 1:2]) - 0.25 * x[:, 2:3] * x[:, 3:4]
+    return x, y
+
+
+class Fault(nn.Module):
+    """Identity that raises during training step `fail_at_step` (1-based) and may sleep.
+
+    With `marker` it fails only while the marker file does not exist (and creates it).
+    With `stamp` it writes the wall-clock time of the failure to that file first.
+    """
+
+    def __init__(self, fail_at_step=None, microbatches=4, marker=None, delay=0.0, stamp=None):
+        super().__init__()
+        self.fail_at_step = fail_at_step
+        self.microbatches = microbatches
+        self.marker = marker
+        self.delay = delay
+        self.stamp = stamp
+        self.calls = 0
+
+    def forward(self, x):
+        if self.training:
+            self.calls += 1
+            step = (self.calls - 1) // self.microbatches + 1
+            if self.fail_at_step is not None and step == self.fail_at_step:
+                if self.marker is None or not os.path.exists(self.marker):
+                    if self.marker is not None:
+                        open(self.marker, "w").close()
+                    if self.stamp is not None:
+                        with open(self.stamp, "w") as fh:
+                            fh.write(repr(time.time()))
+                    raise RuntimeError(f"injected failure at step {{step}}")
+        if self.delay:
+            time.sleep(self.delay)
+        return x
+
+
+job = Job(
+    name="launchtest",
+    layers=[
+        layer(nn.Linear, 8, 16),
+        layer(nn.Tanh),
+        layer(nn.Linear, 16, 16),
+        layer(nn.Tanh),
+        layer(Fault, {fail_at_step!r}, 4, {marker!r}, {delay!r}, {stamp!r}),
+        layer(nn.Linear, 16, 1),
+    ],
+    loss_fn=nn.functional.mse_loss,
+    optimizer=functools.partial(torch.optim.SGD, lr={lr!r}, momentum=0.9),
+    train_data=functools.partial(make_data, 256, 1),
+    batch_size=32,
+    num_microbatches=4,
+    max_steps={steps!r},
+    seed=7,
+    stages={stages!r},
+    balance={balance!r},
+    schedule={schedule!r},
+    run_dir={run_dir!r},
+    hooks={hooks!r},
+    microbatch_spans="off",
+    threads=1,
+)
+'''
+
+
+def write_spec(directory: Path, name: str = "spec.py", **fields: Any) -> Path:
+    """A spec file in ``directory``; ``fields`` override the template's defaults."""
+    values: dict[str, Any] = dict(
+        fail_at_step=None,
+        marker=None,
+        delay=0.0,
+        stamp=None,
+        lr=0.05,
+        steps=4,
+        stages=2,
+        balance=None,
+        schedule="1f1b",
+        run_dir=str(directory / "run"),
+        hooks=[],
+    )
+    values.update(fields)
+    path = directory / name
+    path.write_text(SPEC_TEMPLATE.format(**values))
+    return path
+
+
+def new_marker() -> str:
+    """A token that every process of one launch carries in its environment."""
+    return "evt" + secrets.token_hex(6)
+
+
+def launch_env(marker: str, **extra: str) -> dict[str, str]:
+    """Environment for ``evtrain launch``: test hooks importable, the marker set."""
+    env = dict(os.environ)
+    paths = [str(TESTS_DIR), *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)]
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env[MARKER_ENV] = marker
+    env.update(extra)
+    return env
+
+
+def launch_cmd(spec: Path, *args: str) -> list[str]:
+    """The ``evtrain launch`` command line."""
+    return [sys.executable, "-m", "evtrain", "launch", str(spec), *args]
+
+
+def marked_pids(marker: str) -> list[int]:
+    """Live (non-zombie) processes whose environment carries ``marker``.
+
+    Every process a launch starts inherits the launcher's environment (the
+    elastic agent, the workers it spawns, the hooks), so this finds them all,
+    even ones that were re-parented, without psutil.
+    """
+    needle = f"{MARKER_ENV}={marker}".encode()
+    found: list[int] = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as fh:
+                environ = fh.read()
+            with open(f"/proc/{entry}/stat", "rb") as fh:
+                state = fh.read().rsplit(b")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != b"Z" and needle in environ.split(b"\0"):
+            found.append(int(entry))
+    return found
+
+
+def wait_no_marked(marker: str, timeout: float = 5.0) -> list[int]:
+    """Wait until no process carries ``marker``; the pids still alive after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = marked_pids(marker)
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
+
+
+def kill_marked(marker: str) -> None:
+    """SIGKILL every process carrying ``marker`` (test cleanup)."""
+    for pid in marked_pids(marker):
+        try:
+            os.kill(pid, 9)
+        except OSError:
+            pass
+
+
+def run_launch(
+    spec: Path, *args: str, marker: str, timeout: float = 60.0, **env: str
+) -> tuple[subprocess.CompletedProcess[str], list[int]]:
+    """Run ``evtrain launch`` to the end; returns it and the pids it left behind.
+
+    Whatever carries the marker afterwards is killed, so nothing outlives the test.
+    """
+    try:
+        proc = subprocess.run(
+            launch_cmd(spec, *args),
+            env=launch_env(marker, **env),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            start_new_session=True,
+        )
+    except subprocess.TimeoutExpired:
+        kill_marked(marker)
+        raise
+    leftovers = wait_no_marked(marker, timeout=5.0)
+    kill_marked(marker)
+    return proc, leftovers

@@ -1,0 +1,78 @@
+"""Hooks that the launch tests name in their job specs (run as ``evtrain hook`` processes).
+
+Importable by the hook processes because the tests put this directory on
+PYTHONPATH. Kept free of torch so that hook processes start fast.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from evtrain.events import RunEnded, RunStarted, StepEnded
+from evtrain.hooks.hook import Hook, on
+
+
+def _append(path: Path, record: dict[str, object]) -> None:
+    with path.open("a") as fh:
+        fh.write(json.dumps(record) + "\n")
+        fh.flush()
+
+
+class StepRecorder(Hook):
+    """Appends every loss-carrying `StepEnded` and the `RunEnded` to a JSON-lines file.
+
+    ``path`` is the file; without it ``$EVTRAIN_TEST_STEPS`` names it.
+    """
+
+    def __init__(self, *, path: str | None = None, priority: int | None = None) -> None:
+        super().__init__(priority=priority)
+        self.path = Path(path or os.environ["EVTRAIN_TEST_STEPS"])
+
+    @on(RunStarted)
+    def started(self, ev: RunStarted) -> None:
+        _append(self.path, {"started": ev.run_id, "num_stages": ev.num_stages, "pid": os.getpid()})
+
+    @on(StepEnded)
+    def step(self, ev: StepEnded) -> None:
+        if ev.loss is not None:
+            _append(self.path, {"step": ev.step, "loss": ev.loss, "stage": ev.stage})
+
+    @on(RunEnded)
+    def ended(self, ev: RunEnded) -> None:
+        _append(self.path, {"end": ev.status, "reason": ev.reason, "source": ev.source})
+
+
+class CrashOnce(Hook):
+    """Exits with status 1 in its first `StepEnded` handler, unless ``marker`` exists.
+
+    It creates ``marker`` before crashing, so the restarted process runs normally;
+    on `RunEnded` it writes ``{"pid", "status"}`` to ``done`` to prove it saw the end.
+    """
+
+    def __init__(self, *, marker: str, done: str, priority: int | None = None) -> None:
+        super().__init__(priority=priority)
+        self.marker = Path(marker)
+        self.done = Path(done)
+
+    @on(StepEnded)
+    def step(self, ev: StepEnded) -> None:
+        if not self.marker.exists():
+            self.marker.write_text(str(os.getpid()))
+            raise SystemExit(1)
+
+    @on(RunEnded)
+    def ended(self, ev: RunEnded) -> None:
+        self.done.write_text(json.dumps({"pid": os.getpid(), "status": ev.status}))
+
+
+class CrashAtSetup(Hook):
+    """Attaches, then exits with status 3 in `setup`, every time."""
+
+    @on(StepEnded)
+    def step(self, ev: StepEnded) -> None:
+        """Never reached."""
+
+    async def setup(self) -> None:
+        raise SystemExit(3)
