@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import os
+import sys
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -12,6 +14,16 @@ from evtrain.errors import UsageError
 from evtrain.hooks.hook import Hook
 
 BUILTIN_HOOKS: dict[str, str] = {
+    "logging": "evtrain.hooks.console_log:ConsoleLog",
+    "eval_every": "evtrain.hooks.eval_trigger:EvalTrigger",
+    "early_stopping": "evtrain.hooks.early_stopping:EarlyStopping",
+    "lr_monitor": "evtrain.hooks.lr_monitor:LRMonitor",
+    "timer": "evtrain.hooks.timer:Timer",
+    "memory": "evtrain.hooks.memory_monitor:MemoryMonitor",
+    "prometheus": "evtrain.exporters.prometheus:PrometheusExporter",
+    "metrics": "evtrain.exporters.metrics_log:MetricsLog",
+    "tensorboard": "evtrain.exporters.tensorboard:TensorBoardWriter",
+    "recorder": "evtrain.exporters.recorder:EventRecorder",
     "checkpoint": "evtrain.hooks.checkpoint:CheckpointHook",
 }
 """Short names of the built-in hooks and exporters -> ``module:Class``."""
@@ -26,6 +38,11 @@ def resolve_hook_class(ref: str) -> type[Hook]:
         raise UsageError(
             f"unknown hook {ref!r}: use package.module:Class or a built-in name ({known})"
         )
+    # Like `python -m`, find the user's own modules in the working directory
+    # (`evtrain hook mypkg.mod:Cls` from a project root); appended, so nothing
+    # installed is ever shadowed.
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:

@@ -1,0 +1,174 @@
+"""Replaying a recorded run through hooks, offline and in-process.
+
+The recorder hook writes every event of a run to ``RUN_DIR/events.jsonl``;
+`replay` reads it back and dispatches each event to the hooks exactly as a
+live `HookRunner` would: same handlers, same priority order, `RunState`
+updated before every dispatch, ``setup``/``teardown`` around it all. Commands a
+hook sends cannot reach a recorded run: they are logged and collected in
+`ReplayRunner.commands`, acknowledged by nobody. Events a hook publishes are
+collected in `ReplayRunner.published`.
+
+Output files: replay points the run's ``run_dir`` (from `RunStarted`) at
+``out_dir`` — by default ``RUN_DIR/replay`` — so a hook that writes into the
+run directory never appends to the live run's files.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+import structlog
+
+from evtrain.bus.address import BusAddress
+from evtrain.errors import UsageError
+from evtrain.events import (
+    Command,
+    CommandAcked,
+    DecodeError,
+    Event,
+    Message,
+    RunStarted,
+    from_builtins,
+)
+from evtrain.hooks.hook import Hook
+from evtrain.hooks.runner import HookRunner
+
+log = structlog.get_logger("evtrain.replay")
+
+EVENTS_FILENAME = "events.jsonl"
+REPLAY_DIRNAME = "replay"
+
+
+def events_file(run: str | Path) -> Path:
+    """The recorded events of ``run`` (a run directory or the events file itself)."""
+    path = Path(run)
+    if path.is_dir():
+        path = path / EVENTS_FILENAME
+    if not path.is_file():
+        raise UsageError(
+            f"no recorded events at {path} (run the 'recorder' hook during the run to get them)"
+        )
+    return path
+
+
+def read_events(path: str | Path) -> Iterator[Message]:
+    """The events of a recorder file in order; exact duplicates (a restarted recorder
+    records the state snapshot again) and unreadable lines are skipped with a warning."""
+    decoder = msgspec.json.Decoder()
+    seen: set[tuple[str, str, int, float, str]] = set()
+    bad = 0
+    with Path(path).open("rb") as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                msg = from_builtins(decoder.decode(line))
+            except (msgspec.DecodeError, DecodeError) as exc:
+                bad += 1
+                # A crash can cut the last line short; anything else is worth a look.
+                log.warning("skipping unreadable event line", line=number, error=str(exc)[:200])
+                continue
+            key = (msg.run_id, msg.source, msg.seq, msg.ts, msg.topic.decode())
+            if key in seen:
+                continue
+            seen.add(key)
+            yield msg
+    if bad:
+        log.warning("unreadable event lines skipped", count=bad, file=str(path))
+
+
+class ReplayRunner(HookRunner):
+    """A `HookRunner` fed from a list of events instead of the bus."""
+
+    def __init__(self, hooks: Sequence[Hook], *, name: str | None = None) -> None:
+        # The address is never connected to: publish and send_command are replaced.
+        super().__init__(hooks, BusAddress("ipc", "/nonexistent-replay"), name=name)
+        self.published: list[Event] = []
+        self.commands: list[Command] = []
+        self.errors = 0
+        self.dispatched = 0
+
+    def publish(self, event: Event) -> bool:
+        """Collect the event (there is no bus)."""
+        self.published.append(event)
+        return True
+
+    async def send_command(
+        self, command: Command, *, timeout: float = 60.0, acks: int | None = None
+    ) -> list[CommandAcked]:
+        """Collect the command; a recorded run cannot act on it, so nobody acknowledges."""
+        self.commands.append(command)
+        log.info("command not sent (replay)", command=command.topic.decode(), payload=str(command))
+        return []
+
+    def _report_error(self, hook: Hook, method: str, msg: Message, exc: Exception) -> None:
+        self.errors += 1
+        super()._report_error(hook, method, msg, exc)
+
+    async def replay(self, messages: Iterator[Message] | Sequence[Message]) -> None:
+        """Set the hooks up, dispatch every message in order, tear them down."""
+        for hook in self.hooks:
+            hook._runner = self
+        try:
+            for hook in self.hooks:
+                await hook.setup()
+            self.ready.set()
+            for msg in messages:
+                await self._handle(msg)
+                self.dispatched += 1
+        finally:
+            for hook in self.hooks:
+                try:
+                    await hook.teardown()
+                except Exception:
+                    log.exception("hook teardown failed", hook=hook.hook_name())
+
+
+@dataclass
+class ReplayResult:
+    """What a replay did."""
+
+    events: int
+    errors: int
+    commands: list[Command] = field(default_factory=list)
+    published: list[Event] = field(default_factory=list)
+
+
+def _redirect(messages: Iterator[Message], out_dir: Path | None) -> Iterator[Message]:
+    for msg in messages:
+        if out_dir is not None and isinstance(msg, RunStarted):
+            msg = msgspec.structs.replace(msg, run_dir=str(out_dir))
+        yield msg
+
+
+async def replay(
+    run: str | Path,
+    hooks: Sequence[Hook],
+    *,
+    out_dir: str | Path | None = "",
+) -> ReplayResult:
+    """Feed the recorded events of ``run`` through ``hooks``.
+
+    ``out_dir`` replaces the run directory the hooks see: ``""`` (default)
+    means ``RUN_DIR/replay``, None keeps the recorded one (hooks then write
+    into the live run's directory).
+    """
+    path = events_file(run)
+    target: Path | None
+    if out_dir == "":
+        target = path.parent / REPLAY_DIRNAME
+    else:
+        target = None if out_dir is None else Path(out_dir)
+    if target is not None:
+        target.mkdir(parents=True, exist_ok=True)
+    runner = ReplayRunner(hooks)
+    await runner.replay(_redirect(read_events(path), target))
+    return ReplayResult(
+        events=runner.dispatched,
+        errors=runner.errors,
+        commands=runner.commands,
+        published=runner.published,
+    )

@@ -1,0 +1,149 @@
+"""The metrics log (short name ``metrics``): RUN_DIR/metrics.jsonl, like detectron2's metrics.json.
+
+One JSON object per line:
+
+* per step, once every stage reported it (see `StepMerger`)::
+
+    {"type": "step", "step": 9, "time": 1718000000.1, "epoch": 0, "samples": 64,
+     "loss": 0.41, "lr": 0.003, "grad_norm": 1.2, "step_time_s": 0.051,
+     "stages": {"0": {"duration_s": 0.05, "forward_s": 0.02, "backward_s": 0.025,
+                      "comm_wait_s": 0.004, "peak_memory_bytes": null}, "1": {...}},
+     ...values reported with evtrain.report...}
+
+* per evaluation::
+
+    {"type": "eval", "step": 49, "time": ..., "duration_s": 0.4, "samples": 256,
+     "metrics": {"loss": 0.38, "accuracy": 0.91}}
+
+``step`` is the 0-based step index of the events; ``time`` the event's wall
+clock. Every value comes from the events, so replaying a recorded run
+(``evtrain replay RUN_DIR --hook metrics``) writes the same lines.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from evtrain.events import EvalEnded, RunEnded, RunStarted, StepEnded
+from evtrain.hooks.hook import Hook, on
+from evtrain.hooks.options import path_option
+from evtrain.hooks.run_output import JsonLinesFile, RunOutput
+from evtrain.hooks.step_merge import MergedStep, StepMerger
+
+FILENAME = "metrics.jsonl"
+
+
+def step_record(merged: MergedStep) -> dict[str, Any]:
+    """The metrics-log line of one merged step."""
+    record: dict[str, Any] = {
+        "type": "step",
+        "step": merged.step,
+        "time": merged.ts,
+        "epoch": merged.epoch,
+        "samples": merged.samples,
+        "loss": merged.loss,
+        "lr": merged.lr,
+        "grad_norm": merged.grad_norm,
+        "step_time_s": merged.duration_s,
+        "stages": {
+            str(stage): {
+                "duration_s": ev.duration_s,
+                "forward_s": ev.forward_s,
+                "backward_s": ev.backward_s,
+                "comm_wait_s": ev.comm_wait_s,
+                "peak_memory_bytes": ev.peak_memory_bytes,
+            }
+            for stage, ev in sorted(merged.stages.items())
+        },
+    }
+    for key, value in merged.metrics.items():
+        record.setdefault(key, value)
+    return record
+
+
+def eval_record(ev: EvalEnded) -> dict[str, Any]:
+    """The metrics-log line of one evaluation."""
+    return {
+        "type": "eval",
+        "step": ev.step,
+        "time": ev.ts,
+        "duration_s": ev.duration_s,
+        "samples": ev.samples,
+        "metrics": dict(ev.metrics),
+    }
+
+
+class MetricsLog(Hook):
+    """Write one JSON line per step and per evaluation.
+
+    Options: ``dir`` (write ``DIR/metrics.jsonl``) or ``path`` (this file);
+    default ``RUN_DIR/metrics.jsonl``.
+    """
+
+    name = "metrics"
+    default_priority = 100
+
+    def __init__(
+        self,
+        *,
+        dir: str | Path | None = None,
+        path: str | Path | None = None,
+        priority: int | None = None,
+    ) -> None:
+        super().__init__(priority=priority)
+        self.output = RunOutput(
+            self.name,
+            FILENAME,
+            path=path_option(self.name, "path", path),
+            directory=path_option(self.name, "dir", dir),
+        )
+        self.file: JsonLinesFile | None = None
+        self._merger = StepMerger(lambda: self.state.num_stages)
+
+    def _writer(self) -> JsonLinesFile | None:
+        if self.file is None:
+            path = self.output.resolve(self.state.run)
+            if path is not None:
+                self.file = JsonLinesFile(path)
+                self.log.info("writing metrics", path=str(path))
+        return self.file
+
+    @on(RunStarted)
+    def run_started(self, ev: RunStarted) -> None:
+        """A new run: pending steps of the old one are gone; its run_dir may differ."""
+        self._merger.reset()
+        if self.file is not None and self.output.fixed is None:
+            new = self.output.resolve(ev)
+            if new != self.file.path:
+                self.file.close()
+                self.file = None
+
+    @on(StepEnded)
+    def step_ended(self, ev: StepEnded) -> None:
+        """Write the steps this event completed."""
+        for merged in self._merger.add(ev):
+            self._write(step_record(merged))
+
+    @on(EvalEnded)
+    def eval_ended(self, ev: EvalEnded) -> None:
+        """Write the evaluation."""
+        self._write(eval_record(ev))
+
+    @on(RunEnded)
+    def run_ended(self, ev: RunEnded) -> None:
+        """Write steps some stage never reported (lost events), then flush."""
+        for merged in self._merger.flush():
+            self._write(step_record(merged))
+        if self.file is not None:
+            self.file.flush()
+
+    def _write(self, record: dict[str, Any]) -> None:
+        writer = self._writer()
+        if writer is not None:
+            writer.write(record)
+
+    async def teardown(self) -> None:
+        """Close the file."""
+        if self.file is not None:
+            self.file.close()

@@ -1,0 +1,504 @@
+"""The Prometheus exporter (short name ``prometheus``): serves ``/metrics`` over HTTP.
+
+One hook process owns its own `CollectorRegistry`, keeps it up to date from the
+events and serves it with prometheus-client's `start_http_server` on ``addr``
+(default loopback) and ``port`` (default 9431; 0 picks a free port). The bound
+port is logged and written to ``RUN_DIR/prometheus.port`` (or
+``DIR/prometheus.port`` with the ``dir`` option) so tools and tests find it.
+
+Naming follows the Prometheus conventions: ``evtrain_`` prefix, base units
+(seconds, bytes, ratios), ``_total`` for counters, and only bounded labels:
+``stage`` (pipeline stages), ``metric`` (eval or reported metric names, capped
+at `MAX_METRIC_NAMES`), ``source``/``observer`` (bus processes), ``hook``,
+``status`` — never a step number or run id.
+
+==========================================  =======  ===================================
+metric                                      type     meaning
+==========================================  =======  ===================================
+evtrain_steps_total                         counter  optimizer steps finished
+evtrain_samples_total                       counter  training samples consumed
+evtrain_steps_done                          gauge    steps done in the run (incl. resumed)
+evtrain_run_max_steps                       gauge    the run's ``max_steps``
+evtrain_run_stages                          gauge    pipeline stages of the run
+evtrain_run_running                         gauge    1 between run.started and run.ended
+evtrain_run_start_time_seconds              gauge    wall clock the run started
+evtrain_runs_ended_total{status}            counter  runs ended: completed/stopped/failed
+evtrain_loss                                gauge    training loss of the last step
+evtrain_grad_norm                           gauge    gradient norm of the last step
+evtrain_learning_rate{stage}                gauge    learning rate of the last step
+evtrain_step_metric{metric}                 gauge    values reported with evtrain.report
+evtrain_step_duration_seconds{stage}        histo    step time per stage
+evtrain_forward_seconds_total{stage}        counter  time in forward computation
+evtrain_backward_seconds_total{stage}       counter  time in backward computation
+evtrain_comm_wait_seconds_total{stage}      counter  time blocked on p2p communication
+evtrain_bubble_ratio{stage}                 gauge    comm wait / step time, last ``window`` steps
+evtrain_peak_memory_bytes{stage}            gauge    peak memory the stage reported
+evtrain_evals_total                         counter  evaluations finished
+evtrain_eval_metric{metric}                 gauge    latest eval results (loss, accuracy...)
+evtrain_eval_duration_seconds               gauge    duration of the latest evaluation
+evtrain_eval_last_step                      gauge    steps done at the latest evaluation
+evtrain_checkpoints_total                   counter  checkpoints committed
+evtrain_checkpoint_failures_total           counter  checkpoint shards that failed
+evtrain_checkpoint_duration_seconds         histo    request-to-commit time of checkpoints
+evtrain_checkpoint_last_step                gauge    steps done at the last committed checkpoint
+evtrain_checkpoint_size_bytes               gauge    size of the last committed checkpoint
+evtrain_checkpoint_blocked_seconds_total    counter  training time checkpoint saves blocked
+evtrain_events_dropped_total{source}        counter  events a publisher dropped (queue full)
+evtrain_events_missing_total{source,        counter  sequence gaps: events of ``source`` that
+  observer}                                          subscriber ``observer`` never received
+evtrain_hook_errors_total{hook}             counter  hook handlers that raised
+evtrain_stage_up{stage}                     gauge    1 while the stage is alive (see below)
+evtrain_stage_last_seen_timestamp_seconds   gauge    wall clock of the stage's latest event
+evtrain_stage_failures_total{stage}         counter  stage failures
+==========================================  =======  ===================================
+
+Bubble ratio: the fraction of a stage's step time spent blocked on
+point-to-point receives/sends (``comm_wait_s / duration_s``, summed over the
+last ``window`` steps) — the pipeline bubble as that stage experiences it,
+and what 1F1B/GPipe theory predicts as (P-1)/(M+P-1). Over any range the same
+ratio is ``rate(evtrain_comm_wait_seconds_total[5m]) /
+rate(evtrain_step_duration_seconds_sum[5m])``.
+
+Stage up: 1 once the stage started, as long as any event of it (heartbeat,
+step, stage.started) arrived within ``stale_after`` seconds; 0 after it
+stopped or failed, when the run ended, or when it went silent.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import anyio
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from evtrain.errors import UsageError
+from evtrain.events import (
+    BusDrops,
+    BusGaps,
+    CheckpointCommitted,
+    CheckpointFailed,
+    CheckpointShardSaved,
+    EvalEnded,
+    Heartbeat,
+    HookError,
+    RunEnded,
+    RunStarted,
+    StageFailed,
+    StageStarted,
+    StageStopped,
+    StepEnded,
+)
+from evtrain.hooks.hook import Hook, on
+from evtrain.hooks.options import float_option, int_option, path_option, str_option
+from evtrain.hooks.run_output import RunOutput
+
+DEFAULT_PORT = 9431
+"""Not 9400: NVIDIA's DCGM exporter, common on GPU machines, listens there."""
+
+PORT_FILENAME = "prometheus.port"
+MAX_METRIC_NAMES = 200
+"""Cap on distinct ``metric`` label values, so a bug in user code cannot explode them."""
+
+STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+CHECKPOINT_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+
+class _StageLiveness:
+    """When each stage was last heard from and whether it left; read by scrapes."""
+
+    def __init__(self, stale_after: float) -> None:
+        self.stale_after = stale_after
+        self._lock = threading.Lock()
+        self._seen: dict[int, float] = {}
+        self._down: set[int] = set()
+
+    def seen(self, stage: int) -> None:
+        with self._lock:
+            self._seen[stage] = time.monotonic()
+            self._down.discard(stage)
+
+    def down(self, stage: int) -> None:
+        with self._lock:
+            self._down.add(stage)
+
+    def all_down(self) -> None:
+        with self._lock:
+            self._down.update(self._seen)
+
+    def up(self, stage: int) -> float:
+        with self._lock:
+            last = self._seen.get(stage)
+            if last is None or stage in self._down:
+                return 0.0
+            return 1.0 if time.monotonic() - last <= self.stale_after else 0.0
+
+
+class PrometheusExporter(Hook):
+    """Serve the run's metrics on ``http://ADDR:PORT/metrics``.
+
+    Options: ``port`` (default 9431; 0 = any free port), ``addr`` (default
+    ``127.0.0.1``; ``0.0.0.0`` to expose it), ``dir`` (where to write
+    ``prometheus.port``; default the run directory), ``stale_after``
+    (seconds without a stage event before ``evtrain_stage_up`` drops to 0,
+    default 30), ``window`` (steps in ``evtrain_bubble_ratio``, default 20),
+    ``linger`` (seconds to keep serving after the hook stops, so a last
+    scrape sees the end of the run; default 0).
+    """
+
+    name = "prometheus"
+    default_priority = 100
+
+    def __init__(
+        self,
+        *,
+        port: int = DEFAULT_PORT,
+        addr: str = "127.0.0.1",
+        dir: str | Path | None = None,
+        stale_after: float = 30.0,
+        window: int = 20,
+        linger: float = 0.0,
+        priority: int | None = None,
+    ) -> None:
+        super().__init__(priority=priority)
+        self.port = int_option(self.name, "port", port, minimum=0)
+        if self.port > 65535:
+            raise UsageError(f"hook prometheus: option 'port' must be <= 65535, got {port!r}")
+        self.addr = str_option(self.name, "addr", addr)
+        self.output = RunOutput(
+            self.name, PORT_FILENAME, directory=path_option(self.name, "dir", dir)
+        )
+        self.window = int_option(self.name, "window", window)
+        self.linger = float_option(self.name, "linger", linger)
+        self.liveness = _StageLiveness(
+            float_option(self.name, "stale_after", stale_after, strict=True)
+        )
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.bound_port: int | None = None
+        self._server: Any = None
+        self._port_file: Path | None = None
+        self._last_step: int | None = None
+        self._run_id: str | None = None
+        self._waits: dict[int, deque[tuple[float, float]]] = {}
+        self._metric_names: set[str] = set()
+        self._stage_children: set[int] = set()
+        self._define_metrics()
+
+    # -- metric definitions -----------------------------------------------------
+
+    def _define_metrics(self) -> None:
+        r = self.registry
+        self.steps = Counter("evtrain_steps", "Optimizer steps finished.", registry=r)
+        self.samples = Counter("evtrain_samples", "Training samples consumed.", registry=r)
+        self.steps_done = Gauge(
+            "evtrain_steps_done", "Steps done in the run, counting resumed ones.", registry=r
+        )
+        self.max_steps = Gauge("evtrain_run_max_steps", "The run's max_steps.", registry=r)
+        self.num_stages = Gauge("evtrain_run_stages", "Pipeline stages of the run.", registry=r)
+        self.running = Gauge(
+            "evtrain_run_running", "1 between run.started and run.ended, else 0.", registry=r
+        )
+        self.start_time = Gauge(
+            "evtrain_run_start_time_seconds", "Unix time the run started.", registry=r
+        )
+        self.runs_ended = Counter(
+            "evtrain_runs_ended", "Runs that ended, by status.", ["status"], registry=r
+        )
+        self.loss = Gauge("evtrain_loss", "Training loss of the latest step.", registry=r)
+        self.grad_norm = Gauge("evtrain_grad_norm", "Gradient norm of the latest step.", registry=r)
+        self.lr = Gauge(
+            "evtrain_learning_rate", "Learning rate of the latest step.", ["stage"], registry=r
+        )
+        self.step_metric = Gauge(
+            "evtrain_step_metric",
+            "Latest values reported with evtrain.report during a step.",
+            ["metric"],
+            registry=r,
+        )
+        self.step_duration = Histogram(
+            "evtrain_step_duration_seconds",
+            "Step time per stage.",
+            ["stage"],
+            buckets=STEP_BUCKETS,
+            registry=r,
+        )
+        self.forward = Counter(
+            "evtrain_forward_seconds", "Time in forward computation.", ["stage"], registry=r
+        )
+        self.backward = Counter(
+            "evtrain_backward_seconds", "Time in backward computation.", ["stage"], registry=r
+        )
+        self.comm_wait = Counter(
+            "evtrain_comm_wait_seconds",
+            "Time blocked on point-to-point communication with neighbour stages.",
+            ["stage"],
+            registry=r,
+        )
+        self.bubble = Gauge(
+            "evtrain_bubble_ratio",
+            "Fraction of step time blocked on communication (comm wait / step time) "
+            "over the latest steps.",
+            ["stage"],
+            registry=r,
+        )
+        self.peak_memory = Gauge(
+            "evtrain_peak_memory_bytes", "Peak memory the stage reported.", ["stage"], registry=r
+        )
+        self.evals = Counter("evtrain_evals", "Evaluations finished.", registry=r)
+        self.eval_metric = Gauge(
+            "evtrain_eval_metric", "Latest evaluation results.", ["metric"], registry=r
+        )
+        self.eval_duration = Gauge(
+            "evtrain_eval_duration_seconds", "Duration of the latest evaluation.", registry=r
+        )
+        self.eval_step = Gauge(
+            "evtrain_eval_last_step", "Steps done at the latest evaluation.", registry=r
+        )
+        self.checkpoints = Counter("evtrain_checkpoints", "Checkpoints committed.", registry=r)
+        self.checkpoint_failures = Counter(
+            "evtrain_checkpoint_failures", "Checkpoint shards that failed.", registry=r
+        )
+        self.checkpoint_duration = Histogram(
+            "evtrain_checkpoint_duration_seconds",
+            "Time from checkpoint request to commit.",
+            buckets=CHECKPOINT_BUCKETS,
+            registry=r,
+        )
+        self.checkpoint_step = Gauge(
+            "evtrain_checkpoint_last_step",
+            "Steps done at the last committed checkpoint.",
+            registry=r,
+        )
+        self.checkpoint_size = Gauge(
+            "evtrain_checkpoint_size_bytes", "Size of the last committed checkpoint.", registry=r
+        )
+        self.checkpoint_blocked = Counter(
+            "evtrain_checkpoint_blocked_seconds",
+            "Training time checkpoint saves blocked, per stage.",
+            ["stage"],
+            registry=r,
+        )
+        self.dropped = Counter(
+            "evtrain_events_dropped",
+            "Events a publisher dropped because its queue was full.",
+            ["source"],
+            registry=r,
+        )
+        self.missing = Counter(
+            "evtrain_events_missing",
+            "Sequence gaps: events of source that subscriber observer never received.",
+            ["source", "observer"],
+            registry=r,
+        )
+        self.hook_errors = Counter(
+            "evtrain_hook_errors", "Hook handlers that raised.", ["hook"], registry=r
+        )
+        self.stage_up = Gauge(
+            "evtrain_stage_up",
+            "1 while the stage is alive: started, not stopped or failed, heard from recently.",
+            ["stage"],
+            registry=r,
+        )
+        self.stage_last_seen = Gauge(
+            "evtrain_stage_last_seen_timestamp_seconds",
+            "Unix time of the stage's latest event.",
+            ["stage"],
+            registry=r,
+        )
+        self.stage_failures = Counter(
+            "evtrain_stage_failures", "Stage failures.", ["stage"], registry=r
+        )
+
+    # -- serving ------------------------------------------------------------------
+
+    async def setup(self) -> None:
+        """Bind and serve /metrics; write the port file if its place is known."""
+        try:
+            self._server, _ = start_http_server(self.port, addr=self.addr, registry=self.registry)
+        except OSError as exc:
+            raise UsageError(
+                f"hook prometheus: cannot serve on {self.addr}:{self.port}: {exc.strerror or exc}"
+            ) from None
+        self.bound_port = int(self._server.server_port)
+        self.log.info(
+            "serving prometheus metrics",
+            url=f"http://{self.addr}:{self.bound_port}/metrics",
+            port=self.bound_port,
+        )
+        self._write_port_file()
+
+    def _write_port_file(self) -> None:
+        if self.bound_port is None:
+            return
+        path = self.output.resolve(self.state.run if self._runner is not None else None)
+        if path is None or path == self._port_file:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(f"{self.bound_port}\n")
+        tmp.replace(path)  # readers never see a half-written file
+        self._port_file = path
+
+    async def teardown(self) -> None:
+        """Keep serving ``linger`` seconds, then stop the HTTP server."""
+        if self._server is None:
+            return
+        if self.linger > 0:
+            await anyio.sleep(self.linger)
+        self._server.shutdown()
+        self._server.server_close()
+        self._server = None
+
+    # -- events ---------------------------------------------------------------------
+
+    def _stage(self, stage: int) -> str:
+        label = str(stage)
+        if stage not in self._stage_children:
+            self._stage_children.add(stage)
+            self.stage_up.labels(label).set_function(lambda: self.liveness.up(stage))
+        return label
+
+    def _seen(self, stage: int, ts: float) -> str:
+        label = self._stage(stage)
+        self.liveness.seen(stage)
+        if ts:
+            self.stage_last_seen.labels(label).set(ts)
+        return label
+
+    def _metric_label(self, name: str) -> bool:
+        if name in self._metric_names:
+            return True
+        if len(self._metric_names) >= MAX_METRIC_NAMES:
+            return False
+        self._metric_names.add(name)
+        return True
+
+    @on(RunStarted)
+    def run_started(self, ev: RunStarted) -> None:
+        """Run shape; a new run counts steps from its own start."""
+        self._enter_run(ev.run_id)
+        self.max_steps.set(ev.max_steps)
+        self.num_stages.set(ev.num_stages)
+        self.running.set(1)
+        self.start_time.set(ev.ts)
+        self.steps_done.set(ev.start_step)
+        self._write_port_file()
+
+    @on(RunEnded)
+    def run_ended(self, ev: RunEnded) -> None:
+        """The run is over: every stage is down."""
+        self.running.set(0)
+        self.runs_ended.labels(ev.status).inc()
+        self.liveness.all_down()
+
+    @on(StageStarted)
+    def stage_started(self, ev: StageStarted) -> None:
+        """The stage is up."""
+        self._seen(ev.stage, ev.ts)
+
+    @on(Heartbeat)
+    def heartbeat(self, ev: Heartbeat) -> None:
+        """A stage is alive (heartbeats of other processes carry no stage)."""
+        if ev.stage is not None:
+            self._seen(ev.stage, ev.ts)
+
+    @on(StageStopped)
+    def stage_stopped(self, ev: StageStopped) -> None:
+        """The stage left normally."""
+        self._stage(ev.stage)
+        self.liveness.down(ev.stage)
+
+    @on(StageFailed)
+    def stage_failed(self, ev: StageFailed) -> None:
+        """The stage raised."""
+        self.stage_failures.labels(self._stage(ev.stage)).inc()
+        self.liveness.down(ev.stage)
+
+    def _enter_run(self, run_id: str) -> None:
+        # Over tcp a later stage's first steps can arrive before stage 0's
+        # run.started: only a different run resets the step count.
+        if run_id != self._run_id:
+            self._run_id = run_id
+            self._last_step = None
+            self._waits.clear()
+
+    @on(StepEnded)
+    def step_ended(self, ev: StepEnded) -> None:
+        """Per-stage times and memory; run-wide counters once per step."""
+        self._enter_run(ev.run_id)
+        stage = self._seen(ev.stage, ev.ts)
+        self.step_duration.labels(stage).observe(ev.duration_s)
+        self.forward.labels(stage).inc(max(0.0, ev.forward_s))
+        self.backward.labels(stage).inc(max(0.0, ev.backward_s))
+        self.comm_wait.labels(stage).inc(max(0.0, ev.comm_wait_s))
+        waits = self._waits.setdefault(ev.stage, deque(maxlen=self.window))
+        waits.append((ev.comm_wait_s, ev.duration_s))
+        total = sum(d for _, d in waits)
+        if total > 0:
+            self.bubble.labels(stage).set(sum(w for w, _ in waits) / total)
+        if ev.peak_memory_bytes is not None:
+            self.peak_memory.labels(stage).set(ev.peak_memory_bytes)
+        if ev.lr is not None:
+            self.lr.labels(stage).set(ev.lr)
+        if ev.loss is not None:
+            self.loss.set(ev.loss)
+        if ev.grad_norm is not None:
+            self.grad_norm.set(ev.grad_norm)
+        for key, value in ev.metrics.items():
+            if self._metric_label(key):
+                self.step_metric.labels(key).set(value)
+        # Each stage reports every step; count a step once, when its first event arrives.
+        if self._last_step is None or ev.step > self._last_step:
+            # Steps whose every event was lost still happened; but an exporter that
+            # joined mid-run counts from the step it saw (no spike in rate()).
+            count = 1 if self._last_step is None else ev.step - self._last_step
+            self.steps.inc(count)
+            self.samples.inc(ev.samples * count)
+            self._last_step = ev.step
+            self.steps_done.set(ev.step)
+
+    @on(EvalEnded)
+    def eval_ended(self, ev: EvalEnded) -> None:
+        """Latest eval results."""
+        self.evals.inc()
+        self.eval_duration.set(ev.duration_s)
+        self.eval_step.set(ev.step)
+        for key, value in ev.metrics.items():
+            if self._metric_label(key):
+                self.eval_metric.labels(key).set(value)
+
+    @on(CheckpointCommitted)
+    def checkpoint_committed(self, ev: CheckpointCommitted) -> None:
+        """A checkpoint is durable."""
+        self.checkpoints.inc()
+        self.checkpoint_duration.observe(ev.duration_s)
+        self.checkpoint_step.set(ev.step)
+        self.checkpoint_size.set(ev.bytes)
+
+    @on(CheckpointShardSaved)
+    def shard_saved(self, ev: CheckpointShardSaved) -> None:
+        """Training time a stage's save blocked."""
+        self.checkpoint_blocked.labels(self._stage(ev.stage)).inc(max(0.0, ev.blocked_s))
+
+    @on(CheckpointFailed)
+    def checkpoint_failed(self, ev: CheckpointFailed) -> None:
+        """A shard could not be written."""
+        self.checkpoint_failures.inc()
+
+    @on(BusDrops)
+    def bus_drops(self, ev: BusDrops) -> None:
+        """A publisher dropped events."""
+        self.dropped.labels(ev.source).inc(max(0, ev.dropped))
+
+    @on(BusGaps)
+    def bus_gaps(self, ev: BusGaps) -> None:
+        """A subscriber (``observer``) missed events of ``from_source``."""
+        self.missing.labels(ev.from_source, ev.source).inc(max(0, ev.missing))
+
+    @on(HookError)
+    def hook_error(self, ev: HookError) -> None:
+        """A hook handler raised."""
+        self.hook_errors.labels(ev.hook).inc()

@@ -1,0 +1,270 @@
+"""The logging hook: one progress line every N steps, eval results, bus trouble, run end.
+
+In the spirit of detectron2's CommonMetricPrinter: every ``every`` steps one
+line with step/max, loss, learning rate, samples/s, step time (median over a
+window), ETA and peak memory per stage. Eval results, checkpoints, stage
+failures, lost or dropped bus events and the end of the run get their own line.
+
+Lines go through structlog: by default with the process's configuration
+(``evtrain --log-format console|json hook logging``); the ``log_format``
+option renders this hook's lines its own way, and ``path`` sends them to a
+file instead of stderr.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import IO, Any
+
+import structlog
+
+from evtrain.events import (
+    BusDrops,
+    BusGaps,
+    CheckpointCommitted,
+    CheckpointFailed,
+    EvalEnded,
+    HookError,
+    RunEnded,
+    RunStarted,
+    StageFailed,
+    StageStarted,
+    StageStopped,
+    StepEnded,
+)
+from evtrain.hooks.formatting import fmt_bytes, fmt_duration, per_stage, short
+from evtrain.hooks.hook import Hook, on
+from evtrain.hooks.options import choice_option, int_option, path_option
+from evtrain.hooks.step_merge import MergedStep, StepMerger, StepWindow
+
+LOG_FORMATS = ("console", "json")
+
+
+def make_logger(fmt: str, stream: IO[str], name: str) -> Any:
+    """A structlog logger rendering ``fmt`` to ``stream``, independent of the global setup.
+
+    Its lines carry ``hook=name``.
+    """
+    renderer: Any = (
+        structlog.processors.JSONRenderer()
+        if fmt == "json"
+        else structlog.dev.ConsoleRenderer(colors=False)
+    )
+    return structlog.wrap_logger(
+        structlog.PrintLogger(file=stream),
+        processors=[
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso" if fmt == "json" else "%H:%M:%S"),
+            renderer,
+        ],
+        hook=name,
+    )
+
+
+class ConsoleLog(Hook):
+    """Progress and run log (short name ``logging``).
+
+    Options: ``every`` (steps between progress lines, default 20), ``window``
+    (steps in the median step time and throughput, default 20),
+    ``log_format`` (``console`` or ``json``; default: the process's
+    ``--log-format``), ``path`` (append the lines to this file instead of
+    stderr; console format unless ``log_format`` says ``json``).
+    """
+
+    name = "logging"
+    default_priority = 100
+
+    def __init__(
+        self,
+        *,
+        every: int = 20,
+        window: int = 20,
+        log_format: str | None = None,
+        path: str | Path | None = None,
+        priority: int | None = None,
+    ) -> None:
+        super().__init__(priority=priority)
+        self.every = int_option(self.name, "every", every)
+        self.window = StepWindow(int_option(self.name, "window", window, minimum=2))
+        self.log_format = (
+            None
+            if log_format is None
+            else choice_option(self.name, "log_format", log_format, LOG_FORMATS)
+        )
+        self.path = path_option(self.name, "path", path)
+        self._stream: IO[str] | None = None
+        self._merger = StepMerger(lambda: self.state.num_stages)
+        self._peak_memory: dict[int, int] = {}
+        self._started_at: float | None = None
+
+    async def setup(self) -> None:
+        """Open the log file, if any, and pick the logger."""
+        if self.path is not None or self.log_format is not None:
+            if self.path is not None:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._stream = self.path.open("a", buffering=1)
+            self.log = make_logger(
+                self.log_format or "console", self._stream or sys.stderr, self.name
+            )
+
+    async def teardown(self) -> None:
+        """Close the log file."""
+        if self._stream is not None:
+            self._stream.close()
+
+    @on(RunStarted)
+    def run_started(self, ev: RunStarted) -> None:
+        """A new run: forget the previous one, log its shape."""
+        self._merger.reset()
+        self.window.clear()
+        self._peak_memory.clear()
+        self._started_at = ev.ts or time.time()
+        self.log.info(
+            "run started",
+            run=ev.name,
+            run_id=ev.run_id,
+            stages=ev.num_stages,
+            microbatches=ev.num_microbatches,
+            schedule=ev.schedule,
+            max_steps=ev.max_steps,
+            batch_size=ev.batch_size,
+            start_step=ev.start_step,
+            run_dir=ev.run_dir,
+        )
+
+    @on(StageStarted)
+    def stage_started(self, ev: StageStarted) -> None:
+        """One line per stage as it joins."""
+        self.log.info(
+            "stage started",
+            stage=ev.stage,
+            host=ev.host,
+            pid=ev.pid,
+            device=ev.device,
+            layers=ev.layers,
+            params=ev.num_params,
+        )
+
+    @on(StepEnded)
+    def step_ended(self, ev: StepEnded) -> None:
+        """Merge the stages' events; every ``every`` steps, log the progress line."""
+        if ev.peak_memory_bytes is not None:
+            self._peak_memory[ev.stage] = max(
+                ev.peak_memory_bytes, self._peak_memory.get(ev.stage, 0)
+            )
+        for merged in self._merger.add(ev):
+            self.window.add(merged)
+            if merged.step % self.every == 0:
+                self._progress(merged)
+
+    def _progress(self, merged: MergedStep) -> None:
+        run = self.state.run
+        max_steps = run.max_steps if run is not None else None
+        fields: dict[str, Any] = {
+            "step": f"{merged.step}/{max_steps}" if max_steps else str(merged.step),
+            "loss": short(merged.loss),
+            "lr": short(merged.lr),
+        }
+        if merged.grad_norm is not None:
+            fields["grad_norm"] = short(merged.grad_norm)
+        throughput = self.window.samples_per_s()
+        fields["samples_per_s"] = None if throughput is None else round(throughput, 1)
+        fields["step_time_s"] = short(self.window.step_time_s())
+        fields["eta"] = fmt_duration(self.window.eta_s(max_steps))
+        if self._peak_memory:
+            fields["peak_mem"] = per_stage({s: fmt_bytes(b) for s, b in self._peak_memory.items()})
+        for key, value in merged.metrics.items():
+            fields.setdefault(key, short(value))
+        self.log.info("progress", **fields)
+
+    @on(EvalEnded)
+    def eval_ended(self, ev: EvalEnded) -> None:
+        """The eval metrics as one line."""
+        self.log.info(
+            "eval",
+            step=ev.step,
+            duration_s=short(ev.duration_s),
+            samples=ev.samples,
+            **{f"val_{k}": short(v) for k, v in ev.metrics.items()},
+        )
+
+    @on(CheckpointCommitted)
+    def checkpoint_committed(self, ev: CheckpointCommitted) -> None:
+        """A checkpoint became resumable."""
+        self.log.info(
+            "checkpoint committed",
+            step=ev.step,
+            path=ev.path,
+            size=fmt_bytes(ev.bytes),
+            duration_s=short(ev.duration_s),
+        )
+
+    @on(CheckpointFailed)
+    def checkpoint_failed(self, ev: CheckpointFailed) -> None:
+        """A checkpoint will never be committed."""
+        self.log.warning(
+            "checkpoint failed", checkpoint=ev.checkpoint_id, stage=ev.stage, error=ev.error
+        )
+
+    @on(BusGaps)
+    def bus_gaps(self, ev: BusGaps) -> None:
+        """Some subscriber lost events (this process's own runner already warned)."""
+        if ev.source == f"hook/{self.runner.name}":
+            return
+        self.log.warning(
+            "bus gap: events lost",
+            from_source=ev.from_source,
+            missing=ev.missing,
+            total_missing=ev.total_missing,
+            observer=ev.source,
+        )
+
+    @on(BusDrops)
+    def bus_drops(self, ev: BusDrops) -> None:
+        """A publisher's queue was full: events never left it."""
+        self.log.warning(
+            "events dropped by publisher",
+            source=ev.source,
+            dropped=ev.dropped,
+            total_dropped=ev.total_dropped,
+        )
+
+    @on(HookError)
+    def hook_error(self, ev: HookError) -> None:
+        """Another hook's handler raised (it keeps running)."""
+        self.log.warning(
+            "hook handler raised",
+            hook=ev.hook,
+            handler=ev.handler,
+            event_type=ev.event_type,
+            error=ev.error,
+        )
+
+    @on(StageFailed)
+    def stage_failed(self, ev: StageFailed) -> None:
+        """A stage raised: its error and the last lines of the traceback."""
+        tail = "\n".join(ev.traceback.strip().splitlines()[-6:])
+        self.log.error("stage failed", stage=ev.stage, step=ev.step, error=ev.error, traceback=tail)
+
+    @on(StageStopped)
+    def stage_stopped(self, ev: StageStopped) -> None:
+        """A stage left the run."""
+        self.log.info("stage stopped", stage=ev.stage, status=ev.status, reason=ev.reason or None)
+
+    @on(RunEnded)
+    def run_ended(self, ev: RunEnded) -> None:
+        """Last progress line for a step not yet printed, then the end of the run."""
+        for merged in self._merger.flush():
+            self.window.add(merged)
+        elapsed = (ev.ts - self._started_at) if self._started_at and ev.ts else None
+        level = "error" if ev.status == "failed" else "info"
+        getattr(self.log, level)(
+            "run ended",
+            status=ev.status,
+            reason=ev.reason or None,
+            step=ev.step,
+            elapsed_s=None if elapsed is None else round(elapsed, 1),
+            peak_mem=per_stage({s: fmt_bytes(b) for s, b in self._peak_memory.items()}) or None,
+        )

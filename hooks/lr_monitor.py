@@ -1,0 +1,97 @@
+"""LR monitor (short name ``lr_monitor``): logs changes of the learning rate.
+
+Each stage steps its own optimizer and scheduler, so each reports its own
+``lr`` in `StepEnded`. A change is logged once per step and value (stages
+that agree share one line); a stage whose LR differs from the others at the
+same step gets one warning.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+from evtrain.events import RunStarted, StepEnded
+from evtrain.hooks.hook import Hook, on
+from evtrain.hooks.options import float_option
+
+
+class LRMonitor(Hook):
+    """Log learning-rate changes.
+
+    Options: ``rtol`` (default 0.01): a line is logged when a stage's LR moved
+    by more than this fraction since the last logged value, so a step schedule
+    logs each step change and a cosine schedule logs about every 1% of change
+    instead of every step; ``rtol=0`` logs every change.
+    """
+
+    name = "lr_monitor"
+    default_priority = 100
+
+    def __init__(self, *, rtol: float = 0.01, priority: int | None = None) -> None:
+        super().__init__(priority=priority)
+        self.rtol = float_option(self.name, "rtol", rtol)
+        self.last_lr: dict[int, float] = {}
+        self.changes: deque[tuple[int, float]] = deque(maxlen=1000)
+        self._logged_lr: dict[int, float] = {}
+        self._last_line: tuple[int, float] | None = None
+        # step -> stage -> lr, for the latest few steps: stages report one step at
+        # different times, so only the same step's values can be compared.
+        self._by_step: dict[int, dict[int, float]] = {}
+        self._disagreed: set[int] = set()
+
+    @on(RunStarted)
+    def run_started(self, ev: RunStarted) -> None:
+        """A new run: forget the old LRs."""
+        self.last_lr.clear()
+        self._logged_lr.clear()
+        self._by_step.clear()
+        self._last_line = None
+
+    @on(StepEnded)
+    def step_ended(self, ev: StepEnded) -> None:
+        """Compare the stage's LR with its last logged one and with the other stages'."""
+        if ev.lr is None:
+            return
+        self.last_lr[ev.stage] = ev.lr
+        self._check_agreement(ev, ev.lr)
+        previous = self._logged_lr.get(ev.stage)
+        if previous is not None and self._same(ev.lr, previous):
+            return
+        self._logged_lr[ev.stage] = ev.lr
+        if (
+            self._last_line is not None
+            and self._last_line[0] == ev.step
+            and self._same(self._last_line[1], ev.lr)
+        ):
+            return  # another stage already reported this very change
+        self._last_line = (ev.step, ev.lr)
+        self.changes.append((ev.step, ev.lr))
+        message = "initial learning rate" if previous is None else "learning rate changed"
+        self.log.info(message, step=ev.step, lr=ev.lr, previous=previous)
+
+    def _same(self, a: float, b: float) -> bool:
+        return a == b or math.isclose(a, b, rel_tol=self.rtol)
+
+    def _check_agreement(self, ev: StepEnded, lr: float) -> None:
+        at_step = self._by_step.setdefault(ev.step, {})
+        at_step[ev.stage] = lr
+        while len(self._by_step) > 8:
+            del self._by_step[min(self._by_step)]
+        if ev.stage in self._disagreed:
+            return
+        # Agreement is exact up to float noise, whatever rtol says about logging.
+        others = {
+            s: v
+            for s, v in at_step.items()
+            if s != ev.stage and not math.isclose(v, lr, rel_tol=1e-9)
+        }
+        if others:
+            self._disagreed.add(ev.stage)
+            self.log.warning(
+                "stages report different learning rates",
+                step=ev.step,
+                stage=ev.stage,
+                lr=lr,
+                others=others,
+            )

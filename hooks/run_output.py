@@ -1,0 +1,91 @@
+"""Where hooks write files, and an append-only JSON-lines file.
+
+A hook's file goes to, in this order: its explicit ``path`` option, ``DIR/NAME``
+for its ``dir`` option, or ``RUN_DIR/NAME`` where RUN_DIR comes from the run's
+`RunStarted` event (``run_dir``). Files are opened for append, so a hook the
+launcher restarted after a crash continues the same file.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import IO, Any
+
+import msgspec
+import structlog
+
+from evtrain.events import RunStarted
+
+log = structlog.get_logger("evtrain.hooks.run_output")
+
+
+class RunOutput:
+    """Resolves the output file ``filename`` of one hook."""
+
+    def __init__(
+        self, hook: str, filename: str, *, path: Path | None = None, directory: Path | None = None
+    ) -> None:
+        self.hook = hook
+        self.filename = filename
+        self.path = path
+        self.directory = directory
+        self._warned = False
+
+    @property
+    def fixed(self) -> Path | None:
+        """The file if options alone decide it (no need to wait for the run)."""
+        if self.path is not None:
+            return self.path
+        if self.directory is not None:
+            return self.directory / self.filename
+        return None
+
+    def resolve(self, run: RunStarted | None) -> Path | None:
+        """The file for ``run``; None (and one warning) if nothing says where."""
+        fixed = self.fixed
+        if fixed is not None:
+            return fixed
+        if run is not None and run.run_dir:
+            return Path(run.run_dir) / self.filename
+        if not self._warned:
+            self._warned = True
+            log.info(
+                "no run directory known yet: output waits for run.started "
+                "(or pass the hook a 'dir' or 'path' option)",
+                hook=self.hook,
+                file=self.filename,
+            )
+        return None
+
+
+class JsonLinesFile:
+    """Appends JSON lines to one file, flushed at most ``flush_interval`` s apart."""
+
+    def __init__(self, path: Path, *, flush_interval: float = 0.0) -> None:
+        self.path = path
+        self.lines = 0
+        self._flush_interval = flush_interval
+        self._last_flush = time.monotonic()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file: IO[bytes] = path.open("ab")
+        self._encoder = msgspec.json.Encoder()
+
+    def write(self, record: Any) -> None:
+        """Write one JSON object (anything msgspec can encode) as a line."""
+        self._file.write(self._encoder.encode(record) + b"\n")
+        self.lines += 1
+        now = time.monotonic()
+        if now - self._last_flush >= self._flush_interval:
+            self.flush(now)
+
+    def flush(self, now: float | None = None) -> None:
+        """Hand buffered lines to the OS."""
+        self._file.flush()
+        self._last_flush = time.monotonic() if now is None else now
+
+    def close(self) -> None:
+        """Flush and close."""
+        if not self._file.closed:
+            self._file.flush()
+            self._file.close()

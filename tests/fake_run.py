@@ -1,0 +1,260 @@
+"""A stand-in for a run's stage processes: real publishers, real command receivers.
+
+``python tests/fake_run.py --bus ADDR ...`` publishes the events P stages of a
+run publish (stage.started, run.started, step.started/ended with realistic
+loss, lr, timings and memory, heartbeats, eval results, run.ended,
+stage.stopped) and, like the stages, receives commands at every step boundary
+on one `CommandReceiver` per stage and acknowledges each: ``cmd.evaluate``
+runs an "evaluation" (the last stage publishes eval.ended with the next value
+of ``--eval-losses``), ``cmd.stop`` ends the run with the command's reason.
+
+The built-in hook tests drive hooks with it where a real ``evtrain launch``
+would cost 10+ s per test; stdout's last line is a JSON summary (commands
+received, how the run ended). No torch import: it starts in ~0.2 s. Start it
+once the hooks attached (a subscriber misses what was published before it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+import uuid
+
+import anyio
+
+from evtrain.bus.address import BusAddress
+from evtrain.bus.commands import CommandReceiver
+from evtrain.bus.publisher import Publisher
+from evtrain.events import (
+    BusDrops,
+    BusGaps,
+    CommandAcked,
+    EvalEnded,
+    EvalStarted,
+    EvaluateNow,
+    Heartbeat,
+    RunEnded,
+    RunStarted,
+    StageStarted,
+    StageStopped,
+    StepEnded,
+    StepStarted,
+    StopRun,
+)
+
+MIB = 1024 * 1024
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--bus", required=True)
+    parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--step-time", type=float, default=0.01, help="seconds per step")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--run-dir", default="")
+    parser.add_argument("--run-id", default="")
+    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--lr-decay-every", type=int, default=0, help="halve the lr every K steps")
+    parser.add_argument("--eval-every", type=int, default=0, help="scheduled evals (engine's own)")
+    parser.add_argument("--eval-losses", default="", help="comma-separated eval losses, in order")
+    parser.add_argument("--memory-mib", type=int, default=100, help="stage 0's peak; +50 per stage")
+    parser.add_argument("--drops-at", type=int, default=0, help="publish a bus.drops at step K")
+    parser.add_argument("--gaps-at", type=int, default=0, help="publish a bus.gaps at step K")
+    parser.add_argument("--pause-at", type=int, default=0, help="pause before step K ...")
+    parser.add_argument("--pause", type=float, default=0.0, help="... for this many seconds")
+    parser.add_argument("--max-time", type=float, default=120.0)
+    return parser.parse_args(argv)
+
+
+class FakeRun:
+    """P stages in one process, one publisher and one command receiver per stage."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.address = BusAddress.parse(args.bus)
+        self.run_id = args.run_id or uuid.uuid4().hex[:12]
+        self.pubs = [
+            Publisher(self.address.endpoint("events_in"), source=f"stage/{s}", run_id=self.run_id)
+            for s in range(args.stages)
+        ]
+        self.receivers = [
+            CommandReceiver(self.address.endpoint("commands_out")) for _ in range(args.stages)
+        ]
+        self.eval_losses = [float(x) for x in args.eval_losses.split(",") if x.strip()]
+        self.evals = 0
+        self.commands: list[dict[str, object]] = []
+        self.last_heartbeat = 0.0
+
+    @property
+    def last(self) -> int:
+        return self.args.stages - 1
+
+    def heartbeat(self, step: int, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self.last_heartbeat >= 0.3:
+            self.last_heartbeat = now
+            for s, pub in enumerate(self.pubs):
+                pub.publish(Heartbeat(stage=s, step=step))
+
+    def step(self, step: int) -> None:
+        args = self.args
+        for pub in self.pubs:
+            pub.publish(StepStarted(step=step, stage=int(pub.source.split("/")[1])))
+        time.sleep(args.step_time)
+        lr = args.lr
+        if args.lr_decay_every:
+            lr = args.lr * 0.5 ** ((step - 1) // args.lr_decay_every)
+        loss = 2.0 * math.exp(-step / 50) + 0.1 * math.sin(step)
+        # The last stage finishes a step first; stage 0 runs the final backward.
+        for s in reversed(range(args.stages)):
+            duration = args.step_time * (1.0 + 0.01 * s)
+            self.pubs[s].publish(
+                StepEnded(
+                    step=step,
+                    stage=s,
+                    loss=loss if s == self.last else None,
+                    lr=lr,
+                    grad_norm=1.0 + 0.01 * step if s == self.last else None,
+                    samples=args.batch_size,
+                    duration_s=duration,
+                    forward_s=0.3 * duration,
+                    backward_s=0.4 * duration,
+                    comm_wait_s=0.2 * duration,
+                    peak_memory_bytes=(args.memory_mib + 50 * s) * MIB + step * 1024,
+                    metrics={"tokens": float(args.batch_size * 16)} if s == self.last else {},
+                )
+            )
+
+    def evaluate(self, step: int) -> None:
+        losses = self.eval_losses or [1.0]
+        value = losses[min(self.evals, len(losses) - 1)]
+        self.evals += 1
+        pub = self.pubs[self.last]
+        pub.publish(EvalStarted(step=step, stage=self.last, num_batches=2))
+        pub.publish(
+            EvalEnded(
+                step=step,
+                stage=self.last,
+                metrics={"loss": value, "accuracy": 1.0 - value / 10},
+                samples=64,
+                duration_s=0.002,
+            )
+        )
+
+    async def boundary(self, step: int) -> tuple[bool, str | None]:
+        """Commands of every stage at this boundary: (evaluate?, stop reason)."""
+        evaluate, stop = False, None
+        # Every stage acknowledges what it received; stage 0's commands decide what
+        # happens (the real stages agree on them in a control collective).
+        for s, receiver in enumerate(self.receivers):
+            for command in receiver.poll():
+                self.pubs[s].publish(
+                    CommandAcked(
+                        command_id=command.command_id,
+                        command=command.topic.decode(),
+                        stage=s,
+                        step=step,
+                    )
+                )
+                if s != 0:
+                    continue
+                self.commands.append(
+                    {"type": command.topic.decode(), "step": step, "source": command.source}
+                )
+                if isinstance(command, EvaluateNow):
+                    evaluate = True
+                elif isinstance(command, StopRun):
+                    stop = command.reason or "stopped"
+        return evaluate, stop
+
+    async def run(self) -> dict[str, object]:
+        args = self.args
+        for s in range(args.stages):
+            self.pubs[s].publish(
+                StageStarted(
+                    stage=s,
+                    num_stages=args.stages,
+                    rank=s,
+                    host="fake",
+                    pid=0,
+                    device="cpu",
+                    layers=[s],
+                    num_params=1000,
+                )
+            )
+        self.pubs[0].publish(
+            RunStarted(
+                name="fake",
+                num_stages=args.stages,
+                num_microbatches=4,
+                schedule="1f1b",
+                max_steps=args.steps,
+                batch_size=args.batch_size,
+                run_dir=args.run_dir,
+            )
+        )
+        deadline = time.monotonic() + args.max_time
+        status, reason, step = "completed", "", 0
+        while step < args.steps:
+            if time.monotonic() > deadline:
+                status, reason = "stopped", "max time"
+                break
+            if args.pause_at and step + 1 == args.pause_at:
+                end = time.monotonic() + args.pause
+                while time.monotonic() < end:
+                    self.heartbeat(step)
+                    await anyio.sleep(0.05)
+            step += 1
+            self.step(step)
+            self.heartbeat(step)
+            if args.drops_at == step:
+                self.pubs[0].publish(BusDrops(dropped=5, total_dropped=5))
+            if args.gaps_at == step:
+                self.pubs[0].publish(BusGaps(from_source="stage/1", missing=3, total_missing=3))
+            await anyio.sleep(0)
+            evaluate, stop = await self.boundary(step)
+            if evaluate or (args.eval_every and step % args.eval_every == 0):
+                self.evaluate(step)
+            if stop is not None:
+                status, reason = "stopped", stop
+                break
+        # Late commands (sent while the last step ran) still get their acknowledgement.
+        await anyio.sleep(0.05)
+        await self.boundary(step)
+        self.pubs[0].publish(RunEnded(status=status, reason=reason, step=step))
+        for s, pub in enumerate(self.pubs):
+            pub.publish(StageStopped(stage=s, status=status, reason=reason))
+        return {
+            "run_id": self.run_id,
+            "status": status,
+            "reason": reason,
+            "steps": step,
+            "evals": self.evals,
+            "commands": self.commands,
+        }
+
+    def close(self) -> None:
+        for pub in self.pubs:
+            pub.close()
+        for receiver in self.receivers:
+            receiver.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    fake = FakeRun(args)
+    try:
+        summary = anyio.run(fake.run)
+    finally:
+        fake.close()
+    sys.stdout.write(json.dumps(summary) + "\n")
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

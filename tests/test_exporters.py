@@ -1,0 +1,351 @@
+"""Exporters against a real broker and a real publisher process (tests/fake_run.py):
+metrics log, event recorder, replay, TensorBoard, Prometheus exposition (+ promtool)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hook_helpers import fake_args, loss_at, run_hooks, wait_for_text
+
+from evtrain.bus.address import BusAddress
+from evtrain.bus.broker import Broker
+from evtrain.errors import UsageError
+from evtrain.events import RunStarted, StepEnded, from_builtins
+from evtrain.exporters import EventRecorder, MetricsLog, PrometheusExporter
+from evtrain.exporters.prometheus import _StageLiveness
+from evtrain.hooks.loader import build_hook
+
+PROMTOOL = shutil.which("promtool")
+
+
+@pytest.fixture
+def bus() -> Iterator[BusAddress]:
+    """A running broker on a fresh private ipc directory."""
+    address = BusAddress.new_ipc()
+    broker = Broker(address)
+    broker.start()
+    try:
+        yield address
+    finally:
+        broker.stop()
+        shutil.rmtree(address.location, ignore_errors=True)
+
+
+@pytest.fixture
+def workdir() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="evt-exp-"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _lines(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# -- metrics log, recorder, replay -------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_metrics_log_and_recorder_then_replay_reproduces_them(
+    bus: BusAddress, procs: Any, workdir: Path
+) -> None:
+    run_dir = workdir / "run"
+    await run_hooks(
+        [EventRecorder(), MetricsLog()],
+        bus,
+        procs,
+        steps=30,
+        stages=3,
+        eval_every=10,
+        run_dir=run_dir,
+    )
+    metrics = _lines(run_dir / "metrics.jsonl")
+    steps = [m for m in metrics if m["type"] == "step"]
+    evals = [m for m in metrics if m["type"] == "eval"]
+    assert [m["step"] for m in steps] == list(range(1, 31))
+    assert [m["step"] for m in evals] == [10, 20, 30]
+    first = steps[0]
+    assert first["loss"] == pytest.approx(loss_at(1))
+    assert first["lr"] == pytest.approx(0.1)
+    assert first["samples"] == 32 and first["tokens"] == 512.0
+    assert sorted(first["stages"]) == ["0", "1", "2"]
+    stage2 = first["stages"]["2"]
+    assert stage2["forward_s"] == pytest.approx(0.3 * stage2["duration_s"])
+    assert stage2["peak_memory_bytes"] == 200 * 1024 * 1024 + 1024
+    assert first["step_time_s"] == max(s["duration_s"] for s in first["stages"].values())
+    assert evals[0]["metrics"] == {"loss": 1.0, "accuracy": 0.9}
+
+    events = [from_builtins(e) for e in _lines(run_dir / "events.jsonl")]
+    assert sum(isinstance(e, StepEnded) for e in events) == 90
+    # Stages announce themselves before run.started: the recorder kept them.
+    assert events[0].topic == b"stage.started"
+    assert any(isinstance(e, RunStarted) for e in events)
+    assert events[-1].topic == b"run.ended"  # the runner exits on run end
+
+    # Offline: the same events through the metrics hook write the same lines.
+    replay = subprocess.run(
+        [sys.executable, "-m", "evtrain", "replay", str(run_dir), "--hook", "metrics"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert replay.returncode == 0, replay.stderr
+    assert f"replayed {len(events)} events through metrics: 0 handler errors" in replay.stdout
+    replayed = run_dir / "replay" / "metrics.jsonl"
+    assert replayed.read_text() == (run_dir / "metrics.jsonl").read_text()
+
+    # An acting hook replays too; its commands are shown, not sent.
+    stopper = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "evtrain",
+            "replay",
+            str(run_dir / "events.jsonl"),
+            "--hook",
+            "early_stopping",
+            "-o",
+            "patience=1",
+            "--out",
+            str(workdir / "elsewhere"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert stopper.returncode == 0, stopper.stderr
+    assert "command (not sent): cmd.stop" in stopper.stdout
+    assert "early stopping: val loss did not improve for 1 evals" in stopper.stdout
+
+
+def test_replay_reports_a_missing_recording(workdir: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "evtrain", "replay", str(workdir), "--hook", "metrics"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2
+    assert "no recorded events at" in out.stderr and "recorder" in out.stderr
+
+
+def test_recorder_flushes_while_the_run_goes_on(bus: BusAddress, procs: Any, workdir: Path) -> None:
+    """A recorder killed mid-run (no teardown) has still written what it received."""
+    err = workdir / "recorder.err"
+    with err.open("w") as stream:
+        recorder = procs.evtrain(
+            "hook",
+            "recorder",
+            "--bus",
+            str(bus),
+            "-o",
+            f"dir={workdir}",
+            "-o",
+            "flush_interval=0.2",
+            stderr=stream,
+        )
+        wait_for_text(err, "hooks attached")
+        procs.start(*fake_args(bus, steps=20, pause_at=10, pause=3.0))
+        events = workdir / "events.jsonl"
+        content = wait_for_text(events, '"step":9,"stage":0', timeout=10)
+        time.sleep(0.5)  # a heartbeat or two during the pause triggers the timed flush
+        os.kill(recorder.pid, signal.SIGKILL)
+        recorder.wait(timeout=5)
+    content = events.read_text()
+    steps = [json.loads(line) for line in content.splitlines() if '"step.ended"' in line]
+    assert len(steps) == 18  # steps 1-9 of both stages, nothing lost to buffering
+    assert content.endswith("\n")
+
+
+# -- TensorBoard ---------------------------------------------------------------------
+
+
+def test_tensorboard_without_the_package_is_a_usage_error() -> None:
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        with pytest.raises(UsageError, match=r"pip install 'evtrain\[tensorboard\]'"):
+            build_hook("tensorboard")
+    else:
+        pytest.skip("tensorboard is installed")
+
+
+@pytest.mark.anyio
+async def test_tensorboard_scalars(bus: BusAddress, procs: Any, workdir: Path) -> None:
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from evtrain.exporters import TensorBoardWriter
+
+    logdir = workdir / "tb"
+    await run_hooks([TensorBoardWriter(dir=logdir)], bus, procs, steps=12, eval_every=6)
+    acc = EventAccumulator(str(logdir))
+    acc.Reload()
+    loss = acc.Scalars("train/loss")
+    assert [e.step for e in loss] == list(range(1, 13))
+    assert loss[0].value == pytest.approx(loss_at(1), rel=1e-6)
+    assert [e.step for e in acc.Scalars("eval/loss")] == [6, 12]
+    assert len(acc.Scalars("stage1/comm_wait_s")) == 12
+
+
+# -- Prometheus -----------------------------------------------------------------------
+
+
+def _scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        return response.read().decode()
+
+
+def _sample(text: str, name: str) -> float | None:
+    """The value of an unlabelled sample in an exposition."""
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        if key == name:
+            return float(value)
+    return None
+
+
+@pytest.mark.anyio
+async def test_prometheus_exporter_serves_conventional_metrics(
+    bus: BusAddress, procs: Any, workdir: Path
+) -> None:
+    exporter = PrometheusExporter(port=0, dir=workdir)
+    scraped: dict[str, str] = {}
+
+    def scrape_mid_run() -> None:
+        # The fake run pauses before step 10 (heartbeats keep coming): scrape then.
+        port_file = workdir / "prometheus.port"
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if port_file.exists() and port_file.read_text().strip():
+                text = _scrape(int(port_file.read_text()))
+                if (_sample(text, "evtrain_steps_total") or 0) >= 9:
+                    scraped["mid"] = text
+                    return
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=scrape_mid_run, daemon=True)
+    thread.start()
+    await run_hooks(
+        [exporter],
+        bus,
+        procs,
+        steps=20,
+        eval_every=10,
+        drops_at=3,
+        gaps_at=4,
+        pause_at=10,
+        pause=1.5,
+    )
+    thread.join(timeout=5)
+    mid = scraped.get("mid")
+    assert mid is not None, "never scraped the exporter during the run"
+    assert 'evtrain_stage_up{stage="0"} 1.0' in mid
+    assert 'evtrain_stage_up{stage="1"} 1.0' in mid
+    assert "# TYPE evtrain_steps_total counter" in mid
+    assert "# TYPE evtrain_step_duration_seconds histogram" in mid
+    assert "evtrain_run_running 1.0" in mid
+
+    value = exporter.registry.get_sample_value
+    assert value("evtrain_steps_total") == 20
+    assert value("evtrain_samples_total") == 20 * 32
+    assert value("evtrain_steps_done") == 20
+    assert value("evtrain_run_max_steps") == 20
+    assert value("evtrain_loss") == pytest.approx(loss_at(20))
+    assert value("evtrain_learning_rate", {"stage": "1"}) == pytest.approx(0.1)
+    assert value("evtrain_step_duration_seconds_count", {"stage": "0"}) == 20
+    assert value("evtrain_comm_wait_seconds_total", {"stage": "0"}) == pytest.approx(
+        0.2 * value("evtrain_step_duration_seconds_sum", {"stage": "0"})
+    )
+    assert value("evtrain_bubble_ratio", {"stage": "1"}) == pytest.approx(0.2)
+    assert value("evtrain_peak_memory_bytes", {"stage": "1"}) == 150 * 1024 * 1024 + 20 * 1024
+    assert value("evtrain_eval_metric", {"metric": "loss"}) == 1.0
+    assert value("evtrain_evals_total") == 2
+    assert value("evtrain_eval_last_step") == 20
+    assert value("evtrain_step_metric", {"metric": "tokens"}) == 512.0
+    assert value("evtrain_events_dropped_total", {"source": "stage/0"}) == 5
+    assert value("evtrain_events_missing_total", {"source": "stage/1", "observer": "stage/0"}) == 3
+    assert value("evtrain_runs_ended_total", {"status": "completed"}) == 1
+    assert value("evtrain_run_running") == 0
+    assert value("evtrain_stage_up", {"stage": "0"}) == 0  # the run ended
+
+    if PROMTOOL is None:
+        pytest.skip("promtool not installed (Debian package 'prometheus')")
+    check = subprocess.run(
+        [PROMTOOL, "check", "metrics"], input=mid, capture_output=True, text=True, timeout=30
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_stage_up_goes_stale() -> None:
+    liveness = _StageLiveness(stale_after=0.2)
+    assert liveness.up(0) == 0.0  # never seen
+    liveness.seen(0)
+    assert liveness.up(0) == 1.0
+    time.sleep(0.3)
+    assert liveness.up(0) == 0.0
+    liveness.seen(0)
+    liveness.down(0)
+    assert liveness.up(0) == 0.0
+
+
+def test_prometheus_port_in_use_is_a_usage_error(workdir: Path) -> None:
+    import anyio
+
+    first = PrometheusExporter(port=0)
+    anyio.run(first.setup)
+    try:
+        assert first.bound_port is not None
+        second = PrometheusExporter(port=first.bound_port)
+        with pytest.raises(UsageError, match=r"cannot serve on 127\.0\.0\.1"):
+            anyio.run(second.setup)
+    finally:
+        anyio.run(first.teardown)
+
+
+@pytest.mark.anyio
+async def test_exporter_joining_mid_run_knows_the_run_at_once(bus: BusAddress, procs: Any) -> None:
+    import anyio
+
+    from evtrain.bus.state_service import fetch_snapshot
+    from evtrain.hooks.runner import HookRunner
+
+    fake = procs.start(*fake_args(bus, steps=12, pause_at=10, pause=2.0))
+    # Wait until the run sits in its pause after step 9 (no new step event for 2 s).
+    with anyio.fail_after(15):
+        while not any(
+            isinstance(m, StepEnded) and m.step == 9 and m.stage == 0
+            for m in await anyio.to_thread.run_sync(fetch_snapshot, bus)
+        ):
+            await anyio.sleep(0.1)
+    exporter = PrometheusExporter(port=0)
+    runner = HookRunner([exporter], bus, exit_on_run_end=True)
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(runner.run)
+            await runner.ready.wait()
+            value = exporter.registry.get_sample_value
+            # Known from the broker's state snapshot, before any new event arrived.
+            assert value("evtrain_steps_done") == 9
+            assert value("evtrain_run_max_steps") == 12
+            assert value("evtrain_run_stages") == 2
+            assert value("evtrain_stage_up", {"stage": "1"}) == 1
+            assert value("evtrain_loss") == pytest.approx(loss_at(9))
+            assert await anyio.to_thread.run_sync(fake.wait) == 0
+    assert value("evtrain_steps_done") == 12
+    assert value("evtrain_steps_total") == 4  # counted from the step it saw: 9..12

@@ -1,0 +1,288 @@
+"""The built-in hooks against a real broker and a real publisher process (tests/fake_run.py).
+
+Acting hooks send real commands; the fake run's stage-side `CommandReceiver`s
+receive and acknowledge them in another process.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hook_helpers import fake_args, json_lines, loss_at, run_hooks, wait_for_text
+from structlog.testing import capture_logs
+
+from evtrain.bus.address import BusAddress
+from evtrain.bus.broker import Broker
+from evtrain.errors import UsageError
+from evtrain.hooks import (
+    ConsoleLog,
+    EarlyStopping,
+    EvalTrigger,
+    LRMonitor,
+    MemoryMonitor,
+    Timer,
+)
+from evtrain.hooks.loader import BUILTIN_HOOKS, build_hook_from_spec, resolve_hook_class
+
+
+@pytest.fixture
+def bus() -> Iterator[BusAddress]:
+    """A running broker on a fresh private ipc directory."""
+    address = BusAddress.new_ipc()
+    broker = Broker(address)
+    broker.start()
+    try:
+        yield address
+    finally:
+        broker.stop()
+        shutil.rmtree(address.location, ignore_errors=True)
+
+
+# -- options ----------------------------------------------------------------------
+
+
+def test_builtin_names_resolve_to_hooks_of_that_name() -> None:
+    for short, target in BUILTIN_HOOKS.items():
+        cls = resolve_hook_class(short)
+        assert cls.hook_name() == short, target
+
+
+def test_spec_dicts_build_hooks_with_their_options() -> None:
+    hook = build_hook_from_spec(dict(type="logging", every=10, priority=5))
+    assert isinstance(hook, ConsoleLog)
+    assert (hook.every, hook.priority) == (10, 5)
+    stopper = build_hook_from_spec(
+        dict(type="early_stopping", metric="accuracy", mode="MAX", patience="2", min_delta=0.01)
+    )
+    assert isinstance(stopper, EarlyStopping)
+    assert (stopper.metric, stopper.mode, stopper.patience, stopper.min_delta) == (
+        "accuracy",
+        "max",
+        2,
+        0.01,
+    )
+    memory = build_hook_from_spec(dict(type="memory", threshold="1.5GiB"))
+    assert isinstance(memory, MemoryMonitor)
+    assert memory.threshold == int(1.5 * 1024**3)
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (dict(type="logging", every=0), "option 'every' must be an integer >= 1, got 0"),
+        (dict(type="logging", log_format="xml"), "option 'log_format' must be one of console"),
+        (dict(type="eval_every"), "missing a required argument: 'every'"),
+        (dict(type="eval_every", every=2.5), "option 'every' must be an integer >= 1, got 2.5"),
+        (dict(type="early_stopping", mode="up"), "option 'mode' must be one of min, max"),
+        (dict(type="early_stopping", patience=-1), "option 'patience' must be an integer >= 1"),
+        (dict(type="early_stopping", min_delta="x"), "option 'min_delta' must be a number"),
+        (dict(type="early_stopping", metric=""), "option 'metric' must be a non-empty string"),
+        (dict(type="memory", threshold="lots"), "option 'threshold' must be a size in bytes"),
+        (dict(type="timer", every=True), "option 'every' must be an integer >= 1, got True"),
+        (dict(type="lr_monitor", rtol=-1), "option 'rtol' must be a number >= 0"),
+        (dict(type="prometheus", port=70000), "option 'port' must be <= 65535"),
+        (dict(type="prometheus", port="http"), "option 'port' must be an integer >= 0"),
+        (dict(type="recorder", flush_interval=-1), "option 'flush_interval' must be a number"),
+        (dict(type="metrics", every=3), "accepted options: dir, path, priority"),
+    ],
+)
+def test_bad_options_are_one_clear_usage_error(spec: dict[str, Any], message: str) -> None:
+    with pytest.raises(UsageError) as info:
+        build_hook_from_spec(spec)
+    assert message in str(info.value)
+    assert spec["type"] in str(info.value)
+
+
+def test_early_stopping_improvement_rule() -> None:
+    stop = EarlyStopping(mode="max", min_delta=0.1)
+    assert stop.improved(0.5)
+    stop.best = 0.5
+    assert not stop.improved(0.55)  # within min_delta
+    assert stop.improved(0.65)
+    low = EarlyStopping(mode="min")
+    low.best = 1.0
+    assert low.improved(0.99) and not low.improved(1.0)
+
+
+# -- the logging hook ----------------------------------------------------------------
+
+
+def test_logging_hook_process_prints_progress_eval_and_warnings(
+    bus: BusAddress, procs: Any
+) -> None:
+    log_dir = Path(tempfile.mkdtemp(prefix="evt-log-"))
+    try:
+        stderr = log_dir / "hook.err"
+        with stderr.open("w") as err:
+            hook = procs.evtrain(
+                "--log-format",
+                "json",
+                "hook",
+                "logging",
+                "--bus",
+                str(bus),
+                "-o",
+                "every=5",
+                "--exit-on-run-end",
+                stderr=err,
+            )
+            wait_for_text(stderr, "hooks attached")
+            fake = procs.start(
+                *fake_args(bus, steps=20, eval_every=10, drops_at=7, gaps_at=8, stages=2)
+            )
+            assert fake.wait(timeout=30) == 0
+            assert hook.wait(timeout=15) == 0  # --exit-on-run-end
+        lines = json_lines(stderr.read_text())
+    finally:
+        shutil.rmtree(log_dir, ignore_errors=True)
+
+    progress = [line for line in lines if line["event"] == "progress"]
+    assert [p["step"] for p in progress] == ["5/20", "10/20", "15/20", "20/20"]
+    last = progress[-1]
+    assert last["loss"] == pytest.approx(loss_at(20), rel=1e-3)
+    assert last["lr"] == pytest.approx(0.1)
+    assert last["samples_per_s"] > 0 and last["step_time_s"] > 0
+    assert last["eta"] == "0:00:00"
+    assert "s0=100.0MiB" in last["peak_mem"] and "s1=150.0MiB" in last["peak_mem"]
+    assert last["tokens"] == 512.0  # reported with the step
+
+    evals = [line for line in lines if line["event"] == "eval"]
+    assert [e["step"] for e in evals] == [10, 20]
+    assert evals[0]["val_loss"] == pytest.approx(1.0)
+
+    drops = [line for line in lines if line["event"] == "events dropped by publisher"]
+    assert drops and drops[0]["level"] == "warning" and drops[0]["dropped"] == 5
+    assert drops[0]["source"] == "stage/0"
+    gaps = [line for line in lines if line["event"] == "bus gap: events lost"]
+    assert any(g.get("observer") == "stage/0" and g["missing"] == 3 for g in gaps)
+
+    ended = [line for line in lines if line["event"] == "run ended"]
+    assert ended and ended[0]["status"] == "completed" and ended[0]["step"] == 20
+    started = [line for line in lines if line["event"] == "run started"]
+    assert started and started[0]["max_steps"] == 20 and started[0]["stages"] == 2
+
+
+@pytest.mark.anyio
+async def test_logging_hook_own_format_into_a_file(bus: BusAddress, procs: Any) -> None:
+    directory = Path(tempfile.mkdtemp(prefix="evt-log-"))
+    try:
+        path = directory / "train.log"
+        hook = ConsoleLog(every=4, log_format="json", path=path)
+        await run_hooks([hook], bus, procs, steps=8, stages=3)
+        lines = json_lines(path.read_text())
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    assert [line["step"] for line in lines if line["event"] == "progress"] == ["4/8", "8/8"]
+    assert lines[-1]["event"] == "run ended"
+
+
+# -- acting hooks ------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_eval_every_and_early_stopping_steer_the_run(bus: BusAddress, procs: Any) -> None:
+    trigger = EvalTrigger(every=5)
+    stopper = EarlyStopping(metric="loss", mode="min", patience=3)
+    run = await run_hooks(
+        [trigger, stopper],
+        bus,
+        procs,
+        steps=400,
+        step_time=0.01,
+        eval_losses="1.0,0.8,0.85,0.9,0.95,0.99,0.99",
+    )
+    summary = run.summary
+    # Every evaluation was asked for by the hook, at a multiple of 5 steps.
+    assert trigger.requested[:5] == [5, 10, 15, 20, 25]
+    evaluations = [c for c in summary["commands"] if c["type"] == "cmd.evaluate"]
+    assert len(evaluations) >= 5
+    assert all(c["source"] == "hook/eval_every+early_stopping" for c in evaluations)
+    # 1.0 and 0.8 improved; 0.85, 0.9, 0.95 did not: the third bad eval stops the run.
+    stops = [c for c in summary["commands"] if c["type"] == "cmd.stop"]
+    assert len(stops) == 1
+    assert summary["status"] == "stopped"
+    assert summary["reason"].startswith("early stopping: val loss did not improve for 3 evals")
+    assert "best 0.8" in summary["reason"]
+    assert summary["steps"] < 400
+    ended = run.runner.state.ended
+    assert ended is not None and ended.status == "stopped" and ended.reason == summary["reason"]
+    assert stopper.best == 0.8 and stopper.bad_evals == 3
+
+
+@pytest.mark.anyio
+async def test_early_stopping_in_max_mode(bus: BusAddress, procs: Any) -> None:
+    # accuracy = 1 - loss/10 in the fake run: 0.90, 0.95, then 0.94 from then on.
+    stopper = EarlyStopping(metric="accuracy", mode="max", patience=2, min_delta=0.001)
+    run = await run_hooks([stopper], bus, procs, steps=30, eval_every=3, eval_losses="1.0,0.5,0.6")
+    assert stopper.best == pytest.approx(0.95) and stopper.bad_evals == 2
+    assert [c["type"] for c in run.summary["commands"]] == ["cmd.stop"]
+    assert run.summary["status"] == "stopped"
+    assert run.summary["reason"].startswith(
+        "early stopping: val accuracy did not improve for 2 evals (best 0.95 at step 6, mode max"
+    )
+    assert 12 <= run.summary["steps"] < 30
+
+
+# -- monitors --------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_lr_timer_and_memory_monitors(bus: BusAddress, procs: Any) -> None:
+    lr = LRMonitor()
+    timer = Timer(every=10)
+    memory = MemoryMonitor(threshold="120MiB")
+    with capture_logs() as logs:
+        await run_hooks(
+            [lr, timer, memory], bus, procs, steps=40, lr_decay_every=10, step_time=0.005
+        )
+    assert list(lr.changes) == [(1, 0.1), (11, 0.05), (21, 0.025), (31, 0.0125)]
+    changed = [e for e in logs if e["event"] == "learning rate changed"]
+    assert [(e["step"], e["lr"], e["previous"]) for e in changed] == [
+        (11, 0.05, 0.1),
+        (21, 0.025, 0.05),
+        (31, 0.0125, 0.025),
+    ]
+
+    timing = [e for e in logs if e["event"] == "timing"]
+    assert [e["step"] for e in timing] == [10, 20, 30, 40]
+    assert all(e["samples_per_s"] > 0 and e["steps_per_s"] > 0 for e in timing)
+    overall = timer.summaries[-1]
+    assert overall["steps"] == 40
+    for stage in (0, 1):
+        fractions = overall["fractions"][stage]
+        assert fractions["fwd"] == pytest.approx(0.3)
+        assert fractions["bwd"] == pytest.approx(0.4)
+        assert fractions["wait"] == pytest.approx(0.2)
+        assert fractions["other"] == pytest.approx(0.1)
+    assert any(e["event"] == "overall training speed" for e in logs)
+
+    assert memory.warned == {1}  # stage 1 peaks at 150 MiB, stage 0 at 100 MiB
+    assert memory.peak[1] == 150 * 1024 * 1024 + 40 * 1024
+    warnings = [e for e in logs if e["event"] == "peak memory above threshold"]
+    assert (
+        len(warnings) == 1 and warnings[0]["stage"] == 1 and warnings[0]["log_level"] == "warning"
+    )
+
+
+def test_lr_monitor_rtol_thins_out_smooth_schedules() -> None:
+    """Handlers are plain methods: feed a cosine-like schedule straight in."""
+    import itertools
+    import math
+
+    from evtrain.events import StepEnded
+
+    lr = LRMonitor(rtol=0.05)
+    for step in range(1, 101):
+        value = 0.1 * (1 + math.cos(math.pi * step / 100)) / 2 + 1e-4
+        for stage in (1, 0):
+            lr.step_ended(StepEnded(step=step, stage=stage, lr=value))
+    steps = [s for s, _ in lr.changes]
+    assert 10 < len(steps) < 60  # not every step, yet the whole decay is visible
+    assert steps[0] == 1 and steps[-1] > 80
+    values = [v for _, v in lr.changes]
+    assert all(b < a * (1 - 0.05) for a, b in itertools.pairwise(values))
