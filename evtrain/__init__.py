@@ -30,6 +30,7 @@ _EXPORTS: dict[str, str] = {
     "Publisher": "evtrain.bus.publisher",
     "Subscriber": "evtrain.bus.subscriber",
     "RunState": "evtrain.run_state",
+    "report": "evtrain.reporting",
 }
 
 __all__ = [
@@ -49,6 +50,7 @@ __all__ = [
     "layer",
     "load_job",
     "on",
+    "report",
 ]
 
 if TYPE_CHECKING:
@@ -61,6 +63,7 @@ if TYPE_CHECKING:
     from evtrain.hooks.hook import Hook, on
     from evtrain.hooks.runner import HookRunner
     from evtrain.job import Job, accuracy, layer
+    from evtrain.reporting import report
     from evtrain.run_state import RunState
     from evtrain.spec import apply_overrides, load_job
 

@@ -14,7 +14,16 @@ from collections.abc import Sequence
 from evtrain.errors import UsageError
 from evtrain.logs import configure_logging
 
-COMMANDS: tuple[str, ...] = ("bus", "ckpt", "events", "hook")
+COMMANDS: tuple[str, ...] = (
+    "bus",
+    "ckpt",
+    "demo",
+    "events",
+    "hook",
+    "launch",
+    "replay",
+    "timeline",
+)
 """Modules of `evtrain.commands`, each with ``register(subparsers)``."""
 
 

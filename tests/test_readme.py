@@ -1,0 +1,260 @@
+"""The README stays true: its commands parse, its tables match the code, CI runs its test line.
+
+* The test command is exactly the line ``.ci/run`` runs, inside a ```bash block.
+* Every ``evtrain ...`` command in a shell block (also ``python -m evtrain``
+  and ``docker compose run SERVICE ...`` of an evtrain service) is accepted by
+  the real argument parser (run with ``--help`` appended); every script it
+  names (``python bench/x.py``) exists.
+* The event table is generated from `evtrain.events.MESSAGE_TYPES` row by
+  row, every exposed metric family (scraped from a live exporter) is in the
+  metrics table, and the CLI table lists exactly the CLI's subcommands.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+from deploy_helpers import compose_config, exporter_exposition
+
+from evtrain.cli import COMMANDS, build_parser
+from evtrain.events import MESSAGE_TYPES, Message
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+CI_RUN = ROOT / ".ci" / "run"
+MAIN_COMMAND = (
+    "python3 -m venv .venv && . .venv/bin/activate && pip install -q torch==2.13.0 && "
+    "pip install -q -e '.[demo]' && evtrain demo"
+)
+"""The README's main command (decided by the lead; kept verbatim)."""
+SHELL_LANGUAGES = {"bash", "sh", "shell", "console"}
+
+
+def readme() -> str:
+    return README.read_text()
+
+
+def code_blocks(text: str) -> list[tuple[str, str]]:
+    """(language, body) of every fenced block."""
+    return re.findall(r"^```(\w*)\n(.*?)^```", text, re.M | re.S)
+
+
+def shell_lines(text: str) -> list[str]:
+    """Command lines of the shell blocks (continuations joined, prompts stripped)."""
+    lines = []
+    for language, body in code_blocks(text):
+        if language in SHELL_LANGUAGES:
+            for line in body.replace("\\\n", " ").splitlines():
+                line = line.strip().removeprefix("$ ")
+                if line and not line.startswith("#"):
+                    lines.append(line)
+    return lines
+
+
+def commands(line: str) -> list[list[str]]:
+    """The simple commands of one line (split at ``&&``, ``||``, ``;``, ``|``)."""
+    lexer = shlex.shlex(line, posix=True, punctuation_chars=";&|")
+    lexer.whitespace_split = True
+    lexer.commenters = "#"
+    out: list[list[str]] = [[]]
+    for token in lexer:
+        if set(token) <= set(";&|"):
+            out.append([])
+        else:
+            out[-1].append(token)
+    # Leading VAR=value assignments are not the command.
+    return [
+        cmd[next((i for i, t in enumerate(cmd) if not re.match(r"^\w+=", t)), len(cmd)) :]
+        for cmd in out
+        if cmd
+    ]
+
+
+def compose_evtrain_services() -> set[str]:
+    """Services of docker-compose.yml that run the evtrain image (built here)."""
+    return {n for n, s in compose_config()["services"].items() if "build" in s}
+
+
+def compose_run_service(cmd: list[str]) -> tuple[str, list[str]] | None:
+    """(service, arguments) of ``docker compose run [OPTIONS] SERVICE ARGS...``."""
+    if cmd[:3] != ["docker", "compose", "run"]:
+        return None
+    rest = cmd[3:]
+    while rest and rest[0].startswith("-"):
+        rest = rest[1:]
+    return (rest[0], rest[1:]) if rest else None
+
+
+def evtrain_argv(cmd: list[str]) -> list[str] | None:
+    """The evtrain arguments of a command line (None if it does not run evtrain).
+
+    ``docker compose run SERVICE ARGS`` counts (the image's entrypoint is
+    evtrain); `test_readme_compose_runs_evtrain_services` checks the service.
+    """
+    if cmd[0] == "evtrain":
+        return cmd[1:]
+    if cmd[:3] in (["python", "-m", "evtrain"], ["python3", "-m", "evtrain"]):
+        return cmd[3:]
+    if (run := compose_run_service(cmd)) is not None:
+        return run[1]
+    return None
+
+
+def readme_commands() -> list[list[str]]:
+    return [cmd for line in shell_lines(readme()) for cmd in commands(line)]
+
+
+def readme_evtrain_commands() -> list[list[str]]:
+    return [argv for cmd in readme_commands() if (argv := evtrain_argv(cmd)) is not None]
+
+
+def section(title: str) -> str:
+    """The README text under ``## title`` up to the next ``## ``."""
+    match = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", readme(), re.M | re.S)
+    assert match is not None, f"README has no section '## {title}'"
+    return match.group(1)
+
+
+# ------------------------------------------------------------------ the two commands
+
+
+def ci_test_line() -> str:
+    """The command .ci/run ends with: the README's test command."""
+    lines = [line.strip() for line in CI_RUN.read_text().splitlines() if line.strip()]
+    return lines[-1]
+
+
+def test_readme_has_ci_test_command_in_a_bash_block() -> None:
+    line = ci_test_line()
+    assert "pytest" in line
+    blocks = [body for language, body in code_blocks(readme()) if language == "bash"]
+    assert any(line in body.splitlines() for body in blocks), (
+        f"README must contain, in a ```bash block, exactly the line .ci/run runs:\n{line}"
+    )
+
+
+def test_readme_has_the_main_command_in_a_bash_block() -> None:
+    blocks = [body for language, body in code_blocks(readme()) if language == "bash"]
+    assert any(MAIN_COMMAND in body.splitlines() for body in blocks)
+    # Both start the same way: one install recipe, two extras.
+    install = "pip install -q -e"
+    assert MAIN_COMMAND.split(install)[0] == ci_test_line().split(install)[0]
+
+
+# ------------------------------------------------------------------ every command runs
+
+
+def test_command_extraction() -> None:
+    assert commands("a=1 evtrain x --y 'z w' && . f; b | evtrain c # note") == [
+        ["evtrain", "x", "--y", "z w"],
+        [".", "f"],
+        ["b"],
+        ["evtrain", "c"],
+    ]
+    assert evtrain_argv(["python", "-m", "evtrain", "bus"]) == ["bus"]
+    assert evtrain_argv(["docker", "compose", "run", "--rm", "trainer", "ckpt"]) == ["ckpt"]
+    assert evtrain_argv(["pip", "install"]) is None
+
+
+def test_readme_shows_many_commands() -> None:
+    found = readme_evtrain_commands()
+    subcommands = {argv[0] for argv in found if argv}
+    # Catches an extraction that silently finds nothing.
+    assert len(found) >= 15, found
+    assert {"demo", "launch", "hook", "bus", "events", "replay", "timeline", "ckpt"} <= subcommands
+
+
+@pytest.mark.parametrize(
+    "argv", readme_evtrain_commands(), ids=lambda argv: " ".join(argv)[:60] or "(none)"
+)
+def test_readme_evtrain_command_is_accepted(argv: list[str]) -> None:
+    """argparse accepts the command: subcommand, flags and the number of arguments."""
+    out = io.StringIO()
+    with (
+        contextlib.redirect_stdout(out),
+        contextlib.redirect_stderr(out),
+        pytest.raises(SystemExit) as exit_info,
+    ):
+        build_parser().parse_args([*argv, "--help"])
+    assert exit_info.value.code == 0, f"evtrain {shlex.join(argv)}:\n{out.getvalue()}"
+    assert out.getvalue().startswith(f"usage: evtrain {argv[0]}")
+
+
+def test_readme_compose_runs_evtrain_services() -> None:
+    runs = [run for cmd in readme_commands() if (run := compose_run_service(cmd)) is not None]
+    assert runs
+    for service, _ in runs:
+        assert service in compose_evtrain_services(), f"{service} does not run the evtrain image"
+
+
+def test_readme_scripts_exist() -> None:
+    scripts = [
+        cmd[1]
+        for cmd in readme_commands()
+        if cmd[0] in ("python", "python3") and len(cmd) > 1 and cmd[1].endswith(".py")
+    ]
+    assert any(s.startswith("bench/") for s in scripts)
+    for script in scripts:
+        assert (ROOT / script).is_file(), f"README runs {script}, which does not exist"
+
+
+def test_readme_files_exist() -> None:
+    """Repository files the README names (examples, deploy, Dockerfile...)."""
+    quoted = r"`((?:examples|deploy|bench|docs)/[\w./-]+|Dockerfile|docker-compose\.yml)`"
+    named = set(re.findall(quoted, readme()))
+    named |= {m for _, m in re.findall(r"(\w+\.)?((?:examples|bench)/[\w-]+\.py)", readme())}
+    assert "examples/loss_spike_guard.py" in named
+    for name in sorted(named):
+        if name.startswith("docs/"):
+            continue  # FIGURE: the lead generates the picture
+        assert (ROOT / name).exists(), f"README names {name}, which does not exist"
+
+
+# ------------------------------------------------------------------ tables
+
+
+def event_row(message_type: type[Message]) -> str:
+    """The event-catalogue row of one message type."""
+    envelope = set(Message.__struct_fields__)
+    fields = [f for f in message_type.__struct_fields__ if f not in envelope]
+    topic = message_type.topic.decode()
+    return f"| `{topic}` | `{message_type.__name__}` | {', '.join(fields)} |"
+
+
+def test_event_catalogue_is_generated_from_the_schema() -> None:
+    table = section("Event catalogue")
+    expected = [event_row(t) for t in MESSAGE_TYPES]
+    rows = [line for line in table.splitlines() if line.startswith("| `")]
+    assert rows == expected, "the table should read:\n" + "\n".join(expected)
+    for envelope_field in Message.__struct_fields__:
+        assert f"`{envelope_field}`" in table
+
+
+def test_metrics_table_lists_every_exposed_family() -> None:
+    table = section("Metrics")
+    listed = re.findall(r"^\| `(evtrain_\w+)` \| (\w+) \|", table, re.M)
+    exposition = exporter_exposition()
+    exposed = {name: exposition.families[name] for name in exposition.user_families}
+    assert dict(listed) == exposed, (
+        f"missing: {sorted(set(exposed) - dict(listed).keys())}, "
+        f"not exposed: {sorted(dict(listed).keys() - set(exposed))}, "
+        f"wrong type: {sorted(n for n, t in listed if n in exposed and exposed[n] != t)}"
+    )
+
+
+def test_cli_table_lists_every_subcommand() -> None:
+    table = section("Command line")
+    listed = re.findall(r"^\| `evtrain (\w+)` \|", table, re.M)
+    assert len(listed) == len(set(listed))
+    assert set(listed) == set(COMMANDS), (
+        f"not in README: {sorted(set(COMMANDS) - set(listed))}, "
+        f"not a command: {sorted(set(listed) - set(COMMANDS))}"
+    )
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    for choice in sub._choices_actions:  # the one-line descriptions are the CLI's own
+        assert f"| `evtrain {choice.dest}` | {choice.help} |" in table, choice.dest
