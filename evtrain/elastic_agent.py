@@ -127,7 +127,8 @@ def prestart_forkserver() -> None:
     import multiprocessing
     import multiprocessing.forkserver
 
-    multiprocessing.set_forkserver_preload(["torch", "evtrain.stages.actor"])
+    # torch._dynamo: the first optimizer a worker builds imports it (2-7 s each).
+    multiprocessing.set_forkserver_preload(["torch", "torch._dynamo", "evtrain.stages.actor"])
     multiprocessing.forkserver.ensure_running()
 
 
