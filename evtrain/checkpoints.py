@@ -493,14 +493,23 @@ def validate_checkpoint(ckpt_dir: str | os.PathLike[str], *, hashes: bool = True
     ckpt = Path(ckpt_dir)
     manifest = read_manifest(ckpt)
     for entry in manifest.stages:
-        spath = ckpt / entry.path
-        record_path = spath / SHARD_RECORD_FILE
-        if not record_path.exists():
-            raise CheckpointCorrupt(f"{record_path} is missing from the committed checkpoint")
-        if sha256_file(record_path) != entry.record_sha256:
-            raise CheckpointCorrupt(f"{record_path} was altered after the checkpoint was committed")
-        verify_shard_files(spath, read_shard_record(spath), hashes=hashes)
+        spath, record = committed_shard_record(ckpt, entry)
+        verify_shard_files(spath, record, hashes=hashes)
     return manifest
+
+
+def committed_shard_record(ckpt: Path, entry: StageEntry) -> tuple[Path, ShardRecord]:
+    """A committed stage's shard directory and record, checked against the manifest.
+
+    Raises `CheckpointCorrupt` if the record is missing or was altered after commit.
+    """
+    spath = ckpt / entry.path
+    record_path = spath / SHARD_RECORD_FILE
+    if not record_path.exists():
+        raise CheckpointCorrupt(f"{record_path} is missing from the committed checkpoint")
+    if sha256_file(record_path) != entry.record_sha256:
+        raise CheckpointCorrupt(f"{record_path} was altered after the checkpoint was committed")
+    return spath, read_shard_record(spath)
 
 
 # ------------------------------------------------------------------------ latest

@@ -71,10 +71,10 @@ from evtrain.checkpoints import (
     ShardFile,
     ShardRecord,
     TensorInfo,
+    committed_shard_record,
     format_checkpoint_path,
     fsync_dir,
     read_manifest,
-    read_shard_record,
     resolve_resume,
     sha256_file,
     stage_dir,
@@ -951,13 +951,7 @@ def _open_shards(ckpt_dir: Path) -> list[_Shard]:
     manifest = read_manifest(ckpt_dir)
     shards = []
     for entry in manifest.stages:
-        spath = ckpt_dir / entry.path
-        record_path = spath / SHARD_RECORD_FILE
-        if not record_path.exists():
-            raise CheckpointCorrupt(f"{record_path} is missing from the committed checkpoint")
-        if sha256_file(record_path) != entry.record_sha256:
-            raise CheckpointCorrupt(f"{record_path} was altered after the checkpoint was committed")
-        record = read_shard_record(spath)
+        spath, record = committed_shard_record(ckpt_dir, entry)
         if record.checkpoint_id != manifest.checkpoint_id or record.step != manifest.step:
             raise CheckpointCorrupt(
                 f"{spath / SHARD_RECORD_FILE} does not belong to the manifest's checkpoint"
