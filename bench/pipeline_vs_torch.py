@@ -24,13 +24,16 @@ The last line printed is one JSON object.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -180,6 +183,14 @@ def sequential_worker(steps: int, warmup: int) -> float:
 # ---------------------------------------------------------------- evtrain side
 
 
+@contextlib.contextmanager
+def _removing(directory: str) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 def run_evtrain(spec: Path, schedule: str, steps: int, warmup: int) -> float:
     """Launch evtrain's stage workers with a live bus; steps/s from StepEnded events."""
     from evtrain.bus import Broker, BusAddress, Subscriber
@@ -187,7 +198,7 @@ def run_evtrain(spec: Path, schedule: str, steps: int, warmup: int) -> float:
     from evtrain.stages.worker import WorkerConfig, worker_main
 
     address = BusAddress.new_ipc()
-    with Broker(address):
+    with Broker(address), _removing(address.location):
         sub = Subscriber(address.endpoint("events_out"), topics=("step.",))
         config = WorkerConfig(
             spec_path=str(spec),

@@ -57,6 +57,33 @@ ends with ``RunEnded(status="stopped", reason="signal")`` and exit status 0.
 A second signal more than one second after the first ends the process at
 once (Ctrl-C pressed again; a single Ctrl-C reaches a worker twice, from
 the terminal and forwarded by the elastic agent, within milliseconds).
+
+Checkpoints (`evtrain.stages.checkpoint`): each stage owns a `ShardWriter`.
+A ``CheckpointNow`` is applied at the boundary where it arrives, after that
+step's optimizer and scheduler steps: an ``on_stop`` request is armed, any
+other saves this stage's shard asynchronously and is acknowledged with
+``CommandAcked.step`` = steps completed. Finished writes are published
+(``CheckpointShardSaved``/``CheckpointFailed``) at every boundary and with
+the heartbeats. When the run ends without failure the armed on-stop
+checkpoint is saved, every shard is waited for and reported, and only then
+do the stages meet at the final barrier and stage 0 publishes ``RunEnded``.
+Before that, one *final boundary* after the last step applies the commands
+that the last step's own events triggered (a checkpoint every N steps that
+falls on the last step, a best-metric checkpoint of the final evaluation):
+stage 0 waits ``EVTRAIN_FINAL_COMMAND_GRACE_S`` (default 0.5 s) for them.
+When that boundary saved a checkpoint of the last step, the armed on-stop
+one is skipped (it would share its directory; the hook drops it).
+
+Resume: ``WorkerConfig.resume`` (a checkpoint, a run directory, or
+``"latest"`` = the job's run directory) is resolved by rank 0 and agreed on
+by all (`agree_on_resume`); each stage then loads its layers, optimizer,
+scheduler and RNG (`load_stage_shard`) and continues with the step after the
+saved one (``RunStarted.start_step``). After an elastic restart
+(``TORCHELASTIC_RESTART_COUNT`` > 0) the stages resume from the run
+directory's latest committed checkpoint when there is one (else as the first
+attempt did). ``WorkerConfig.load_weights`` loads weights only and starts at
+step 0. A failing stage 0 publishes ``RunEnded(status="failed")`` only when
+elastic has no restart left.
 """
 
 from __future__ import annotations
@@ -81,9 +108,11 @@ import torch.distributed as dist
 from evtrain.bus.address import BusAddress
 from evtrain.bus.commands import CommandReceiver
 from evtrain.bus.publisher import Publisher
+from evtrain.checkpoints import CheckpointError
 from evtrain.data import derive_seed, eval_microbatches
 from evtrain.errors import SpecError
 from evtrain.events import (
+    CheckpointFailed,
     CheckpointNow,
     Command,
     CommandAcked,
@@ -107,6 +136,14 @@ from evtrain.events import (
 from evtrain.job import Job
 from evtrain.reporting import Reporter, reporting
 from evtrain.spec import apply_overrides, load_job
+from evtrain.stages.checkpoint import (
+    CompletedShard,
+    ShardWriter,
+    agree_on_resume,
+    is_on_stop_request,
+    load_stage_shard,
+    load_weights,
+)
 from evtrain.stages.control import ControlResult, StepControl
 from evtrain.stages.executor import Span, StageExecutor, StepStats
 from evtrain.stages.p2p import Mailbox, TensorSpec, exchange_shapes, infer_output_spec
@@ -120,6 +157,8 @@ log = structlog.get_logger("evtrain.stages.actor")
 HEARTBEAT_INTERVAL_S = 1.0
 PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=30)
 _FORCE_EXIT_AFTER_S = 1.0
+FINAL_GRACE_ENV = "EVTRAIN_FINAL_COMMAND_GRACE_S"
+"""Seconds stage 0 waits after the last step for commands its events trigger (default 0.5)."""
 
 
 @dataclass(frozen=True)
@@ -182,6 +221,9 @@ class StageActor:
         self._stop_requested = False
         self._first_signal: float | None = None
         self._in_step = False
+        self.writer: ShardWriter | None = None
+        self.start_step = 0
+        self._saved_step: int | None = None
         # Span times are perf_counter readings; this turns them into wall clock.
         self._clock_offset = time.time() - time.perf_counter()
 
@@ -234,12 +276,13 @@ class StageActor:
         log.error("stage failed", stage=self.stage, error=error)
         step = self.completed + 1 if self._in_step else None
         self.publish(StageFailed(stage=self.stage, error=error, traceback=text, step=step))
-        if self.stage == 0:
+        if self.stage == 0 and not _restart_pending():
             self.publish(RunEnded(status="failed", reason=error, step=self.completed))
 
     async def _heartbeats(self) -> None:
         while True:
             self.publish(Heartbeat(stage=self.stage, step=self.completed, state=self.state))
+            self._publish_shards()
             await anyio.sleep(HEARTBEAT_INTERVAL_S)
 
     async def _signals(self) -> None:
@@ -282,7 +325,7 @@ class StageActor:
         executor.stop_requested = self._stop_requested
 
         # Boundary 0: every stage joined; commands sent before the run apply now.
-        start_step = 0
+        start_step = self.start_step
         first = await anyio.to_thread.run_sync(control.exchange, 0.0, self._stop_requested)
         if self.stage == 0:
             self.publish(
@@ -310,12 +353,28 @@ class StageActor:
                     stats.control,
                     scheduled_eval=job.eval_every is not None and step % job.eval_every == 0,
                 )
+        # The final boundary: commands triggered by the last step's events (a
+        # periodic or best-metric checkpoint of the last step) arrive after
+        # its control exchange; give them a moment and apply them too. Shards
+        # still in flight are reported first: the hook issues its next request
+        # only once the previous checkpoint is committed.
+        if self.writer is not None:
+            for done in await anyio.to_thread.run_sync(self.writer.wait):
+                self.publish(done.to_event())
+        final = await anyio.to_thread.run_sync(self._final_exchange)
+        await self._boundary(step, final, scheduled_eval=False)
         status = "completed" if stop_reason is None else "stopped"
         self.state = "stopping"
+        # The on-stop checkpoint and every shard still in flight are reported
+        # before the final barrier, so RunEnded (after it) comes last.
+        for done in await anyio.to_thread.run_sync(self._save_on_stop):
+            self.publish(done.to_event())
         await anyio.to_thread.run_sync(self._finish)
         if self.stage == 0:
             self.publish(RunEnded(status=status, reason=stop_reason or "", step=self.completed))
         self.publish(StageStopped(stage=self.stage, status=status, reason=stop_reason or ""))
+        if self.writer is not None:
+            self.writer.close()
         log.info("stage finished", stage=self.stage, status=status, steps=self.completed)
 
     # ------------------------------------------------------------------- setup
@@ -323,8 +382,6 @@ class StageActor:
     def _setup(self) -> None:
         """Load the job, join the process groups, build this stage's slice (blocking)."""
         config = self.config
-        if config.resume is not None or config.load_weights is not None:
-            log.warning("resume/load_weights are not implemented yet; starting from scratch")
         job = apply_overrides(load_job(config.spec_path), config.overrides)
         if config.device is not None:
             job = apply_overrides(job, {"device": config.device})
@@ -435,7 +492,61 @@ class StageActor:
             eval_targets=evaluation.targets if evaluation is not None and last else None,
             eval_num_samples=evaluation.num_samples if evaluation is not None else 0,
         )
+        self.writer = ShardWriter(self.stage, self.num_stages, device=self.device)
+        self._restore(optimizer, scheduler)
         return total
+
+    def _restore(self, optimizer: torch.optim.Optimizer | None, scheduler: object) -> None:
+        """Resume from a checkpoint or load weights, as the config says (blocking, collective)."""
+        config, job, module = self.config, self.job, self.module
+        assert job is not None and module is not None
+        path = None
+        if _restart_count() > 0:
+            # An elastic restart: continue from the last committed checkpoint.
+            try:
+                path = agree_on_resume(job.run_dir)
+            except CheckpointError as exc:
+                log.warning("restart: no committed checkpoint to resume", error=str(exc))
+        if path is None and config.resume is not None:
+            resume = job.run_dir if config.resume == "latest" else config.resume
+            path = agree_on_resume(resume)
+        if path is not None:
+            state = load_stage_shard(path, self.stage, module, optimizer, scheduler)
+            self.start_step = self.completed = state.step
+            log.info("resumed", stage=self.stage, path=str(path), step=state.step)
+        elif config.load_weights is not None:
+            load_weights(config.load_weights, module)
+            log.info("weights loaded", stage=self.stage, path=config.load_weights)
+
+    def _final_exchange(self) -> ControlResult:
+        """One more control exchange after the last step (blocking, collective)."""
+        assert self.control is not None
+        if self._receiver is not None:
+            time.sleep(_final_command_grace_s())
+        return self.control.exchange(0.0, self._stop_requested)
+
+    def _save_on_stop(self) -> list[CompletedShard]:
+        """Save the armed on-stop checkpoint (if any) and wait for every write (blocking)."""
+        writer, executor, module = self.writer, self.executor, self.module
+        if writer is None or executor is None or module is None:
+            return []
+        if self._saved_step == self.completed:
+            # A checkpoint of this very step is already saved (the final
+            # boundary's): a second one would share its directory. The hook
+            # drops the on-stop request when no shard of it appears.
+            log.info("on-stop checkpoint skipped: this step is saved", step=self.completed)
+            return writer.wait()
+        try:
+            writer.save_on_stop(
+                step=self.completed,
+                module=module,
+                optimizer=executor.optimizer,
+                scheduler=executor.lr_scheduler,
+                data_position=executor.stream.batch_index(self.completed),
+            )
+        except CheckpointError as exc:
+            log.error("on-stop checkpoint failed", stage=self.stage, error=str(exc))
+        return writer.wait()
 
     def _finish(self) -> None:
         """Final barrier, optional weight dump, leave the process groups (blocking)."""
@@ -523,8 +634,17 @@ class StageActor:
             elif isinstance(command, StopRun):
                 stop_commands.append(command)
             elif isinstance(command, CheckpointNow):
-                ok, detail = self._checkpoint(command, step)
+                ok, detail = await anyio.to_thread.run_sync(self._checkpoint, command, step)
                 self._ack(command, step, ok=ok, detail=detail)
+                if not ok:
+                    self.publish(
+                        CheckpointFailed(
+                            checkpoint_id=command.checkpoint_id,
+                            step=step,
+                            stage=self.stage,
+                            error=detail,
+                        )
+                    )
             else:
                 self._ack(command, step, ok=False, detail="unknown command")
         job = self.job
@@ -543,7 +663,14 @@ class StageActor:
             self._ack(command, step)
         if stop_reason is None and control.signalled:
             stop_reason = "signal"
+        self._publish_shards()
         return stop_reason
+
+    def _publish_shards(self) -> None:
+        """Publish the shard writes that finished since the last call (never blocks)."""
+        if self.writer is not None:
+            for done in self.writer.poll():
+                self.publish(done.to_event())
 
     def _ack(self, command: Command, step: int, *, ok: bool = True, detail: str = "") -> None:
         self.publish(
@@ -558,11 +685,35 @@ class StageActor:
         )
 
     def _checkpoint(self, command: CheckpointNow, step: int) -> tuple[bool, str]:
-        """Save this stage's shard for ``command`` at boundary ``step``.
+        """Save this stage's shard for ``command`` at boundary ``step`` (blocking, short).
 
-        The dispatch point for issue 5; until then every stage refuses.
+        ``step`` optimizer and scheduler steps are done; the write itself
+        continues in the writer's thread. A refused save (already committed,
+        unusable path, unsupported state) is acknowledged with ``ok=False``
+        and published as ``CheckpointFailed``.
         """
-        return False, "checkpointing not implemented yet"
+        writer, executor, module = self.writer, self.executor, self.module
+        if writer is None or executor is None or module is None:
+            return False, "the stage is not ready to checkpoint"
+        if is_on_stop_request(command):
+            writer.arm_on_stop(command)
+            return True, "armed for the end of the run"
+        try:
+            writer.save(
+                command.path,
+                checkpoint_id=command.checkpoint_id,
+                step=step,
+                module=module,
+                optimizer=executor.optimizer,
+                scheduler=executor.lr_scheduler,
+                data_position=executor.stream.batch_index(step),
+                reason=command.reason,
+            )
+        except CheckpointError as exc:
+            log.error("checkpoint refused", stage=self.stage, error=str(exc))
+            return False, str(exc)
+        self._saved_step = step
+        return True, ""
 
     async def _evaluate(self, step: int) -> None:
         executor = self.executor
@@ -601,3 +752,18 @@ def _eval_batches(job: Job | None) -> int:
             evaluation.num_samples, job.effective_eval_batch_size, job.num_microbatches
         )
     )
+
+
+def _restart_count() -> int:
+    """How many times elastic restarted this worker group (0: the first attempt)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def _restart_pending() -> bool:
+    """Whether elastic will restart the workers after this failure."""
+    max_restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    return _restart_count() < max_restarts
+
+
+def _final_command_grace_s() -> float:
+    return float(os.environ.get(FINAL_GRACE_ENV, "0.5") or 0)

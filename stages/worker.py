@@ -54,10 +54,13 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     """Overrides the spec's ``device`` (``"cpu"`` / ``"cuda"``) when set."""
 
     resume: str | None = None
-    """Reserved for checkpoint resume (issue 5); ignored for now."""
+    """Checkpoint to resume: a checkpoint directory, a run directory (its latest
+    committed checkpoint) or ``"latest"`` (the job's run directory). Rank 0 resolves
+    it and all stages load the same one (`evtrain.stages.checkpoint.agree_on_resume`)."""
 
     load_weights: str | None = None
-    """Reserved for loading exported weights (issue 5); ignored for now."""
+    """Load model weights only (a committed checkpoint or a safetensors file) and
+    start at step 0 with a fresh optimizer; ignored when ``resume`` is set."""
 
     dump_weights_dir: str | None = None
     """A testing/export aid: at the end of the run each stage writes its parameters

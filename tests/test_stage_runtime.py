@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -221,6 +222,7 @@ class Bus:
             self._commands.close(linger=0)
         self.sub.close()
         self.broker.stop()
+        shutil.rmtree(self.address.location, ignore_errors=True)
 
 
 @pytest.fixture
@@ -428,9 +430,13 @@ def test_commands_apply_at_one_boundary_and_are_acked(tmp_path: Path, bus: Bus, 
     assert len({a.step for a in evals}) == 1
     bus.wait_for(lambda e: isinstance(e, EvalEnded) and e.step == evals[0].step, timeout=10)
 
-    ckpts = send_until_acked(CheckpointNow(command_id="ck-1", checkpoint_id="c1", path="/x"))
-    assert len(ckpts) == stages and not any(a.ok for a in ckpts)
-    assert all("not implemented" in a.detail for a in ckpts)
+    # Checkpoints themselves are tested with the checkpoint code; here only
+    # the dispatch: every stage acknowledges at one boundary.
+    ckpt_dir = tmp_path / "ckpt"
+    ckpts = send_until_acked(
+        CheckpointNow(command_id="ck-1", checkpoint_id="c1", path=str(ckpt_dir))
+    )
+    assert len(ckpts) == stages and len({a.step for a in ckpts}) == 1
 
     stops = send_until_acked(StopRun(command_id="stop-1", reason="enough"))
     code, output = finish(proc, timeout=60)
