@@ -84,6 +84,7 @@ __all__ = ["COORDINATOR_FILE", "CheckpointHook"]
 COORDINATOR_FILE = ".coordinator.json"
 _TICK_S = 0.5
 _STOP_GRACE_S = 10.0
+_FINAL_COMMAND_TIMEOUT_S = 2.0
 _FAILED_KEPT = 200
 
 
@@ -393,7 +394,7 @@ class CheckpointHook(Hook):
         template = checkpoint_path_template(self.run_dir)
         try:
             acks = await self.checkpoint(
-                cid, template, reason=reason, on_stop=on_stop, timeout=self.command_timeout
+                cid, template, reason=reason, on_stop=on_stop, timeout=self._command_timeout()
             )
         except CommandTimeout as exc:
             self._fail(pending, f"not acknowledged: {exc}")
@@ -427,6 +428,15 @@ class CheckpointHook(Hook):
                 )
             )
         await self._try_commit(pending)
+
+    def _command_timeout(self) -> float:
+        # After the last step the stages apply commands at one final boundary and
+        # then leave: a request they never acknowledge must not keep this hook
+        # (whose handlers run one at a time) from handling run.ended for long.
+        run = self.state.run
+        if run is not None and self._last_step is not None and self._last_step >= run.max_steps:
+            return min(self.command_timeout, _FINAL_COMMAND_TIMEOUT_S)
+        return self.command_timeout
 
     async def _arm_on_stop(self) -> None:
         for pending in list(self._pending.values()):
