@@ -105,7 +105,7 @@ class HookRunner:
         self._reported_gaps = 0
         self._queue: deque[Message] = deque()
         self._queued = anyio.Event()
-        self._replayed: set[tuple[str, bytes, int]] = set()
+        self._replayed: dict[tuple[str, bytes], tuple[int, float]] = {}
 
     # -- used by hooks -------------------------------------------------------
 
@@ -163,17 +163,21 @@ class HookRunner:
             curve=self._curve,
         )
         try:
+            # The snapshot comes first: every live event is then as new as it or
+            # newer, and `_prepare` drops live copies of what it already held.
+            snapshot = await anyio.to_thread.run_sync(
+                functools.partial(fetch_snapshot, self.address, curve=self._curve)
+            )
             await self._prove_subscription()
             for hook in self.hooks:
                 hook._runner = self
             for hook in self.hooks:
                 await hook.setup()
-            snapshot = await anyio.to_thread.run_sync(
-                functools.partial(fetch_snapshot, self.address, curve=self._curve)
-            )
             for msg in snapshot:
                 await self._handle(msg)
-            self._replayed = {(msg.source, msg.topic, msg.seq) for msg in snapshot}
+            self._replayed = {(msg.source, msg.topic): (msg.seq, msg.ts) for msg in snapshot}
+            if self._queue:
+                self._queued.set()  # events that arrived while proving the subscription
             self.ready.set()
             log.info("hooks attached", hooks=self.name, topics=self.topics, bus=str(self.address))
             async with anyio.create_task_group() as tg:
@@ -204,9 +208,16 @@ class HookRunner:
         deadline = time.monotonic() + self._ready_timeout
         while time.monotonic() < deadline:
             self._publisher.publish(probe)
+            proved = False
             for msg in await self._subscriber.receive(timeout=0.2):
                 if isinstance(msg, HookStarted) and msg.source == self._publisher.source:
-                    return
+                    proved = True
+                else:
+                    # Once an earlier probe made it, real events may already flow:
+                    # keep them for dispatch after setup instead of losing them.
+                    self._queue.append(msg)
+            if proved:
+                return
         raise TimeoutError(f"no events came back from the bus at {self.address}")
 
     async def _read(self) -> None:
@@ -282,8 +293,13 @@ class HookRunner:
 
     def _prepare(self, msg: Message) -> Sequence[tuple[Hook, str, Callable[[Message], Any]]]:
         """Fold ``msg`` into the state; the handlers it goes to (none if replayed)."""
-        if self._replayed and (msg.source, msg.topic, msg.seq) in self._replayed:
-            return ()  # already dispatched from the state snapshot
+        if self._replayed:
+            seen = self._replayed.get((msg.source, msg.topic))
+            if seen is not None:
+                if msg.seq <= seen[0] and msg.ts <= seen[1]:
+                    return ()  # already dispatched from the state snapshot (or older)
+                # Newer (or a restarted source counting from 0 again): live from here.
+                del self._replayed[(msg.source, msg.topic)]
         self.state.update(msg)
         return self._handlers.get(type(msg), ())
 
