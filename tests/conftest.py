@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 from evtrain.bus.address import BusAddress
+from evtrain.bus.broker import Broker
 
 
 @pytest.fixture
@@ -25,6 +26,19 @@ def ipc_bus() -> Iterator[BusAddress]:
     address = BusAddress.new_ipc()
     yield address
     shutil.rmtree(address.location, ignore_errors=True)
+
+
+@pytest.fixture
+def bus() -> Iterator[BusAddress]:
+    """A running broker on a fresh private ipc directory (test files may define their own)."""
+    address = BusAddress.new_ipc()
+    broker = Broker(address)
+    broker.start()
+    try:
+        yield address
+    finally:
+        broker.stop()
+        shutil.rmtree(address.location, ignore_errors=True)
 
 
 @pytest.fixture

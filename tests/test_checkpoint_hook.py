@@ -25,7 +25,6 @@ import pytest
 import torch
 
 from evtrain.bus.address import BusAddress
-from evtrain.bus.broker import Broker
 from evtrain.bus.publisher import Publisher
 from evtrain.bus.subscriber import Subscriber
 from evtrain.checkpoints import (
@@ -56,17 +55,6 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:Us
 
 
 # ------------------------------------------------------------------------ fixtures
-
-
-@pytest.fixture
-def bus() -> Iterator[BusAddress]:
-    address = BusAddress.new_ipc()
-    broker = Broker(address)
-    broker.start()
-    try:
-        yield address
-    finally:
-        broker.stop()
 
 
 @pytest.fixture

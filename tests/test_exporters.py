@@ -21,7 +21,6 @@ import pytest
 from hook_helpers import fake_args, loss_at, run_hooks, wait_for_text
 
 from evtrain.bus.address import BusAddress
-from evtrain.bus.broker import Broker
 from evtrain.errors import UsageError
 from evtrain.events import RunStarted, StepEnded, from_builtins
 from evtrain.exporters import EventRecorder, MetricsLog, PrometheusExporter
@@ -29,19 +28,6 @@ from evtrain.exporters.prometheus import _StageLiveness
 from evtrain.hooks.loader import build_hook
 
 PROMTOOL = shutil.which("promtool")
-
-
-@pytest.fixture
-def bus() -> Iterator[BusAddress]:
-    """A running broker on a fresh private ipc directory."""
-    address = BusAddress.new_ipc()
-    broker = Broker(address)
-    broker.start()
-    try:
-        yield address
-    finally:
-        broker.stop()
-        shutil.rmtree(address.location, ignore_errors=True)
 
 
 @pytest.fixture

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import anyio
@@ -11,7 +11,6 @@ import pytest
 from bus_procs import SCRIPT, Lines
 
 from evtrain.bus.address import BusAddress
-from evtrain.bus.broker import Broker
 from evtrain.bus.publisher import Publisher
 from evtrain.bus.state_service import fetch_snapshot
 from evtrain.bus.subscriber import Subscriber
@@ -29,13 +28,6 @@ from evtrain.events import (
 from evtrain.hooks import CommandTimeout, Hook, HookRunner, on
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture
-def bus(ipc_bus: BusAddress) -> Iterator[BusAddress]:
-    """A broker in this process (its proxies are C threads) on a private ipc bus."""
-    with Broker(ipc_bus):
-        yield ipc_bus
 
 
 @asynccontextmanager

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,6 @@ from hook_helpers import fake_args, json_lines, loss_at, run_hooks, wait_for_tex
 from structlog.testing import capture_logs
 
 from evtrain.bus.address import BusAddress
-from evtrain.bus.broker import Broker
 from evtrain.errors import UsageError
 from evtrain.hooks import (
     ConsoleLog,
@@ -28,20 +26,6 @@ from evtrain.hooks import (
     Timer,
 )
 from evtrain.hooks.loader import BUILTIN_HOOKS, build_hook_from_spec, resolve_hook_class
-
-
-@pytest.fixture
-def bus() -> Iterator[BusAddress]:
-    """A running broker on a fresh private ipc directory."""
-    address = BusAddress.new_ipc()
-    broker = Broker(address)
-    broker.start()
-    try:
-        yield address
-    finally:
-        broker.stop()
-        shutil.rmtree(address.location, ignore_errors=True)
-
 
 # -- options ----------------------------------------------------------------------
 
