@@ -536,7 +536,8 @@ class CheckpointHook(Hook):
                 step=step,
                 path=str(path),
                 bytes=nbytes,
-                duration_s=time.time() - rec.requested_at,
+                # Wall clock: never negative, or consumers reject the event as malformed.
+                duration_s=max(0.0, time.time() - rec.requested_at),
                 metric=rec.metric,
                 reason=rec.reason,
             )
