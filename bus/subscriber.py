@@ -2,9 +2,10 @@
 
 It awaits readiness once and then drains every ready message without awaiting
 again: one await per message would cap a subscriber near 45k msg/s on these
-machines, draining reaches the broker's rate. Malformed frames are skipped and
-counted; gaps in each source's sequence numbers are counted (see
-`SequenceTracker`).
+machines, draining reaches the broker's rate. Malformed frames (garbage, and
+messages with out-of-range values: see `evtrain.events`) are skipped, counted
+per kind and logged with a rate limit; gaps in each source's sequence numbers
+are counted (see `SequenceTracker`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from evtrain.bus.security import CurveConfig
 from evtrain.bus.sequence import SequenceTracker
 from evtrain.errors import UsageError
 from evtrain.events import BY_TAG, DecodeError, Message, decode
+from evtrain.ratelimit import RateLimitedLog
 
 log = structlog.get_logger("evtrain.bus.subscriber")
 
@@ -49,7 +51,8 @@ class Subscriber:
         curve: CurveConfig | None = None,
     ) -> None:
         self.received = 0
-        self.malformed = 0
+        self.malformed_log = RateLimitedLog(log, "malformed bus frames skipped")
+        """Skipped frames, counted per kind (``malformed_log.counts``)."""
         self.gaps = SequenceTracker()
         self._context = context or zmq.Context.instance()
         self._sock = self._context.socket(zmq.SUB)
@@ -67,6 +70,11 @@ class Subscriber:
             raise UsageError(f"cannot connect to the bus at {endpoint}: {exc}") from None
         self._fd = self._sock.getsockopt(zmq.FD)
         self._empty = False  # whether the last drain found the socket empty
+
+    @property
+    def malformed(self) -> int:
+        """Frames skipped because they were not valid messages."""
+        return self.malformed_log.total
 
     def subscribe(self, topic: str) -> None:
         """Add a topic prefix."""
@@ -90,6 +98,7 @@ class Subscriber:
         recv = self._sock.recv
         expected = self.gaps.expected
         irregular = self.gaps.irregular
+        max_tracked = self.gaps.max_tracked
         topics = _TOPICS
         start: bytes | None = None  # a frame already read that starts a message
         self._empty = False
@@ -107,14 +116,14 @@ class Subscriber:
                 topic, start = start, None
             if topic not in topics:
                 self._skip_rest()
-                self._malformed("unknown topic frame")
+                self.malformed_log("unknown topic frame")
                 continue
             try:
                 # All frames of a message arrive together: EAGAIN here means the
                 # topic frame was a message on its own.
                 payload = recv(_NOBLOCK)
             except zmq.Again:
-                self._malformed("one frame instead of [topic, payload]")
+                self.malformed_log("one frame instead of [topic, payload]")
                 self._empty = True
                 break
             try:
@@ -126,7 +135,7 @@ class Subscriber:
                     start = payload
                 else:
                     self._skip_rest()
-                self._malformed(str(exc))
+                self.malformed_log(exc.kind, error=str(exc)[:200])
                 continue
             received += 1
             # SequenceTracker.observe, inlined: this loop runs for every event.
@@ -134,7 +143,10 @@ class Subscriber:
             seq = msg.seq
             due = expected.get(key)
             expected[key] = seq + 1
-            if due is not None and seq != due:
+            if due is None:
+                if len(expected) > max_tracked:
+                    self.gaps.trim()
+            elif seq != due:
                 irregular(key, seq, due)
             append(msg)
         self.received += received
@@ -148,11 +160,6 @@ class Subscriber:
         recv = self._sock.recv
         while self._more():
             recv(_NOBLOCK)
-
-    def _malformed(self, error: str) -> None:
-        self.malformed += 1
-        if self.malformed == 1 or self.malformed % 1000 == 0:
-            log.warning("malformed bus frames skipped", count=self.malformed, error=error)
 
     async def receive(self, limit: int = 4096, timeout: float | None = None) -> list[Message]:
         """Wait until at least one message is ready, then return all ready ones.
@@ -182,7 +189,8 @@ class Subscriber:
             self._empty = False
 
     def close(self) -> None:
-        """Close the socket."""
+        """Close the socket; log the malformed-frame counts not logged yet."""
+        self.malformed_log.flush()
         self._sock.close(linger=0)
 
     def __enter__(self) -> Subscriber:

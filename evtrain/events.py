@@ -15,20 +15,63 @@ The publisher stamps them; constructors only fill in the payload fields.
 
 `decode` is the only way bytes become messages, and it raises `DecodeError` and
 nothing else for bytes that are not a valid message of this schema version.
+
+Valid means in range, too. msgspec checks these bounds when it decodes (never
+when a message is constructed, so publishing costs nothing extra); a value
+outside them makes the whole message malformed:
+
+* integers (sequence numbers, steps, counts, sizes, pids) lie in
+  ``0..MAX_INT``: exact as floats, so JSON readers and Prometheus see them
+  unchanged, and the sum of two never overflows an int64;
+* stage indices lie in ``0..MAX_STAGES-1``, ``num_stages`` in
+  ``1..MAX_STAGES``; ``num_microbatches`` is at least 1;
+* durations (``*_s``) are finite seconds in ``0..MAX_SECONDS``;
+* wall-clock times (``ts``, span ``start``/``end``) are finite seconds since
+  the epoch in ``0..MAX_TIMESTAMP``; a learning rate is finite;
+* ``loss``, ``grad_norm``, reported and eval metric values and a checkpoint's
+  ``metric`` may be anything a float holds, NaN and infinities included: a
+  diverging run really produces them, and a loss guard must see them.
 """
 
 from __future__ import annotations
 
+import re
+import sys
 import typing
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 
 SCHEMA_VERSION = 1
 
+MAX_INT = 2**53 - 1
+"""Largest value of any integer field."""
+MAX_STAGES = 1024
+"""More pipeline stages than any model is split into."""
+MAX_SECONDS = 1_000_000.0
+"""Longest duration a field may hold (11.6 days: no step, save or evaluation takes that)."""
+MAX_TIMESTAMP = 16_725_225_600.0
+"""Latest wall-clock time a field may hold (2500-01-01 UTC)."""
+
+Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_INT)]
+StageIndex = Annotated[int, msgspec.Meta(ge=0, lt=MAX_STAGES)]
+NumStages = Annotated[int, msgspec.Meta(ge=1, le=MAX_STAGES)]
+Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_SECONDS)]
+Timestamp = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_TIMESTAMP)]
+Finite = Annotated[float, msgspec.Meta(ge=-sys.float_info.max, le=sys.float_info.max)]
+
 
 class DecodeError(ValueError):
-    """Bytes that are not a valid evtrain message (garbage, truncated, wrong version)."""
+    """Bytes that are not a valid evtrain message (garbage, truncated, wrong version).
+
+    ``kind`` names the problem without the offending values (``"undecodable"``,
+    ``"step.ended: invalid $.duration_s"``...), so consumers count and log
+    malformed input per kind: a bounded set, whatever an attacker sends.
+    """
+
+    def __init__(self, message: str, kind: str = "invalid") -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 class Message(msgspec.Struct, kw_only=True, tag_field="type"):
@@ -37,8 +80,8 @@ class Message(msgspec.Struct, kw_only=True, tag_field="type"):
     v: int = SCHEMA_VERSION
     run_id: str = ""
     source: str = ""
-    seq: int = 0
-    ts: float = 0.0
+    seq: Count = 0
+    ts: Timestamp = 0.0
 
     topic: ClassVar[bytes]
 
@@ -63,12 +106,12 @@ class RunStarted(Event, kw_only=True, tag="run.started"):
     """The run began (published by stage 0 once all stages joined)."""
 
     name: str
-    num_stages: int
-    num_microbatches: int
+    num_stages: NumStages
+    num_microbatches: Annotated[int, msgspec.Meta(ge=1, le=MAX_INT)]
     schedule: str
-    max_steps: int
-    batch_size: int
-    start_step: int = 0
+    max_steps: Count
+    batch_size: Count
+    start_step: Count = 0
     run_dir: str = ""
 
 
@@ -77,26 +120,28 @@ class RunEnded(Event, kw_only=True, tag="run.ended"):
 
     status: Literal["completed", "stopped", "failed"]
     reason: str = ""
-    step: int = 0
+    step: Count = 0
+    root_cause: str = ""
+    """For a failed run: the first stage that failed and why (set by the launcher)."""
 
 
 class StageStarted(Event, kw_only=True, tag="stage.started"):
     """A stage worker built its slice of the model and is ready to train."""
 
-    stage: int
-    num_stages: int
-    rank: int
+    stage: StageIndex
+    num_stages: NumStages
+    rank: Count
     host: str
-    pid: int
+    pid: Count
     device: str
-    layers: list[int]
-    num_params: int
+    layers: list[Count]
+    num_params: Count
 
 
 class StageStopped(Event, kw_only=True, tag="stage.stopped"):
     """A stage worker left the run normally."""
 
-    stage: int
+    stage: StageIndex
     status: str
     reason: str = ""
 
@@ -104,17 +149,17 @@ class StageStopped(Event, kw_only=True, tag="stage.stopped"):
 class StageFailed(Event, kw_only=True, tag="stage.failed"):
     """A stage worker raised; ``traceback`` is the formatted exception."""
 
-    stage: int
+    stage: StageIndex
     error: str
     traceback: str
-    step: int | None = None
+    step: Count | None = None
 
 
 class Heartbeat(Event, kw_only=True, tag="heartbeat"):
     """Periodic liveness signal of a stage (or any process)."""
 
-    stage: int | None = None
-    step: int = 0
+    stage: StageIndex | None = None
+    step: Count = 0
     state: str = "running"
 
 
@@ -124,8 +169,8 @@ class Heartbeat(Event, kw_only=True, tag="heartbeat"):
 class StepStarted(Event, kw_only=True, tag="step.started"):
     """A stage began an optimizer step."""
 
-    step: int
-    stage: int
+    step: Count
+    stage: StageIndex
 
 
 class StepEnded(Event, kw_only=True, tag="step.ended"):
@@ -136,29 +181,29 @@ class StepEnded(Event, kw_only=True, tag="step.ended"):
     `evtrain.report` during the step.
     """
 
-    step: int
-    stage: int
+    step: Count
+    stage: StageIndex
     loss: float | None = None
-    lr: float | None = None
+    lr: Finite | None = None
     grad_norm: float | None = None
-    samples: int = 0
-    epoch: int = 0
-    duration_s: float = 0.0
-    forward_s: float = 0.0
-    backward_s: float = 0.0
-    comm_wait_s: float = 0.0
-    peak_memory_bytes: int | None = None
+    samples: Count = 0
+    epoch: Count = 0
+    duration_s: Seconds = 0.0
+    forward_s: Seconds = 0.0
+    backward_s: Seconds = 0.0
+    comm_wait_s: Seconds = 0.0
+    peak_memory_bytes: Count | None = None
     metrics: dict[str, float] = msgspec.field(default_factory=dict)
 
 
 class MicrobatchSpan(Event, kw_only=True):
     """Base of the per-microbatch spans; ``start``/``end`` are wall-clock seconds."""
 
-    step: int
-    stage: int
-    microbatch: int
-    start: float
-    end: float
+    step: Count
+    stage: StageIndex
+    microbatch: Count
+    start: Timestamp
+    end: Timestamp
 
 
 class MicrobatchForward(MicrobatchSpan, kw_only=True, tag="microbatch.forward"):
@@ -181,19 +226,19 @@ class MicrobatchWait(MicrobatchSpan, kw_only=True, tag="microbatch.wait"):
 class EvalStarted(Event, kw_only=True, tag="eval.started"):
     """Evaluation began at training step ``step``."""
 
-    step: int
-    stage: int
-    num_batches: int = 0
+    step: Count
+    stage: StageIndex
+    num_batches: Count = 0
 
 
 class EvalEnded(Event, kw_only=True, tag="eval.ended"):
     """Evaluation finished; ``metrics`` always include ``loss`` (last stage publishes)."""
 
-    step: int
-    stage: int
+    step: Count
+    stage: StageIndex
     metrics: dict[str, float]
-    samples: int = 0
-    duration_s: float = 0.0
+    samples: Count = 0
+    duration_s: Seconds = 0.0
 
 
 # --- checkpoints -----------------------------------------------------------------
@@ -203,7 +248,7 @@ class CheckpointRequested(Event, kw_only=True, tag="checkpoint.requested"):
     """The checkpoint coordinator asked all stages to save at ``step``."""
 
     checkpoint_id: str
-    step: int
+    step: Count
     path: str
     reason: str = ""
 
@@ -212,20 +257,20 @@ class CheckpointShardSaved(Event, kw_only=True, tag="checkpoint.shard_saved"):
     """A stage's shard is durable on disk; ``blocked_s`` is training time it cost."""
 
     checkpoint_id: str
-    step: int
-    stage: int
+    step: Count
+    stage: StageIndex
     path: str
-    bytes: int = 0
-    duration_s: float = 0.0
-    blocked_s: float = 0.0
+    bytes: Count = 0
+    duration_s: Seconds = 0.0
+    blocked_s: Seconds = 0.0
 
 
 class CheckpointFailed(Event, kw_only=True, tag="checkpoint.failed"):
     """A shard could not be written; the checkpoint will never be committed."""
 
     checkpoint_id: str
-    step: int
-    stage: int | None
+    step: Count
+    stage: StageIndex | None
     error: str
 
 
@@ -233,10 +278,10 @@ class CheckpointCommitted(Event, kw_only=True, tag="checkpoint.committed"):
     """Every shard was durable and the manifest was committed atomically."""
 
     checkpoint_id: str
-    step: int
+    step: Count
     path: str
-    bytes: int = 0
-    duration_s: float = 0.0
+    bytes: Count = 0
+    duration_s: Seconds = 0.0
     metric: float | None = None
     reason: str = ""
 
@@ -245,13 +290,19 @@ class CheckpointCommitted(Event, kw_only=True, tag="checkpoint.committed"):
 
 
 class HookError(Event, kw_only=True, tag="hook.error"):
-    """A hook's handler raised; the hook keeps running."""
+    """A hook's handler raised; the hook keeps running.
+
+    ``count`` is how many raises this event stands for: a handler that keeps
+    raising is reported in full a few times, then in batches (see
+    `evtrain.hooks.runner`).
+    """
 
     hook: str
     handler: str
     event_type: str
     error: str
     traceback: str = ""
+    count: Annotated[int, msgspec.Meta(ge=1, le=MAX_INT)] = 1
 
 
 class HookStarted(Event, kw_only=True, tag="hook.started"):
@@ -259,22 +310,22 @@ class HookStarted(Event, kw_only=True, tag="hook.started"):
 
     hooks: list[str]
     topics: list[str]
-    pid: int = 0
+    pid: Count = 0
 
 
 class BusDrops(Event, kw_only=True, tag="bus.drops"):
     """A publisher dropped events because its queue was full (never blocks instead)."""
 
-    dropped: int
-    total_dropped: int
+    dropped: Count
+    total_dropped: Count
 
 
 class BusGaps(Event, kw_only=True, tag="bus.gaps"):
     """A subscriber saw sequence gaps from ``from_source`` (messages it never got)."""
 
     from_source: str
-    missing: int
-    total_missing: int
+    missing: Count
+    total_missing: Count
 
 
 class CommandAcked(Event, kw_only=True, tag="command.acked"):
@@ -282,8 +333,8 @@ class CommandAcked(Event, kw_only=True, tag="command.acked"):
 
     command_id: str
     command: str
-    stage: int
-    step: int
+    stage: StageIndex
+    step: Count
     ok: bool = True
     detail: str = ""
 
@@ -300,7 +351,7 @@ class CheckpointNow(Command, kw_only=True, tag="cmd.checkpoint"):
 
     checkpoint_id: str
     path: str
-    step: int | None = None
+    step: Count | None = None
     reason: str = ""
     on_stop: bool = False
 
@@ -351,15 +402,38 @@ def decode(payload: bytes | memoryview, topic: bytes | None = None) -> Message:
     """
     try:
         msg: Message = _decoder.decode(payload)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise DecodeError(str(exc)) from None
+    except msgspec.ValidationError as exc:
+        raise DecodeError(str(exc), _invalid_kind(topic, exc)) from None
+    except msgspec.DecodeError as exc:
+        raise DecodeError(str(exc), "undecodable") from None
     except Exception as exc:  # msgspec may raise others on hostile input; keep one type
-        raise DecodeError(f"{type(exc).__name__}: {exc}") from None
+        raise DecodeError(f"{type(exc).__name__}: {exc}", "undecodable") from None
+    return _checked(msg, topic)
+
+
+def _checked(msg: Message, topic: bytes | None) -> Message:
     if msg.v != SCHEMA_VERSION:
-        raise DecodeError(f"schema version {msg.v} is not supported (expected {SCHEMA_VERSION})")
+        raise DecodeError(
+            f"schema version {msg.v} is not supported (expected {SCHEMA_VERSION})",
+            "unsupported schema version",
+        )
     if topic is not None and bytes(topic) != msg.topic:
-        raise DecodeError(f"topic {bytes(topic)!r} does not match message type {msg.topic!r}")
+        raise DecodeError(
+            f"topic {bytes(topic)!r} does not match message type {msg.topic!r}", "topic mismatch"
+        )
     return msg
+
+
+# msgspec ends a validation error with the path of the bad value: " - at `$.metrics[...]`".
+_ERROR_PATH = re.compile(r" - at `(\$[^`\[]*)")
+
+
+def _invalid_kind(topic: bytes | memoryview | None, exc: Exception) -> str:
+    # Subscripts (dict keys, list indices) are cut off: they come from the sender.
+    match = _ERROR_PATH.search(str(exc))
+    where = f" {match.group(1)}" if match else ""
+    name = bytes(topic).decode("ascii", "replace") if topic is not None else ""
+    return f"{name if name in BY_TAG else 'message'}: invalid{where}"
 
 
 def to_builtins(msg: Message) -> dict[str, Any]:
@@ -368,9 +442,16 @@ def to_builtins(msg: Message) -> dict[str, Any]:
 
 
 def from_builtins(data: Any) -> Message:
-    """Inverse of `to_builtins` (used by the event recorder and replay)."""
+    """Inverse of `to_builtins` (used by the event recorder and replay).
+
+    Checks what `decode` checks; raises `DecodeError` and nothing else.
+    """
     try:
         msg: Message = msgspec.convert(data, AnyMessage)
-    except (msgspec.ValidationError, TypeError) as exc:
-        raise DecodeError(str(exc)) from None
-    return msg
+    except msgspec.ValidationError as exc:
+        tag = data.get("type") if isinstance(data, dict) else None
+        topic = tag.encode("utf-8", "replace") if isinstance(tag, str) else None
+        raise DecodeError(str(exc), _invalid_kind(topic, exc)) from None
+    except Exception as exc:  # as in decode: one error type whatever the input
+        raise DecodeError(f"{type(exc).__name__}: {exc}", "undecodable") from None
+    return _checked(msg, None)

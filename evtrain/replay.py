@@ -27,12 +27,11 @@ from evtrain.errors import UsageError
 from evtrain.events import (
     Command,
     CommandAcked,
-    DecodeError,
     Event,
     Message,
     RunStarted,
-    from_builtins,
 )
+from evtrain.exporters.recorder import read_recording
 from evtrain.hooks.hook import Hook
 from evtrain.hooks.runner import HookRunner
 
@@ -56,28 +55,15 @@ def events_file(run: str | Path) -> Path:
 
 def read_events(path: str | Path) -> Iterator[Message]:
     """The events of a recorder file in order; exact duplicates (a restarted recorder
-    records the state snapshot again) and unreadable lines are skipped with a warning."""
-    decoder = msgspec.json.Decoder()
+    records the state snapshot again) and lines that are not valid events are skipped
+    (see `evtrain.exporters.recorder.read_recording`)."""
     seen: set[tuple[str, str, int, float, str]] = set()
-    bad = 0
-    with Path(path).open("rb") as lines:
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                msg = from_builtins(decoder.decode(line))
-            except (msgspec.DecodeError, DecodeError) as exc:
-                bad += 1
-                # A crash can cut the last line short; anything else is worth a look.
-                log.warning("skipping unreadable event line", line=number, error=str(exc)[:200])
-                continue
-            key = (msg.run_id, msg.source, msg.seq, msg.ts, msg.topic.decode())
-            if key in seen:
-                continue
-            seen.add(key)
-            yield msg
-    if bad:
-        log.warning("unreadable event lines skipped", count=bad, file=str(path))
+    for msg in read_recording(path):
+        key = (msg.run_id, msg.source, msg.seq, msg.ts, msg.topic.decode())
+        if key in seen:
+            continue
+        seen.add(key)
+        yield msg
 
 
 class ReplayRunner(HookRunner):

@@ -30,19 +30,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-import msgspec
-import structlog
-
 from evtrain.errors import UsageError
 from evtrain.events import (
-    DecodeError,
+    Message,
     MicrobatchBackward,
     MicrobatchForward,
     MicrobatchSpan,
     MicrobatchWait,
     RunStarted,
-    from_builtins,
 )
+from evtrain.exporters.recorder import read_recording
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -68,8 +65,6 @@ __all__ = [
     "stage_busy_fractions",
     "write_chrome_trace",
 ]
-
-log = structlog.get_logger("evtrain.timeline")
 
 EVENTS_FILE = "events.jsonl"
 """The recorder's file inside a run directory."""
@@ -168,42 +163,14 @@ def parse_steps(text: str) -> StepRange:
 # ----------------------------------------------------------------- reading
 
 
-def read_events(path: str | Path, *, types: Iterable[str] | None = None) -> Iterator[Any]:
+def read_events(path: str | Path, *, types: Iterable[str] | None = None) -> Iterator[Message]:
     """The events of a recorder file, in file order, as `evtrain.events` Structs.
 
     ``types`` keeps only those tags (``"microbatch.forward"``...), which skips
-    decoding everything else. A line that is not a valid event (a truncated
-    last line of a run that was killed, an event of a newer schema) is
-    skipped; how many were skipped is logged.
+    decoding everything else. Lines that are not valid events are skipped and
+    counted (see `evtrain.exporters.recorder.read_recording`).
     """
-    wanted = None if types is None else frozenset(types)
-    skipped = 0
-    last_bad = False
-    with open(path, "rb") as fh:
-        for raw in fh:
-            line = raw.strip()
-            if not line:
-                continue
-            try:
-                data = msgspec.json.decode(line)
-            except msgspec.DecodeError:
-                skipped += 1
-                last_bad = True
-                continue
-            last_bad = False
-            if not isinstance(data, dict):
-                skipped += 1
-                continue
-            if wanted is not None and data.get("type") not in wanted:
-                continue
-            try:
-                yield from_builtins(data)
-            except DecodeError:
-                skipped += 1
-    if skipped:
-        # A run killed mid-write leaves one partial last line; that is expected.
-        level = log.debug if skipped == 1 and last_bad else log.warning
-        level("skipped lines that are not events", path=str(path), skipped=skipped)
+    return read_recording(path, types=types)
 
 
 def spans_from_events(events: Iterable[object]) -> list[TimelineSpan]:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from evtrain.events import EvalEnded, RunEnded, RunStarted, StepEnded
+from evtrain.hooks.formatting import safe_text
 from evtrain.hooks.hook import Hook, on
 from evtrain.hooks.options import path_option
 from evtrain.hooks.run_output import JsonLinesFile, RunOutput
@@ -99,14 +100,13 @@ class MetricsLog(Hook):
             directory=path_option(self.name, "dir", dir),
         )
         self.file: JsonLinesFile | None = None
-        self._merger = StepMerger(lambda: self.state.num_stages)
+        self._merger = StepMerger(lambda: self.state)
 
     def _writer(self) -> JsonLinesFile | None:
         if self.file is None:
-            path = self.output.resolve(self.state.run)
-            if path is not None:
-                self.file = JsonLinesFile(path)
-                self.log.info("writing metrics", path=str(path))
+            self.file = self.output.open(self.state.run)
+            if self.file is not None:
+                self.log.info("writing metrics", path=safe_text(self.file.path))
         return self.file
 
     @on(RunStarted)
@@ -128,11 +128,15 @@ class MetricsLog(Hook):
     @on(EvalEnded)
     def eval_ended(self, ev: EvalEnded) -> None:
         """Write the evaluation."""
+        if not self.of_this_run(ev):
+            return
         self._write(eval_record(ev))
 
     @on(RunEnded)
     def run_ended(self, ev: RunEnded) -> None:
         """Write steps some stage never reported (lost events), then flush."""
+        if not self.of_this_run(ev):
+            return
         for merged in self._merger.flush():
             self._write(step_record(merged))
         if self.file is not None:

@@ -62,19 +62,45 @@ rate(evtrain_step_duration_seconds_sum[5m])``.
 Stage up: 1 once the stage started, as long as any event of it (heartbeat,
 step, stage.started) arrived within ``stale_after`` seconds; 0 after it
 stopped or failed, when the run ended, or when it went silent.
+
+Counters never decrease and never take a poisoned value. Steps are counted
+by how far each step number is ahead of the latest (`StepCount`: a jump
+counts at most `MAX_STEP_JUMP` steps, and an absurd number cannot freeze the
+count); step events that are none of the run's steps (`step_problem`) count
+nothing. ``samples`` count only up to `MAX_STEP_SAMPLES` per step, drops and
+gaps only up to `MAX_GAP` per report; seconds are finite and bounded by the
+event schema. What is not counted is logged with a rate limit.
+
+Labelled counters start at 0 for the label values known in advance, so a
+dashboard shows 0 rather than no data: every status of
+``evtrain_runs_ended_total``; each stage of the run once `RunStarted` told
+their number (``stage`` counters, ``stage/N`` sources); and every hook and
+observer that announced itself with `HookStarted`. Each label takes at most
+`MAX_LABEL_VALUES` distinct values (text cut to `MAX_LABEL_LENGTH`).
+
+The last scrape: after ``run.ended`` the hook keeps serving until a scrape
+collected the final values, at most twice the scrape interval it observed
+(`MAX_LINGER` seconds at most, or the ``linger`` option); never scraped, it
+stops at once.
 """
 
 from __future__ import annotations
 
+import itertools
+import statistics
 import threading
 import time
+import typing
 from collections import deque
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import anyio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.metrics_core import Metric
 
+from evtrain.bus.sequence import MAX_GAP
 from evtrain.errors import UsageError
 from evtrain.events import (
     BusDrops,
@@ -83,8 +109,10 @@ from evtrain.events import (
     CheckpointFailed,
     CheckpointShardSaved,
     EvalEnded,
+    Event,
     Heartbeat,
     HookError,
+    HookStarted,
     RunEnded,
     RunStarted,
     StageFailed,
@@ -92,16 +120,28 @@ from evtrain.events import (
     StageStopped,
     StepEnded,
 )
+from evtrain.hooks.formatting import safe_text
 from evtrain.hooks.hook import Hook, on
 from evtrain.hooks.options import float_option, int_option, path_option, str_option
 from evtrain.hooks.run_output import RunOutput
+from evtrain.hooks.step_merge import StepCount, step_problem
+from evtrain.ratelimit import RateLimitedLog
 
 DEFAULT_PORT = 9431
 """Not 9400: NVIDIA's DCGM exporter, common on GPU machines, listens there."""
 
 PORT_FILENAME = "prometheus.port"
-MAX_METRIC_NAMES = 200
-"""Cap on distinct ``metric`` label values, so a bug in user code cannot explode them."""
+MAX_LABEL_VALUES = 200
+"""Distinct values of one label (metric names, stages, sources, hooks): a bug in user
+code or a made-up event cannot explode the series."""
+MAX_LABEL_LENGTH = 200
+MAX_STEP_SAMPLES = 2**32
+"""Most samples one optimizer step may count (more than any batch)."""
+MAX_LINGER = 30.0
+"""Longest wait for the last scrape after the run ended."""
+_SERVE_GRACE = 0.2
+"""Seconds to let the last scrape's response leave after it was collected."""
+RUN_STATUSES: tuple[str, ...] = typing.get_args(typing.get_type_hints(RunEnded)["status"])
 
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 CHECKPOINT_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
@@ -137,6 +177,68 @@ class _StageLiveness:
             return 1.0 if time.monotonic() - last <= self.stale_after else 0.0
 
 
+class _Labels:
+    """The values one label took, at most `MAX_LABEL_VALUES`."""
+
+    def __init__(self) -> None:
+        self.values: set[str] = set()
+
+    def admit(self, value: str) -> str | None:
+        """``value`` as the label takes it (cut to length), or None when the label is full."""
+        value = value[:MAX_LABEL_LENGTH]
+        if value in self.values:
+            return value
+        if len(self.values) >= MAX_LABEL_VALUES:
+            return None
+        self.values.add(value)
+        return value
+
+
+class _Scrapes:
+    """The registry as the HTTP server sees it: notes when each scrape was collected."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self._times: deque[float] = deque(maxlen=16)
+        self._lock = threading.Lock()
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self.registry.collect()
+        self.note()
+
+    def restricted_registry(self, names: Iterable[str]) -> _Restricted:
+        return _Restricted(self, self.registry.restricted_registry(names))
+
+    def note(self) -> None:
+        with self._lock:
+            self._times.append(time.monotonic())
+
+    @property
+    def last(self) -> float | None:
+        """When the latest scrape was collected (monotonic clock)."""
+        with self._lock:
+            return self._times[-1] if self._times else None
+
+    def interval(self) -> float | None:
+        """The median time between recent scrapes (None before two)."""
+        with self._lock:
+            times = list(self._times)
+        gaps = [b - a for a, b in itertools.pairwise(times)]
+        return statistics.median(gaps) if gaps else None
+
+
+class _Restricted:
+    """A ``name[]``-restricted scrape, noted like any other."""
+
+    def __init__(self, scrapes: _Scrapes, registry: Any) -> None:
+        self._scrapes = scrapes
+        self._registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._registry.collect()
+        self._scrapes.note()
+
+
 class PrometheusExporter(Hook):
     """Serve the run's metrics on ``http://ADDR:PORT/metrics``.
 
@@ -145,8 +247,9 @@ class PrometheusExporter(Hook):
     ``prometheus.port``; default the run directory), ``stale_after``
     (seconds without a stage event before ``evtrain_stage_up`` drops to 0,
     default 30), ``window`` (steps in ``evtrain_bubble_ratio``, default 20),
-    ``linger`` (seconds to keep serving after the hook stops, so a last
-    scrape sees the end of the run; default 0).
+    ``linger`` (most seconds to wait after the run ended for a last scrape;
+    default: twice the observed scrape interval, at most `MAX_LINGER`;
+    0 stops at once).
     """
 
     name = "prometheus"
@@ -160,7 +263,7 @@ class PrometheusExporter(Hook):
         dir: str | Path | None = None,
         stale_after: float = 30.0,
         window: int = 20,
-        linger: float = 0.0,
+        linger: float | None = None,
         priority: int | None = None,
     ) -> None:
         super().__init__(priority=priority)
@@ -172,19 +275,26 @@ class PrometheusExporter(Hook):
             self.name, PORT_FILENAME, directory=path_option(self.name, "dir", dir)
         )
         self.window = int_option(self.name, "window", window)
-        self.linger = float_option(self.name, "linger", linger)
+        self.linger = None if linger is None else float_option(self.name, "linger", linger)
         self.liveness = _StageLiveness(
             float_option(self.name, "stale_after", stale_after, strict=True)
         )
         self.registry = CollectorRegistry(auto_describe=True)
+        self.scrapes = _Scrapes(self.registry)
         self.bound_port: int | None = None
         self._server: Any = None
         self._port_file: Path | None = None
-        self._last_step: int | None = None
+        self._steps = StepCount()
         self._run_id: str | None = None
+        self._ended_at: float | None = None
         self._waits: dict[int, deque[tuple[float, float]]] = {}
-        self._metric_names: set[str] = set()
+        self._metric_names = _Labels()
+        self._stages = _Labels()
+        self._sources = _Labels()
+        self._hooks = _Labels()
+        self._observers: set[str] = set()
         self._stage_children: set[int] = set()
+        self.not_counted = RateLimitedLog(self.log, "event values not counted")
         self._define_metrics()
 
     # -- metric definitions -----------------------------------------------------
@@ -207,6 +317,8 @@ class PrometheusExporter(Hook):
         self.runs_ended = Counter(
             "evtrain_runs_ended", "Runs that ended, by status.", ["status"], registry=r
         )
+        for status in RUN_STATUSES:
+            self.runs_ended.labels(status)
         self.loss = Gauge("evtrain_loss", "Training loss of the latest step.", registry=r)
         self.grad_norm = Gauge("evtrain_grad_norm", "Gradient norm of the latest step.", registry=r)
         self.lr = Gauge(
@@ -317,7 +429,11 @@ class PrometheusExporter(Hook):
     async def setup(self) -> None:
         """Bind and serve /metrics; write the port file if its place is known."""
         try:
-            self._server, _ = start_http_server(self.port, addr=self.addr, registry=self.registry)
+            self._server, _ = start_http_server(
+                self.port,
+                addr=self.addr,
+                registry=self.scrapes,  # type: ignore[arg-type]  # collect() is all it needs
+            )
         except OSError as exc:
             raise UsageError(
                 f"hook prometheus: cannot serve on {self.addr}:{self.port}: {exc.strerror or exc}"
@@ -329,6 +445,9 @@ class PrometheusExporter(Hook):
             port=self.bound_port,
         )
         self._write_port_file()
+        if self._runner is not None:
+            for hook in self._runner.hooks:
+                self._hook_known(hook.hook_name())
 
     def _write_port_file(self) -> None:
         if self.bound_port is None:
@@ -336,45 +455,111 @@ class PrometheusExporter(Hook):
         path = self.output.resolve(self.state.run if self._runner is not None else None)
         if path is None or path == self._port_file:
             return
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(f"{self.bound_port}\n")
-        tmp.replace(path)  # readers never see a half-written file
-        self._port_file = path
+        self._port_file = path  # tried once per place, whatever happens
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(f"{self.bound_port}\n")
+            tmp.replace(path)  # readers never see a half-written file
+        except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
+            self.log.warning(
+                "cannot write the port file",
+                path=safe_text(str(path), 300),
+                error=safe_text(str(exc), 300),
+            )
 
     async def teardown(self) -> None:
-        """Keep serving ``linger`` seconds, then stop the HTTP server."""
+        """Wait for the last scrape (see the module's docs), then stop the HTTP server."""
         if self._server is None:
             return
-        if self.linger > 0:
-            await anyio.sleep(self.linger)
+        await self._last_scrape()
         self._server.shutdown()
         self._server.server_close()
         self._server = None
 
-    # -- events ---------------------------------------------------------------------
+    async def _last_scrape(self) -> None:
+        ended = self._ended_at
+        if ended is None or self.scrapes.last is None or self.linger == 0:
+            return  # no run end to show, or nobody scrapes us
+        if self.linger is not None:
+            limit = self.linger
+        else:
+            interval = self.scrapes.interval()
+            limit = MAX_LINGER if interval is None else min(MAX_LINGER, 2 * interval)
+        deadline = ended + limit
+        while time.monotonic() < deadline:
+            last = self.scrapes.last
+            if last is not None and last > ended:
+                await anyio.sleep(_SERVE_GRACE)
+                return
+            await anyio.sleep(0.05)
+        self.log.info("no scrape after the run ended", waited_s=round(limit, 1))
 
-    def _stage(self, stage: int) -> str:
-        label = str(stage)
+    # -- labels -----------------------------------------------------------------------
+
+    def _stage(self, stage: int, ev: Event) -> str | None:
+        """The ``stage`` label of a stage of the run (None for a stage it cannot have)."""
+        run = self.state.run
+        if run is not None:
+            if not self.of_this_run(ev):
+                self.not_counted("stage event of another run", stage=stage)
+                return None
+            if stage >= run.num_stages:
+                self.not_counted("stage beyond the run's num_stages", stage=stage)
+                return None
+        label = self._stages.admit(str(stage))
+        if label is None:
+            self.not_counted("too many stage labels", stage=stage)
+            return None
         if stage not in self._stage_children:
             self._stage_children.add(stage)
             self.stage_up.labels(label).set_function(lambda: self.liveness.up(stage))
+            # Counters at 0, so a dashboard shows 0 for a stage that never did this.
+            for counter in (self.forward, self.backward, self.comm_wait):
+                counter.labels(label)
+            self.checkpoint_blocked.labels(label)
+            self.stage_failures.labels(label)
+            self._source_known(f"stage/{stage}")
         return label
 
-    def _seen(self, stage: int, ts: float) -> str:
-        label = self._stage(stage)
-        self.liveness.seen(stage)
-        if ts:
-            self.stage_last_seen.labels(label).set(ts)
+    def _seen(self, stage: int, ev: StageStarted | Heartbeat | StepEnded) -> str | None:
+        label = self._stage(stage, ev)
+        if label is not None:
+            self.liveness.seen(stage)
+            if ev.ts:
+                self.stage_last_seen.labels(label).set(ev.ts)
         return label
 
-    def _metric_label(self, name: str) -> bool:
-        if name in self._metric_names:
-            return True
-        if len(self._metric_names) >= MAX_METRIC_NAMES:
-            return False
-        self._metric_names.add(name)
-        return True
+    def _source_known(self, source: str) -> None:
+        label = self._sources.admit(source)
+        if label is None:
+            return
+        self.dropped.labels(label)
+        if label.startswith("stage/"):
+            for observer in self._observers:
+                self.missing.labels(label, observer)
+
+    def _observer_known(self, observer: str) -> None:
+        label = self._sources.admit(observer)
+        if label is None or label in self._observers:
+            return
+        self._observers.add(label)
+        for source in self._sources.values:
+            if source.startswith("stage/"):
+                self.missing.labels(source, label)
+
+    def _hook_known(self, name: str) -> None:
+        label = self._hooks.admit(name)
+        if label is not None:
+            self.hook_errors.labels(label)
+
+    def _count(self, counter: Any, amount: int, limit: int, kind: str) -> None:
+        if amount > limit:
+            self.not_counted(kind, amount=amount, limit=limit)
+            return
+        counter.inc(amount)
+
+    # -- events ---------------------------------------------------------------------
 
     @on(RunStarted)
     def run_started(self, ev: RunStarted) -> None:
@@ -385,55 +570,79 @@ class PrometheusExporter(Hook):
         self.running.set(1)
         self.start_time.set(ev.ts)
         self.steps_done.set(ev.start_step)
+        self._ended_at = None
         self._write_port_file()
+        if self._runner is not None:
+            self._observer_known(f"hook/{self.runner.name}")
+        for stage in range(ev.num_stages):
+            self._stage(stage, ev)
 
     @on(RunEnded)
     def run_ended(self, ev: RunEnded) -> None:
         """The run is over: every stage is down."""
+        if not self.of_this_run(ev):
+            return
         self.running.set(0)
         self.runs_ended.labels(ev.status).inc()
         self.liveness.all_down()
+        self._ended_at = time.monotonic()
+
+    @on(HookStarted)
+    def hook_started(self, ev: HookStarted) -> None:
+        """A hook process attached: its hooks and its source are label values from now."""
+        for name in ev.hooks:
+            self._hook_known(name)
+        self._observer_known(ev.source)
 
     @on(StageStarted)
     def stage_started(self, ev: StageStarted) -> None:
         """The stage is up."""
-        self._seen(ev.stage, ev.ts)
+        self._seen(ev.stage, ev)
 
     @on(Heartbeat)
     def heartbeat(self, ev: Heartbeat) -> None:
         """A stage is alive (heartbeats of other processes carry no stage)."""
         if ev.stage is not None:
-            self._seen(ev.stage, ev.ts)
+            self._seen(ev.stage, ev)
 
     @on(StageStopped)
     def stage_stopped(self, ev: StageStopped) -> None:
         """The stage left normally."""
-        self._stage(ev.stage)
-        self.liveness.down(ev.stage)
+        if self._stage(ev.stage, ev) is not None:
+            self.liveness.down(ev.stage)
 
     @on(StageFailed)
     def stage_failed(self, ev: StageFailed) -> None:
         """The stage raised."""
-        self.stage_failures.labels(self._stage(ev.stage)).inc()
-        self.liveness.down(ev.stage)
+        label = self._stage(ev.stage, ev)
+        if label is not None:
+            self.stage_failures.labels(label).inc()
+            self.liveness.down(ev.stage)
 
     def _enter_run(self, run_id: str) -> None:
-        # Over tcp a later stage's first steps can arrive before stage 0's
-        # run.started: only a different run resets the step count.
         if run_id != self._run_id:
             self._run_id = run_id
-            self._last_step = None
+            self._steps.reset()
             self._waits.clear()
 
     @on(StepEnded)
     def step_ended(self, ev: StepEnded) -> None:
         """Per-stage times and memory; run-wide counters once per step."""
-        self._enter_run(ev.run_id)
-        stage = self._seen(ev.stage, ev.ts)
+        problem = step_problem(ev, self.state)
+        if problem is not None:
+            self.not_counted(problem, step=ev.step, stage=ev.stage)
+            return
+        if self.state.run is None:
+            # No run.started yet (over tcp a later stage's first steps can arrive
+            # before stage 0's): only a different run resets the step count.
+            self._enter_run(ev.run_id)
+        stage = self._seen(ev.stage, ev)
+        if stage is None:
+            return
         self.step_duration.labels(stage).observe(ev.duration_s)
-        self.forward.labels(stage).inc(max(0.0, ev.forward_s))
-        self.backward.labels(stage).inc(max(0.0, ev.backward_s))
-        self.comm_wait.labels(stage).inc(max(0.0, ev.comm_wait_s))
+        self.forward.labels(stage).inc(ev.forward_s)
+        self.backward.labels(stage).inc(ev.backward_s)
+        self.comm_wait.labels(stage).inc(ev.comm_wait_s)
         waits = self._waits.setdefault(ev.stage, deque(maxlen=self.window))
         waits.append((ev.comm_wait_s, ev.duration_s))
         total = sum(d for _, d in waits)
@@ -448,31 +657,41 @@ class PrometheusExporter(Hook):
         if ev.grad_norm is not None:
             self.grad_norm.set(ev.grad_norm)
         for key, value in ev.metrics.items():
-            if self._metric_label(key):
-                self.step_metric.labels(key).set(value)
+            label = self._metric_names.admit(key)
+            if label is not None:
+                self.step_metric.labels(label).set(value)
         # Each stage reports every step; count a step once, when its first event arrives.
-        if self._last_step is None or ev.step > self._last_step:
-            # Steps whose every event was lost still happened; but an exporter that
-            # joined mid-run counts from the step it saw (no spike in rate()).
-            count = 1 if self._last_step is None else ev.step - self._last_step
+        # Steps whose every event was lost still happened; but an exporter that
+        # joined mid-run counts from the step it saw (no spike in rate()).
+        count = self._steps.advance(ev.step)
+        if count:
             self.steps.inc(count)
-            self.samples.inc(ev.samples * count)
-            self._last_step = ev.step
+            self._count(
+                self.samples,
+                ev.samples * count,
+                MAX_STEP_SAMPLES * count,
+                "samples per step above MAX_STEP_SAMPLES",
+            )
             self.steps_done.set(ev.step)
 
     @on(EvalEnded)
     def eval_ended(self, ev: EvalEnded) -> None:
         """Latest eval results."""
+        if not self.of_this_run(ev):
+            return
         self.evals.inc()
         self.eval_duration.set(ev.duration_s)
         self.eval_step.set(ev.step)
         for key, value in ev.metrics.items():
-            if self._metric_label(key):
-                self.eval_metric.labels(key).set(value)
+            label = self._metric_names.admit(key)
+            if label is not None:
+                self.eval_metric.labels(label).set(value)
 
     @on(CheckpointCommitted)
     def checkpoint_committed(self, ev: CheckpointCommitted) -> None:
         """A checkpoint is durable."""
+        if not self.of_this_run(ev):
+            return
         self.checkpoints.inc()
         self.checkpoint_duration.observe(ev.duration_s)
         self.checkpoint_step.set(ev.step)
@@ -481,24 +700,37 @@ class PrometheusExporter(Hook):
     @on(CheckpointShardSaved)
     def shard_saved(self, ev: CheckpointShardSaved) -> None:
         """Training time a stage's save blocked."""
-        self.checkpoint_blocked.labels(self._stage(ev.stage)).inc(max(0.0, ev.blocked_s))
+        label = self._stage(ev.stage, ev)
+        if label is not None:
+            self.checkpoint_blocked.labels(label).inc(ev.blocked_s)
 
     @on(CheckpointFailed)
     def checkpoint_failed(self, ev: CheckpointFailed) -> None:
         """A shard could not be written."""
+        if not self.of_this_run(ev):
+            return
         self.checkpoint_failures.inc()
 
     @on(BusDrops)
     def bus_drops(self, ev: BusDrops) -> None:
         """A publisher dropped events."""
-        self.dropped.labels(ev.source).inc(max(0, ev.dropped))
+        label = self._sources.admit(ev.source)
+        if label is not None:
+            self._count(self.dropped.labels(label), ev.dropped, MAX_GAP, "drops above MAX_GAP")
 
     @on(BusGaps)
     def bus_gaps(self, ev: BusGaps) -> None:
         """A subscriber (``observer``) missed events of ``from_source``."""
-        self.missing.labels(ev.from_source, ev.source).inc(max(0, ev.missing))
+        self._observer_known(ev.source)
+        source = self._sources.admit(ev.from_source)
+        observer = self._sources.admit(ev.source)
+        if source is not None and observer is not None:
+            counter = self.missing.labels(source, observer)
+            self._count(counter, ev.missing, MAX_GAP, "gap above MAX_GAP")
 
     @on(HookError)
     def hook_error(self, ev: HookError) -> None:
-        """A hook handler raised."""
-        self.hook_errors.labels(ev.hook).inc()
+        """A hook handler raised (``count`` times: repeated raises come in batches)."""
+        label = self._hooks.admit(ev.hook)
+        if label is not None:
+            self._count(self.hook_errors.labels(label), ev.count, MAX_GAP, "errors above MAX_GAP")

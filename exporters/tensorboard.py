@@ -61,7 +61,7 @@ class TensorBoardWriter(Hook):
         self.dir = path_option(self.name, "dir", dir)
         self.flush_secs = int_option(self.name, "flush_secs", flush_secs)
         self.writer: Any = None
-        self._merger = StepMerger(lambda: self.state.num_stages)
+        self._merger = StepMerger(lambda: self.state)
         self._window = StepWindow(20)
 
     def _open(self) -> Any:
@@ -116,6 +116,8 @@ class TensorBoardWriter(Hook):
     @on(EvalEnded)
     def eval_ended(self, ev: EvalEnded) -> None:
         """One scalar per eval metric."""
+        if not self.of_this_run(ev):
+            return
         writer = self._open()
         if writer is None:
             return
@@ -125,6 +127,8 @@ class TensorBoardWriter(Hook):
     @on(RunEnded)
     def run_ended(self, ev: RunEnded) -> None:
         """Write steps some stage never reported (lost events), then flush."""
+        if not self.of_this_run(ev):
+            return
         for merged in self._merger.flush():
             self._write_step(merged)
         if self.writer is not None:

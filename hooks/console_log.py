@@ -8,7 +8,8 @@ failures, lost or dropped bus events and the end of the run get their own line.
 Lines go through structlog: by default with the process's configuration
 (``evtrain --log-format console|json hook logging``); the ``log_format``
 option renders this hook's lines its own way, and ``path`` sends them to a
-file instead of stderr.
+file instead of stderr. Text from events goes through `safe_text` first, and
+a progress line shows at most `MAX_METRIC_FIELDS` reported values.
 """
 
 from __future__ import annotations
@@ -34,12 +35,48 @@ from evtrain.events import (
     StageStopped,
     StepEnded,
 )
-from evtrain.hooks.formatting import fmt_bytes, fmt_duration, per_stage, short
+from evtrain.hooks.formatting import (
+    fmt_bytes,
+    fmt_duration,
+    per_stage,
+    safe_lines,
+    safe_text,
+    short,
+)
 from evtrain.hooks.hook import Hook, on
 from evtrain.hooks.options import choice_option, int_option, path_option
 from evtrain.hooks.step_merge import MergedStep, StepMerger, StepWindow
 
 LOG_FORMATS = ("console", "json")
+MAX_METRIC_FIELDS = 64
+"""Reported values shown on one progress or eval line; the rest are counted."""
+_KEY_LIMIT = 64
+_TEXT_LIMIT = 500
+# Keys structlog or our loggers own: a reported value of that name never replaces them.
+_RESERVED_KEYS = frozenset(
+    {"event", "level", "timestamp", "hook", "logger", "exc_info", "exception", "stack_info"}
+)
+
+
+def _metric_fields(
+    fields: dict[str, Any], values: dict[str, float], prefix: str = ""
+) -> dict[str, Any]:
+    """``fields`` plus ``values`` (names made safe, bounded), never replacing a field."""
+    shown = 0
+    for key, value in values.items():
+        if shown == MAX_METRIC_FIELDS:
+            fields["more_metrics"] = len(values) - shown
+            break
+        name = prefix + safe_text(key, _KEY_LIMIT)
+        if name in fields or name in _RESERVED_KEYS:
+            continue
+        fields[name] = short(value)
+        shown += 1
+    return fields
+
+
+def _text(value: str | None) -> str | None:
+    return None if value is None else safe_text(value, _TEXT_LIMIT)
 
 
 def make_logger(fmt: str, stream: IO[str], name: str) -> Any:
@@ -95,7 +132,7 @@ class ConsoleLog(Hook):
         )
         self.path = path_option(self.name, "path", path)
         self._stream: IO[str] | None = None
-        self._merger = StepMerger(lambda: self.state.num_stages)
+        self._merger = StepMerger(lambda: self.state)
         self._peak_memory: dict[int, int] = {}
         self._started_at: float | None = None
 
@@ -123,15 +160,15 @@ class ConsoleLog(Hook):
         self._started_at = ev.ts or time.time()
         self.log.info(
             "run started",
-            run=ev.name,
-            run_id=ev.run_id,
+            run=_text(ev.name),
+            run_id=_text(ev.run_id),
             stages=ev.num_stages,
             microbatches=ev.num_microbatches,
-            schedule=ev.schedule,
+            schedule=_text(ev.schedule),
             max_steps=ev.max_steps,
             batch_size=ev.batch_size,
             start_step=ev.start_step,
-            run_dir=ev.run_dir,
+            run_dir=_text(ev.run_dir),
         )
 
     @on(StageStarted)
@@ -140,9 +177,9 @@ class ConsoleLog(Hook):
         self.log.info(
             "stage started",
             stage=ev.stage,
-            host=ev.host,
+            host=_text(ev.host),
             pid=ev.pid,
-            device=ev.device,
+            device=_text(ev.device),
             layers=ev.layers,
             params=ev.num_params,
         )
@@ -150,14 +187,18 @@ class ConsoleLog(Hook):
     @on(StepEnded)
     def step_ended(self, ev: StepEnded) -> None:
         """Merge the stages' events; every ``every`` steps, log the progress line."""
-        if ev.peak_memory_bytes is not None:
-            self._peak_memory[ev.stage] = max(
-                ev.peak_memory_bytes, self._peak_memory.get(ev.stage, 0)
-            )
         for merged in self._merger.add(ev):
-            self.window.add(merged)
+            self._account(merged)
             if merged.step % self.every == 0:
                 self._progress(merged)
+
+    def _account(self, merged: MergedStep) -> None:
+        self.window.add(merged)
+        for stage, sev in merged.stages.items():
+            if sev.peak_memory_bytes is not None:
+                self._peak_memory[stage] = max(
+                    sev.peak_memory_bytes, self._peak_memory.get(stage, 0)
+                )
 
     def _progress(self, merged: MergedStep) -> None:
         run = self.state.run
@@ -175,20 +216,17 @@ class ConsoleLog(Hook):
         fields["eta"] = fmt_duration(self.window.eta_s(max_steps))
         if self._peak_memory:
             fields["peak_mem"] = per_stage({s: fmt_bytes(b) for s, b in self._peak_memory.items()})
-        for key, value in merged.metrics.items():
-            fields.setdefault(key, short(value))
-        self.log.info("progress", **fields)
+        self.log.info("progress", **_metric_fields(fields, merged.metrics))
 
     @on(EvalEnded)
     def eval_ended(self, ev: EvalEnded) -> None:
         """The eval metrics as one line."""
-        self.log.info(
-            "eval",
-            step=ev.step,
-            duration_s=short(ev.duration_s),
-            samples=ev.samples,
-            **{f"val_{k}": short(v) for k, v in ev.metrics.items()},
-        )
+        fields: dict[str, Any] = {
+            "step": ev.step,
+            "duration_s": short(ev.duration_s),
+            "samples": ev.samples,
+        }
+        self.log.info("eval", **_metric_fields(fields, ev.metrics, prefix="val_"))
 
     @on(CheckpointCommitted)
     def checkpoint_committed(self, ev: CheckpointCommitted) -> None:
@@ -196,7 +234,7 @@ class ConsoleLog(Hook):
         self.log.info(
             "checkpoint committed",
             step=ev.step,
-            path=ev.path,
+            path=_text(ev.path),
             size=fmt_bytes(ev.bytes),
             duration_s=short(ev.duration_s),
         )
@@ -205,7 +243,10 @@ class ConsoleLog(Hook):
     def checkpoint_failed(self, ev: CheckpointFailed) -> None:
         """A checkpoint will never be committed."""
         self.log.warning(
-            "checkpoint failed", checkpoint=ev.checkpoint_id, stage=ev.stage, error=ev.error
+            "checkpoint failed",
+            checkpoint=_text(ev.checkpoint_id),
+            stage=ev.stage,
+            error=_text(ev.error),
         )
 
     @on(BusGaps)
@@ -215,10 +256,10 @@ class ConsoleLog(Hook):
             return
         self.log.warning(
             "bus gap: events lost",
-            from_source=ev.from_source,
+            from_source=_text(ev.from_source),
             missing=ev.missing,
             total_missing=ev.total_missing,
-            observer=ev.source,
+            observer=_text(ev.source),
         )
 
     @on(BusDrops)
@@ -226,7 +267,7 @@ class ConsoleLog(Hook):
         """A publisher's queue was full: events never left it."""
         self.log.warning(
             "events dropped by publisher",
-            source=ev.source,
+            source=_text(ev.source),
             dropped=ev.dropped,
             total_dropped=ev.total_dropped,
         )
@@ -236,34 +277,44 @@ class ConsoleLog(Hook):
         """Another hook's handler raised (it keeps running)."""
         self.log.warning(
             "hook handler raised",
-            hook=ev.hook,
-            handler=ev.handler,
-            event_type=ev.event_type,
-            error=ev.error,
+            hook=_text(ev.hook),
+            handler=_text(ev.handler),
+            event_type=_text(ev.event_type),
+            error=_text(ev.error),
+            count=ev.count,
         )
 
     @on(StageFailed)
     def stage_failed(self, ev: StageFailed) -> None:
         """A stage raised: its error and the last lines of the traceback."""
-        tail = "\n".join(ev.traceback.strip().splitlines()[-6:])
-        self.log.error("stage failed", stage=ev.stage, step=ev.step, error=ev.error, traceback=tail)
+        tail = safe_lines("\n".join(ev.traceback.strip().splitlines()[-6:]), _TEXT_LIMIT)
+        self.log.error(
+            "stage failed", stage=ev.stage, step=ev.step, error=_text(ev.error), traceback=tail
+        )
 
     @on(StageStopped)
     def stage_stopped(self, ev: StageStopped) -> None:
         """A stage left the run."""
-        self.log.info("stage stopped", stage=ev.stage, status=ev.status, reason=ev.reason or None)
+        self.log.info(
+            "stage stopped",
+            stage=ev.stage,
+            status=_text(ev.status),
+            reason=_text(ev.reason) or None,
+        )
 
     @on(RunEnded)
     def run_ended(self, ev: RunEnded) -> None:
         """Last progress line for a step not yet printed, then the end of the run."""
+        if not self.of_this_run(ev):
+            return
         for merged in self._merger.flush():
-            self.window.add(merged)
+            self._account(merged)
         elapsed = (ev.ts - self._started_at) if self._started_at and ev.ts else None
         level = "error" if ev.status == "failed" else "info"
         getattr(self.log, level)(
             "run ended",
             status=ev.status,
-            reason=ev.reason or None,
+            reason=_text(ev.reason) or None,
             step=ev.step,
             elapsed_s=None if elapsed is None else round(elapsed, 1),
             peak_mem=per_stage({s: fmt_bytes(b) for s, b in self._peak_memory.items()}) or None,

@@ -73,6 +73,8 @@ class EarlyStopping(Hook):
     @on(EvalEnded)
     async def eval_ended(self, ev: EvalEnded) -> None:
         """Update the best value; stop after ``patience`` evals without improvement."""
+        if not self.of_this_run(ev):
+            return
         value = ev.metrics.get(self.metric)
         if value is None:
             if not self._warned_missing:

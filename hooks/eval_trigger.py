@@ -14,6 +14,7 @@ from evtrain.events import RunStarted, StepEnded
 from evtrain.hooks.hook import Hook, on
 from evtrain.hooks.options import float_option, int_option
 from evtrain.hooks.runner import CommandTimeout
+from evtrain.hooks.step_merge import step_problem
 
 
 class EvalTrigger(Hook):
@@ -41,7 +42,7 @@ class EvalTrigger(Hook):
     @on(StepEnded)
     async def step_ended(self, ev: StepEnded) -> None:
         """On the last stage's event of every ``every``-th step, request an evaluation."""
-        if not self._from_last_stage(ev):
+        if step_problem(ev, self.state) is not None or not self._from_last_stage(ev):
             return
         done = ev.step  # steps are 1-based: step k ends with k steps done
         if done % self.every or done <= self._last_requested:

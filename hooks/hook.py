@@ -28,15 +28,16 @@ from evtrain.events import (
     Message,
     StopRun,
 )
+from evtrain.run_state import RunState
 
 if TYPE_CHECKING:
     from evtrain.hooks.runner import HookRunner
-    from evtrain.run_state import RunState
 
 E = TypeVar("E", bound=Message)
 Handler = Callable[[Any, Any], Awaitable[None] | None]
 
 _HANDLER_ATTR = "__evtrain_on__"
+_NO_RUN = RunState()
 
 
 def on(*event_types: type[Message]) -> Callable[[Handler], Handler]:
@@ -52,6 +53,17 @@ def on(*event_types: type[Message]) -> Callable[[Handler], Handler]:
         return fn
 
     return mark
+
+
+def of_run(msg: Message, state: RunState) -> bool:
+    """Whether ``msg`` belongs to the run ``state`` knows.
+
+    Events of another run (late ones of the previous run, or made up) must not
+    end, count towards or otherwise change the current one. Before a run is
+    known every event may be of it, and so is one without a run id (hooks
+    publish theirs without).
+    """
+    return state.run is None or not msg.run_id or msg.run_id == state.run.run_id
 
 
 def _snake(name: str) -> str:
@@ -115,8 +127,17 @@ class Hook:
 
     @property
     def state(self) -> RunState:
-        """What the runner knows of the run: run info, stages, last step and eval."""
-        return self.runner.state
+        """What the runner knows of the run: run info, stages, last step and eval.
+
+        A hook not attached to a runner (handlers called directly) knows no run.
+        """
+        if self._runner is None:
+            return _NO_RUN
+        return self._runner.state
+
+    def of_this_run(self, msg: Message) -> bool:
+        """Whether ``msg`` belongs to the run this hook knows (see `of_run`)."""
+        return of_run(msg, self.state)
 
     def publish(self, event: Event) -> bool:
         """Publish an event from this hook (``source`` = ``hook/NAME``)."""

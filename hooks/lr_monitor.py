@@ -14,6 +14,7 @@ from collections import deque
 from evtrain.events import RunStarted, StepEnded
 from evtrain.hooks.hook import Hook, on
 from evtrain.hooks.options import float_option
+from evtrain.hooks.step_merge import step_problem
 
 
 class LRMonitor(Hook):
@@ -51,7 +52,7 @@ class LRMonitor(Hook):
     @on(StepEnded)
     def step_ended(self, ev: StepEnded) -> None:
         """Compare the stage's LR with its last logged one and with the other stages'."""
-        if ev.lr is None:
+        if ev.lr is None or step_problem(ev, self.state) is not None:
             return
         self.last_lr[ev.stage] = ev.lr
         self._check_agreement(ev, ev.lr)

@@ -12,6 +12,7 @@ from evtrain.events import RunEnded, RunStarted, StepEnded
 from evtrain.hooks.formatting import fmt_bytes, per_stage
 from evtrain.hooks.hook import Hook, on
 from evtrain.hooks.options import float_option, size_option
+from evtrain.hooks.step_merge import step_problem
 
 
 class MemoryMonitor(Hook):
@@ -49,7 +50,7 @@ class MemoryMonitor(Hook):
     @on(StepEnded)
     def step_ended(self, ev: StepEnded) -> None:
         """Fold in the stage's peak; log growth, warn above the threshold."""
-        if ev.peak_memory_bytes is None:
+        if ev.peak_memory_bytes is None or step_problem(ev, self.state) is not None:
             return
         peak = max(ev.peak_memory_bytes, self.peak.get(ev.stage, 0))
         self.peak[ev.stage] = peak
@@ -77,6 +78,8 @@ class MemoryMonitor(Hook):
     @on(RunEnded)
     def run_ended(self, ev: RunEnded) -> None:
         """The run's peak per stage."""
+        if not self.of_this_run(ev):
+            return
         if self.peak:
             self.log.info(
                 "peak memory per stage",

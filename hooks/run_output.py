@@ -3,7 +3,9 @@
 A hook's file goes to, in this order: its explicit ``path`` option, ``DIR/NAME``
 for its ``dir`` option, or ``RUN_DIR/NAME`` where RUN_DIR comes from the run's
 `RunStarted` event (``run_dir``). Files are opened for append, so a hook the
-launcher restarted after a crash continues the same file.
+launcher restarted after a crash continues the same file. A file that cannot
+be opened (the event named a directory that cannot exist or be written) is
+one warning and no output, not an error on every event.
 """
 
 from __future__ import annotations
@@ -16,8 +18,11 @@ import msgspec
 import structlog
 
 from evtrain.events import RunStarted
+from evtrain.hooks.formatting import safe_text
 
 log = structlog.get_logger("evtrain.hooks.run_output")
+
+_MAX_FAILED = 100
 
 
 class RunOutput:
@@ -31,6 +36,7 @@ class RunOutput:
         self.path = path
         self.directory = directory
         self._warned = False
+        self._failed: set[Path] = set()
 
     @property
     def fixed(self) -> Path | None:
@@ -57,6 +63,26 @@ class RunOutput:
                 file=self.filename,
             )
         return None
+
+
+    def open(self, run: RunStarted | None, *, flush_interval: float = 0.0) -> JsonLinesFile | None:
+        """The file for ``run``, opened for append; None if unknown or it cannot be opened."""
+        path = self.resolve(run)
+        if path is None or path in self._failed:
+            return None
+        try:
+            return JsonLinesFile(path, flush_interval=flush_interval)
+        except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
+            if len(self._failed) >= _MAX_FAILED:
+                self._failed.clear()
+            self._failed.add(path)
+            log.warning(
+                "cannot write hook output",
+                hook=self.hook,
+                path=safe_text(str(path), 300),
+                error=safe_text(str(exc), 300),
+            )
+            return None
 
 
 class JsonLinesFile:

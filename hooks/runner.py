@@ -6,7 +6,13 @@ publishes `HookStarted` and waits to receive it back through the broker), loads
 the run's state from the broker so a hook that joins mid-run knows the run at
 once, and then dispatches each event to the handlers in priority order. A
 handler that raises is logged and published as `HookError`; the hook keeps
-running.
+running. The first `HOOK_TRACEBACKS` raises of one kind (hook, handler, error
+type) are logged and published with their traceback; after that one line and
+one `HookError` (whose ``count`` says how many raises it stands for) per kind
+at most every `ERROR_REPORT_INTERVAL` seconds, and the rest at teardown.
+
+Sequence gaps are published as `BusGaps` at most once a second, for at most
+`MAX_GAP_SOURCES` sources at a time (the ones that lost most).
 """
 
 from __future__ import annotations
@@ -38,7 +44,9 @@ from evtrain.events import (
     Message,
     RunEnded,
 )
-from evtrain.hooks.hook import Hook
+from evtrain.hooks.formatting import safe_text
+from evtrain.hooks.hook import Hook, of_run
+from evtrain.ratelimit import MAX_KINDS, RateLimitedLog
 from evtrain.run_state import RunState
 
 log = structlog.get_logger("evtrain.hooks.runner")
@@ -46,6 +54,12 @@ log = structlog.get_logger("evtrain.hooks.runner")
 
 _YIELD_EVERY = 256
 """Messages the reader queues, or dispatch handles, before letting the other task run."""
+HOOK_TRACEBACKS = 3
+"""Raises of one kind reported with their traceback before only counts are."""
+ERROR_REPORT_INTERVAL = 10.0
+"""Seconds between two count reports of one kind of raise."""
+GAP_REPORT_INTERVAL = 1.0
+MAX_GAP_SOURCES = 16
 
 
 class CommandTimeout(TimeoutError):
@@ -103,6 +117,17 @@ class HookRunner:
         self._subscriber: Subscriber | None = None
         self._pending: dict[str, tuple[anyio.Event, list[CommandAcked], int]] = {}
         self._reported_gaps = 0
+        self._last_gap_report = -GAP_REPORT_INTERVAL
+        self._errors = RateLimitedLog(
+            log,
+            "hook handler raised",
+            first=HOOK_TRACEBACKS,
+            interval=ERROR_REPORT_INTERVAL,
+            level="error",
+            on_summary=self._publish_error_count,
+        )
+        # kind -> (hook, handler, event type, error) of its latest raise, for the counts.
+        self._error_kinds: dict[str, tuple[str, str, str, str]] = {}
         self._queue: deque[Message] = deque()
         self._queued = anyio.Event()
         self._replayed: dict[tuple[str, bytes], tuple[int, float]] = {}
@@ -192,6 +217,8 @@ class HookRunner:
                         await hook.teardown()
                     except Exception:
                         log.exception("hook teardown failed", hook=hook.hook_name())
+                self._errors.flush()
+                self._report_gaps(force=True)
                 self._close()
 
     def _close(self) -> None:
@@ -261,7 +288,7 @@ class HookRunner:
                             await result
                     except Exception as exc:
                         self._report_error(hook, method, msg, exc)
-                if self.exit_on_run_end and type(msg) is RunEnded:
+                if self.exit_on_run_end and type(msg) is RunEnded and of_run(msg, self.state):
                     self._stop.set()
                     return
                 handled += 1
@@ -278,18 +305,28 @@ class HookRunner:
         if len(received) >= wanted:
             done.set()
 
-    def _report_gaps(self) -> None:
-        assert self._subscriber is not None and self._publisher is not None
+    def _report_gaps(self, force: bool = False) -> None:
+        if self._subscriber is None or self._publisher is None:
+            return
         tracker = self._subscriber.gaps
         if tracker.total_missing == self._reported_gaps:
             return
+        now = time.monotonic()
+        if not force and now - self._last_gap_report < GAP_REPORT_INTERVAL:
+            return  # the next batch after the interval reports these too
+        self._last_gap_report = now
         self._reported_gaps = tracker.total_missing
-        for source, missing in tracker.missing.items():
-            log.warning("bus gap: events lost", from_source=source, missing=missing)
+        worst = sorted(tracker.missing.items(), key=lambda item: -item[1])[:MAX_GAP_SOURCES]
+        tracker.missing.clear()
+        log.warning(
+            "bus gap: events lost",
+            missing={safe_text(source, 100): count for source, count in worst},
+            total_missing=tracker.total_missing,
+        )
+        for source, missing in worst:
             self._publisher.publish(
                 BusGaps(from_source=source, missing=missing, total_missing=tracker.total_missing)
             )
-        tracker.missing.clear()
 
     def _prepare(self, msg: Message) -> Sequence[tuple[Hook, str, Callable[[Message], Any]]]:
         """Fold ``msg`` into the state; the handlers it goes to (none if replayed)."""
@@ -313,21 +350,30 @@ class HookRunner:
                 self._report_error(hook, method, msg, exc)
 
     def _report_error(self, hook: Hook, method: str, msg: Message, exc: Exception) -> None:
-        log.error(
-            "hook handler raised",
-            hook=hook.hook_name(),
-            handler=method,
-            event_type=msg.topic.decode(),
-            error=repr(exc),
-            exc_info=exc,
+        name = hook.hook_name()
+        event_type = msg.topic.decode()
+        error = safe_text(repr(exc), 1000)
+        kind = f"{name}.{method}: {type(exc).__name__}"
+        if kind in self._error_kinds or len(self._error_kinds) < MAX_KINDS:
+            self._error_kinds[kind] = (name, method, event_type, error)
+        full = self._errors(
+            kind, hook=name, handler=method, event_type=event_type, error=error, exc_info=exc
         )
-        if self._publisher is not None:
+        if full and self._publisher is not None:
             self._publisher.publish(
                 HookError(
-                    hook=hook.hook_name(),
+                    hook=name,
                     handler=method,
-                    event_type=msg.topic.decode(),
-                    error=repr(exc),
+                    event_type=event_type,
+                    error=error,
                     traceback="".join(traceback.format_exception(exc))[-4000:],
                 )
             )
+
+    def _publish_error_count(self, kind: str, more: int) -> None:
+        if self._publisher is None:
+            return
+        name, method, event_type, error = self._error_kinds.get(kind, ("", "", "", kind))
+        self._publisher.publish(
+            HookError(hook=name, handler=method, event_type=event_type, error=error, count=more)
+        )

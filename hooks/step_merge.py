@@ -9,6 +9,14 @@ step completed (a lost event must not hold every later line back).
 Step numbers are 1-based (see `evtrain.stages.actor`): ``StepEnded.step`` k is
 the k-th optimizer step, so k steps are done when it ends; boundary events
 (`EvalEnded`, checkpoints, `RunEnded`) carry the steps done at that boundary.
+
+A step event is checked against the run before it counts (`step_problem`):
+once the run's `RunStarted` is known, an event of another run, of a stage the
+run does not have or of a step past its ``max_steps`` is none of its steps.
+A step number far below the latest one (more than `MAX_STEP_JUMP`) starts
+the count over from there: either the latest number was absurd, or the run
+went back, and neither may freeze the count. A jump ahead counts as at most
+`MAX_STEP_JUMP` steps (`StepCount`).
 """
 
 from __future__ import annotations
@@ -19,7 +27,60 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+import structlog
+
 from evtrain.events import StepEnded
+from evtrain.hooks.formatting import safe_text
+from evtrain.hooks.hook import of_run
+from evtrain.ratelimit import RateLimitedLog
+from evtrain.run_state import RunState
+
+log = structlog.get_logger("evtrain.hooks.step_merge")
+
+MAX_STEP_JUMP = 1000
+"""Most steps one event may advance a step count by."""
+
+
+def step_problem(ev: StepEnded, state: RunState) -> str | None:
+    """Why ``ev`` cannot be a step of the run ``state`` knows; None if it can be."""
+    run = state.run
+    if run is None:
+        return None
+    if not of_run(ev, state):
+        return "step of another run"
+    if ev.stage >= run.num_stages:
+        return "stage beyond the run's num_stages"
+    if run.max_steps and ev.step > run.max_steps:
+        return "step beyond the run's max_steps"
+    return None
+
+
+class StepCount:
+    """The number of steps a run finished, from the step numbers of its events.
+
+    Each event advances the count by how far its step is ahead of the latest
+    one (bounded by `MAX_STEP_JUMP`: steps whose every event was lost still
+    happened, an absurd number did not); the first event counts one, and so
+    does a step far below the latest (the count goes on from there).
+    """
+
+    def __init__(self) -> None:
+        self.latest: int | None = None
+
+    def reset(self) -> None:
+        """A new run: the next event counts one."""
+        self.latest = None
+
+    def advance(self, step: int) -> int:
+        """How many new steps ``step`` finishes (0 for one already counted)."""
+        latest = self.latest
+        if latest is None or latest - step > MAX_STEP_JUMP:
+            self.latest = step
+            return 1
+        if step <= latest:
+            return 0
+        self.latest = step
+        return min(step - latest, MAX_STEP_JUMP)
 
 
 @dataclass
@@ -85,16 +146,19 @@ class MergedStep:
 class StepMerger:
     """Collects `StepEnded` events and returns each step once it is complete.
 
-    ``num_stages`` is asked on every event (the run's stage count may become
-    known only after the first events); None counts a step complete once the
-    event carrying the loss arrived.
+    ``state`` gives the run as the hook knows it, asked on every event (the
+    run's stage count may become known only after the first events); without
+    a stage count a step is complete once the event carrying the loss arrived.
+    Events that are none of the run's steps (`step_problem`) are counted in
+    ``ignored`` and logged with a rate limit.
     """
 
-    def __init__(self, num_stages: Callable[[], int | None], *, max_pending: int = 64) -> None:
-        self._num_stages = num_stages
+    def __init__(self, state: Callable[[], RunState], *, max_pending: int = 64) -> None:
+        self._state = state
         self._pending: dict[int, MergedStep] = {}
         self._max_pending = max_pending
         self._done_below = -1  # every step <= this was handed out
+        self.ignored = RateLimitedLog(log, "step events ignored")
 
     def reset(self) -> None:
         """Forget everything (a new run started)."""
@@ -103,8 +167,14 @@ class StepMerger:
 
     def add(self, ev: StepEnded) -> list[MergedStep]:
         """Fold in one event; returns the steps completed by it, oldest first."""
+        problem = step_problem(ev, self._state())
+        if problem is not None:
+            self.ignored(problem, step=ev.step, stage=ev.stage, source=safe_text(ev.source, 100))
+            return []
         if ev.step <= self._done_below:
-            return []  # a late duplicate (e.g. from a state snapshot)
+            if self._done_below - ev.step <= MAX_STEP_JUMP:
+                return []  # a late duplicate (e.g. from a state snapshot)
+            self.reset()  # far behind what was handed out: start over from here
         merged = self._pending.setdefault(ev.step, MergedStep(ev.step))
         merged.stages[ev.stage] = ev
         if not self._complete(merged):
@@ -120,7 +190,7 @@ class StepMerger:
         return self._release_through(max(self._pending))
 
     def _complete(self, merged: MergedStep) -> bool:
-        expected = self._num_stages()
+        expected = self._state().num_stages
         if expected is None:
             return any(ev.loss is not None for ev in merged.stages.values())
         return len(merged.stages) >= expected

@@ -62,7 +62,7 @@ class Timer(Hook):
     def __init__(self, *, every: int = 50, priority: int | None = None) -> None:
         super().__init__(priority=priority)
         self.every = int_option(self.name, "every", every)
-        self._merger = StepMerger(lambda: self.state.num_stages)
+        self._merger = StepMerger(lambda: self.state)
         self.summaries: deque[dict[str, object]] = deque(maxlen=1000)
         self._reset_run()
 
@@ -136,6 +136,8 @@ class Timer(Hook):
     @on(RunEnded)
     def run_ended(self, ev: RunEnded) -> None:
         """Overall throughput and per-stage fractions of the whole run."""
+        if not self.of_this_run(ev):
+            return
         for merged in self._merger.flush():
             self._account(merged)
         if self._first is None or self._last is None:

@@ -1,12 +1,20 @@
-"""``evtrain events``: tail the bus."""
+"""``evtrain events``: tail the bus.
+
+Lines show event text through `safe_text` (escape sequences as visible
+escapes); ``--json`` lines are strict JSON (NaN and infinities become null,
+non-ASCII is escaped). Malformed frames are skipped and counted by the
+subscriber, whose log lines go to stderr.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
+from typing import Any
 
 from evtrain.bus.address import BusAddress
 from evtrain.bus.security import CurveConfig
@@ -14,6 +22,7 @@ from evtrain.bus.subscriber import Subscriber
 from evtrain.commands.common import add_bus_argument, add_curve_argument, connect_bus, run_async
 from evtrain.errors import UsageError
 from evtrain.events import Message, to_builtins
+from evtrain.hooks.formatting import safe_text
 
 _ENVELOPE = ("v", "run_id", "source", "seq", "ts", "type")
 
@@ -46,19 +55,41 @@ def format_human(msg: Message) -> str:
     """One readable line: time, source, topic, payload fields."""
     data = to_builtins(msg)
     fields = " ".join(
-        f"{key}={_short(value)}"
+        f"{safe_text(key)}={_short(value)}"
         for key, value in data.items()
         if key not in _ENVELOPE and value not in (None, {}, [], "")
     )
-    clock = time.strftime("%H:%M:%S", time.localtime(msg.ts))
-    return f"{clock} {msg.source:<16} {msg.topic.decode():<22} {fields}"
+    source = safe_text(msg.source, 40)
+    return f"{_clock(msg.ts)} {source:<16} {msg.topic.decode():<22} {fields}"
+
+
+def format_json(msg: Message) -> str:
+    """One strict JSON line (``type`` tag and envelope included)."""
+    return json.dumps(_strict(to_builtins(msg)), allow_nan=False)
+
+
+def _strict(value: Any) -> Any:
+    # JSON has no NaN or infinity: a diverging loss shows as null, as in metrics.jsonl.
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _strict(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_strict(item) for item in value]
+    return value
+
+
+def _clock(ts: float) -> str:
+    try:
+        return time.strftime("%H:%M:%S", time.localtime(ts))
+    except (OverflowError, OSError, ValueError):
+        return "--:--:--"
 
 
 def _short(value: object) -> str:
     if isinstance(value, float):
         return f"{value:.6g}"
-    text = str(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+    return safe_text(value, 80)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -68,6 +99,9 @@ def run(args: argparse.Namespace) -> int:
     if args.timeout is not None and args.timeout <= 0:
         raise UsageError(f"--timeout must be positive, got {args.timeout:g}")
     address, curve = connect_bus(args)
+    # Whatever the terminal's encoding, a character it lacks must not end the tail.
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(errors="backslashreplace")
     try:
         return run_async(_tail, address, curve, args)
     except BrokenPipeError:
@@ -86,7 +120,7 @@ async def _tail(address: BusAddress, curve: CurveConfig | None, args: argparse.N
             if not batch:
                 return 0
             for msg in batch:
-                line = json.dumps(to_builtins(msg)) if args.json else format_human(msg)
+                line = format_json(msg) if args.json else format_human(msg)
                 sys.stdout.write(line + "\n")
                 seen += 1
                 if args.count is not None and seen >= args.count:
