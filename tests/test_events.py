@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import random
 import types
 import typing
@@ -231,3 +232,94 @@ def test_hostile_structures_raise_only_decode_error() -> None:
 def test_decode_error_is_the_only_error_type() -> None:
     assert issubclass(DecodeError, ValueError)
     assert events.DecodeError is DecodeError
+
+
+# -- range validation -------------------------------------------------------------------
+
+
+def _step_payload(**fields: Any) -> bytes:
+    data = {"type": "step.ended", "v": SCHEMA_VERSION, "step": 1, "stage": 0, **fields}
+    return msgspec.msgpack.encode(data)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("seq", -(2**63)),
+        ("seq", 2**63 - 1),
+        ("seq", 2**64 - 1),
+        ("seq", events.MAX_INT + 1),
+        ("step", -1),
+        ("stage", -1),
+        ("stage", events.MAX_STAGES),
+        ("samples", -5),
+        ("peak_memory_bytes", -1),
+        ("ts", math.nan),
+        ("ts", math.inf),
+        ("ts", -1.0),
+        ("ts", events.MAX_TIMESTAMP * 2),
+        ("duration_s", math.inf),
+        ("forward_s", math.nan),
+        ("backward_s", -0.5),
+        ("comm_wait_s", events.MAX_SECONDS * 2),
+        ("lr", math.nan),
+        ("lr", math.inf),
+    ],
+)
+def test_out_of_range_fields_make_a_message_malformed(field: str, value: Any) -> None:
+    payload = _step_payload(**{field: value})
+    with pytest.raises(DecodeError) as caught:
+        decode(payload, b"step.ended")
+    assert caught.value.kind == f"step.ended: invalid $.{field}"
+    with pytest.raises(DecodeError):
+        from_builtins(msgspec.msgpack.decode(payload))
+
+
+def test_non_finite_losses_and_metrics_are_valid() -> None:
+    """A diverging run really reports them, and a loss guard must see them."""
+    payload = _step_payload(
+        loss=math.nan, grad_norm=math.inf, metrics={"ce": -math.inf, "acc": math.nan}
+    )
+    msg = decode(payload, b"step.ended")
+    assert isinstance(msg, StepEnded)
+    assert math.isnan(msg.loss or 0.0) and msg.grad_norm == math.inf
+    assert msg.metrics["ce"] == -math.inf
+    # The largest values of each bound are still valid.
+    edge = _step_payload(
+        seq=events.MAX_INT,
+        step=events.MAX_INT,
+        stage=events.MAX_STAGES - 1,
+        ts=events.MAX_TIMESTAMP,
+        duration_s=events.MAX_SECONDS,
+        lr=-1e300,
+    )
+    assert decode(edge).seq == events.MAX_INT
+
+
+def test_the_kind_of_a_malformed_message_holds_no_sender_text() -> None:
+    hostile = "\x1b[2J" * 50
+    payload = _step_payload(metrics={hostile: "not a number"})
+    with pytest.raises(DecodeError) as caught:
+        decode(payload, b"step.ended")
+    assert caught.value.kind == "step.ended: invalid $.metrics"
+    with pytest.raises(DecodeError) as caught:
+        decode(msgspec.msgpack.encode({"type": hostile, "v": 1}))
+    assert caught.value.kind == "message: invalid $.type"
+    assert decode_kind(b"\xc1") == "undecodable"
+    wrong_version = msgspec.msgpack.encode({"type": "heartbeat", "v": 99})
+    assert decode_kind(wrong_version) == "unsupported schema version"
+    assert decode_kind(encode(full_instance(StepEnded)), b"heartbeat") == "topic mismatch"
+
+
+def decode_kind(payload: bytes, topic: bytes | None = None) -> str:
+    with pytest.raises(DecodeError) as caught:
+        decode(payload, topic)
+    return caught.value.kind
+
+
+def test_publishers_construct_without_validation_and_decode_checks() -> None:
+    """Bounds cost nothing on the publish path: they are checked where bytes arrive."""
+    msg = StepEnded(step=1, stage=0, duration_s=math.inf)
+    payload = encode(msg)  # the publisher's work: construct and encode
+    with pytest.raises(DecodeError, match="duration_s"):
+        decode(payload)
