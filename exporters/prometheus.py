@@ -76,7 +76,8 @@ dashboard shows 0 rather than no data: every status of
 ``evtrain_runs_ended_total``; each stage of the run once `RunStarted` told
 their number (``stage`` counters, ``stage/N`` sources); and every hook and
 observer that announced itself with `HookStarted`. Each label takes at most
-`MAX_LABEL_VALUES` distinct values (text cut to `MAX_LABEL_LENGTH`).
+`MAX_LABEL_VALUES` distinct values (`safe_text`, cut to `MAX_LABEL_LENGTH`); the
+series of stages a new run does not have are dropped at its `RunStarted`.
 
 The last scrape: after ``run.ended`` the hook keeps serving until a scrape
 collected the final values, at most twice the scrape interval it observed
@@ -86,6 +87,7 @@ stops at once.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import statistics
 import threading
@@ -103,6 +105,7 @@ from prometheus_client.metrics_core import Metric
 from evtrain.bus.sequence import MAX_GAP
 from evtrain.errors import UsageError
 from evtrain.events import (
+    MAX_SECONDS,
     BusDrops,
     BusGaps,
     CheckpointCommitted,
@@ -169,6 +172,11 @@ class _StageLiveness:
         with self._lock:
             self._down.update(self._seen)
 
+    def forget(self, stage: int) -> None:
+        with self._lock:
+            self._seen.pop(stage, None)
+            self._down.discard(stage)
+
     def up(self, stage: int) -> float:
         with self._lock:
             last = self._seen.get(stage)
@@ -184,8 +192,8 @@ class _Labels:
         self.values: set[str] = set()
 
     def admit(self, value: str) -> str | None:
-        """``value`` as the label takes it (cut to length), or None when the label is full."""
-        value = value[:MAX_LABEL_LENGTH]
+        """``value`` as the label takes it (`safe_text`, cut), or None when the label is full."""
+        value = safe_text(value, MAX_LABEL_LENGTH)
         if value in self.values:
             return value
         if len(self.values) >= MAX_LABEL_VALUES:
@@ -522,6 +530,31 @@ class PrometheusExporter(Hook):
             self._source_known(f"stage/{stage}")
         return label
 
+    def _forget_stages_from(self, num_stages: int) -> None:
+        """Drop the series of stages the run does not have (a previous run's, or made up)."""
+        per_stage = (
+            self.lr,
+            self.step_duration,
+            self.forward,
+            self.backward,
+            self.comm_wait,
+            self.bubble,
+            self.peak_memory,
+            self.checkpoint_blocked,
+            self.stage_up,
+            self.stage_last_seen,
+            self.stage_failures,
+        )
+        for stage in sorted(s for s in self._stage_children if s >= num_stages):
+            label = str(stage)
+            for metric in per_stage:
+                with contextlib.suppress(KeyError):  # the stage never had this one
+                    metric.remove(label)
+            self._stage_children.discard(stage)
+            self._stages.values.discard(label)
+            self._waits.pop(stage, None)
+            self.liveness.forget(stage)
+
     def _seen(self, stage: int, ev: StageStarted | Heartbeat | StepEnded) -> str | None:
         label = self._stage(stage, ev)
         if label is not None:
@@ -553,8 +586,15 @@ class PrometheusExporter(Hook):
         if label is not None:
             self.hook_errors.labels(label)
 
+    def _add_seconds(self, counter: Any, seconds: float) -> None:
+        # Decoding already checked the bound; a message built in-process was not decoded.
+        if 0.0 <= seconds <= MAX_SECONDS:
+            counter.inc(seconds)
+        else:
+            self.not_counted("seconds out of range", seconds=seconds)
+
     def _count(self, counter: Any, amount: int, limit: int, kind: str) -> None:
-        if amount > limit:
+        if not 0 <= amount <= limit:
             self.not_counted(kind, amount=amount, limit=limit)
             return
         counter.inc(amount)
@@ -574,6 +614,7 @@ class PrometheusExporter(Hook):
         self._write_port_file()
         if self._runner is not None:
             self._observer_known(f"hook/{self.runner.name}")
+        self._forget_stages_from(ev.num_stages)
         for stage in range(ev.num_stages):
             self._stage(stage, ev)
 
@@ -640,9 +681,9 @@ class PrometheusExporter(Hook):
         if stage is None:
             return
         self.step_duration.labels(stage).observe(ev.duration_s)
-        self.forward.labels(stage).inc(ev.forward_s)
-        self.backward.labels(stage).inc(ev.backward_s)
-        self.comm_wait.labels(stage).inc(ev.comm_wait_s)
+        self._add_seconds(self.forward.labels(stage), ev.forward_s)
+        self._add_seconds(self.backward.labels(stage), ev.backward_s)
+        self._add_seconds(self.comm_wait.labels(stage), ev.comm_wait_s)
         waits = self._waits.setdefault(ev.stage, deque(maxlen=self.window))
         waits.append((ev.comm_wait_s, ev.duration_s))
         total = sum(d for _, d in waits)
@@ -702,7 +743,7 @@ class PrometheusExporter(Hook):
         """Training time a stage's save blocked."""
         label = self._stage(ev.stage, ev)
         if label is not None:
-            self.checkpoint_blocked.labels(label).inc(ev.blocked_s)
+            self._add_seconds(self.checkpoint_blocked.labels(label), ev.blocked_s)
 
     @on(CheckpointFailed)
     def checkpoint_failed(self, ev: CheckpointFailed) -> None:

@@ -4,6 +4,7 @@ metrics log, event recorder, replay, TensorBoard, Prometheus exposition (+ promt
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -19,10 +20,24 @@ from typing import Any
 
 import pytest
 from hook_helpers import fake_args, loss_at, run_hooks, wait_for_text
+from prometheus_client import generate_latest
 
+from evtrain import events
 from evtrain.bus.address import BusAddress
 from evtrain.errors import UsageError
-from evtrain.events import RunStarted, StepEnded, from_builtins
+from evtrain.events import (
+    BusGaps,
+    DecodeError,
+    HookError,
+    HookStarted,
+    Message,
+    RunEnded,
+    RunStarted,
+    StepEnded,
+    decode,
+    encode,
+    from_builtins,
+)
 from evtrain.exporters import EventRecorder, MetricsLog, PrometheusExporter
 from evtrain.exporters.prometheus import _StageLiveness
 from evtrain.hooks.loader import build_hook
@@ -335,3 +350,213 @@ async def test_exporter_joining_mid_run_knows_the_run_at_once(bus: BusAddress, p
             assert await anyio.to_thread.run_sync(fake.wait) == 0
     assert value("evtrain_steps_done") == 12
     assert value("evtrain_steps_total") == 4  # counted from the step it saw: 9..12
+
+
+# -- Prometheus: counters that cannot be poisoned, labels that exist, the last scrape ------
+
+
+def _through_schema(*events: Message) -> list[Message]:
+    """What a subscriber hands on: the events encoded and decoded (out-of-range ones fail)."""
+    out = []
+    for ev in events:
+        ev.run_id = ev.run_id or "run-a"
+        try:
+            out.append(decode(encode(ev), ev.topic))
+        except DecodeError:
+            continue
+    return out
+
+
+def _run_started(num_stages: int = 2, max_steps: int = 100, run_id: str = "run-a") -> RunStarted:
+    return RunStarted(
+        name="r",
+        num_stages=num_stages,
+        num_microbatches=2,
+        schedule="1f1b",
+        max_steps=max_steps,
+        batch_size=8,
+        run_id=run_id,
+    )
+
+
+def _replay(exporter: PrometheusExporter, events: list[Message]) -> Any:
+    import anyio
+
+    from evtrain.replay import ReplayRunner
+
+    runner = ReplayRunner([exporter])
+    anyio.run(runner.replay, events)
+    assert runner.errors == 0
+    return exporter.registry.get_sample_value
+
+
+def test_prometheus_counters_take_no_poisoned_value() -> None:
+    events = _through_schema(
+        _run_started(),
+        StepEnded(step=1, stage=0, samples=8, forward_s=0.5),
+        StepEnded(step=10**12, stage=0, samples=8),  # past max_steps: none of the run's
+        StepEnded(step=2, stage=7, samples=8),  # a stage the run does not have
+        StepEnded(step=3, stage=0, samples=-5),  # rejected by the schema
+        StepEnded(step=3, stage=0, forward_s=math.inf),  # rejected by the schema
+        StepEnded(step=50, stage=0, samples=8, run_id="made-up"),  # another run
+        StepEnded(step=2, stage=0, samples=8, forward_s=0.25),
+        StepEnded(step=2, stage=1, samples=8, forward_s=0.25),  # same step: counted once
+        StepEnded(step=3, stage=0, samples=8, loss=math.nan, grad_norm=math.inf),
+    )
+    assert len(events) == 8
+    value = _replay(PrometheusExporter(port=0), events)
+    assert value("evtrain_steps_total") == 3
+    assert value("evtrain_samples_total") == 24
+    assert value("evtrain_forward_seconds_total", {"stage": "0"}) == 0.75
+    assert math.isnan(value("evtrain_loss"))  # a gauge may show a diverged loss
+    assert value("evtrain_grad_norm") == math.inf
+    assert value("evtrain_forward_seconds_total", {"stage": "7"}) is None
+
+
+def test_prometheus_steps_count_by_bounded_increments_without_a_run() -> None:
+    """Without run.started nothing says a number is absurd: its jump counts, bounded."""
+    from evtrain.hooks.step_merge import MAX_STEP_JUMP
+
+    steps = [StepEnded(step=k, stage=0, samples=1) for k in (1, 2, 10**12, 3, 4, 5)]
+    value = _replay(PrometheusExporter(port=0), _through_schema(*steps))
+    # 1, 2; the jump counts MAX_STEP_JUMP; 3 starts the count over (1); 4, 5.
+    assert value("evtrain_steps_total") == 2 + MAX_STEP_JUMP + 3
+    assert value("evtrain_steps_done") == 5  # later steps are not frozen out
+    huge = [StepEnded(step=1, stage=0, samples=events.MAX_INT)]
+    value = _replay(PrometheusExporter(port=0), _through_schema(*huge))
+    assert value("evtrain_steps_total") == 1 and value("evtrain_samples_total") == 0
+    gaps = BusGaps(from_source="stage/0", missing=events.MAX_INT, total_missing=events.MAX_INT)
+    value = _replay(PrometheusExporter(port=0), _through_schema(gaps))
+    assert not value("evtrain_events_missing_total", {"source": "stage/0", "observer": ""})
+
+
+def test_prometheus_labelled_counters_start_at_zero() -> None:
+    exporter = PrometheusExporter(port=0)
+    started = HookStarted(hooks=["logging", "metrics"], topics=["step."], pid=1)
+    started.source = "hook/logging+metrics"
+    value = _replay(exporter, [_run_started(num_stages=3), started])
+    for status in ("completed", "stopped", "failed"):
+        assert value("evtrain_runs_ended_total", {"status": status}) == 0
+    for stage in ("0", "1", "2"):
+        for name in (
+            "evtrain_forward_seconds_total",
+            "evtrain_backward_seconds_total",
+            "evtrain_comm_wait_seconds_total",
+            "evtrain_checkpoint_blocked_seconds_total",
+            "evtrain_stage_failures_total",
+        ):
+            assert value(name, {"stage": stage}) == 0, (name, stage)
+        assert value("evtrain_events_dropped_total", {"source": f"stage/{stage}"}) == 0
+        observed = {"source": f"stage/{stage}", "observer": "hook/logging+metrics"}
+        assert value("evtrain_events_missing_total", observed) == 0
+    for hook in ("prometheus", "logging", "metrics"):
+        assert value("evtrain_hook_errors_total", {"hook": hook}) == 0
+    assert value("evtrain_stage_up", {"stage": "2"}) == 0
+
+
+def test_prometheus_labels_stay_bounded_and_follow_the_run() -> None:
+    from evtrain.exporters.prometheus import MAX_LABEL_VALUES
+
+    exporter = PrometheusExporter(port=0)
+    names = HookStarted(hooks=[f"made-up-{i}" for i in range(5000)], topics=[], pid=1)
+    escaped = HookError(hook="\x1b[2Jx", handler="h", event_type="step.ended", error="e", count=3)
+    events = [
+        _run_started(num_stages=4, run_id="first"),
+        StepEnded(step=1, stage=3, run_id="first"),
+        names,
+        escaped,
+        _run_started(num_stages=2, run_id="second"),
+    ]
+    _replay(exporter, events)
+    text = generate_latest(exporter.registry).decode()
+    hook_series = [
+        line for line in text.splitlines() if line.startswith("evtrain_hook_errors_total")
+    ]
+    assert len(hook_series) <= MAX_LABEL_VALUES
+    assert "\x1b" not in text
+    assert 'stage="3"' not in text and 'stage="2"' not in text  # the second run has 2 stages
+    assert 'evtrain_forward_seconds_total{stage="1"} 0.0' in text
+
+
+class _Scraper:
+    """Scrapes an exporter every ``interval`` seconds in a thread; keeps the last text."""
+
+    def __init__(self, port: int, interval: float) -> None:
+        self.port = port
+        self.interval = interval
+        self.last = ""
+        self.count = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.last = _scrape(self.port)
+                self.count += 1
+            except OSError:
+                return  # the exporter stopped serving
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+
+SHUTDOWN_S = 0.5
+"""What stopping prometheus-client's HTTP server takes on its own (its poll interval)."""
+
+
+def _linger(exporter: PrometheusExporter, scrape_every: float | None, scrapes: int) -> float:
+    """Set up, see a run end (after ``scrapes`` scrapes), time the teardown."""
+    import anyio
+
+    from evtrain.replay import ReplayRunner
+
+    runner = ReplayRunner([exporter])
+    scraper: _Scraper | None = None
+
+    async def main() -> float:
+        nonlocal scraper
+        await exporter.setup()
+        exporter._runner = runner
+        assert exporter.bound_port is not None
+        await runner._handle(_run_started())
+        if scrape_every is not None:
+            scraper = _Scraper(exporter.bound_port, scrape_every)
+            with anyio.fail_after(20):
+                while scraper.count < scrapes:
+                    await anyio.sleep(0.01)
+            if scrapes < 3:
+                scraper.stop()  # Prometheus went away
+        await runner._handle(RunEnded(status="completed", step=5, run_id="run-a"))
+        start = time.monotonic()
+        await exporter.teardown()
+        return time.monotonic() - start
+
+    try:
+        return anyio.run(main)
+    finally:
+        if scraper is not None:
+            scraper.stop()
+
+
+def test_prometheus_never_scraped_exits_at_once() -> None:
+    assert _linger(PrometheusExporter(port=0), None, 0) < SHUTDOWN_S + 0.5
+
+
+def test_prometheus_lingers_until_a_scrape_after_the_run_ended() -> None:
+    exporter = PrometheusExporter(port=0)
+    waited = _linger(exporter, scrape_every=0.4, scrapes=3)
+    assert waited < 0.4 + SHUTDOWN_S + 1.0  # the next scrape, not the 30 s bound
+    last = exporter.scrapes.last
+    assert last is not None and exporter._ended_at is not None and last > exporter._ended_at
+
+
+def test_prometheus_waits_at_most_two_scrape_intervals() -> None:
+    exporter = PrometheusExporter(port=0)
+    waited = _linger(exporter, scrape_every=0.3, scrapes=2)  # then the scrapes stop
+    interval = exporter.scrapes.interval()
+    assert interval is not None
+    assert 2 * interval - 0.1 <= waited <= 2 * interval + SHUTDOWN_S + 1.0
+    assert _linger(PrometheusExporter(port=0, linger=0), 0.3, scrapes=2) < SHUTDOWN_S + 0.5

@@ -650,3 +650,25 @@ def test_hook_processes_and_evtrain_events_survive_a_hostile_bus(
         if " stage/1 " in line and "step.ended" in line and "loss=" in line
     }
     assert {str(k) for k in range(1, PROCESS_STEPS + 1)} <= human_steps
+
+
+def test_evtrain_events_lines_escape_text_and_stay_strict_json() -> None:
+    from evtrain.commands.events import format_human, format_json
+
+    msg = _stamp(
+        StepEnded(
+            step=3,
+            stage=0,
+            loss=math.nan,
+            grad_norm=math.inf,
+            metrics={"\x1b[31m": 1.0},
+            run_id="\x1b]0;t\x07",
+        ),
+        random.Random(1),
+    )
+    msg.source = "\x1b[2J\r"
+    line = format_human(msg)
+    assert line.isprintable() and "\\x1b[2J\\r" in line and "loss=nan" in line
+    data = json.loads(format_json(msg))  # strict: no NaN token
+    assert data["loss"] is None and data["grad_norm"] is None
+    assert data["metrics"] == {"\x1b[31m": 1.0} and format_json(msg).isascii()

@@ -7,14 +7,20 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import anyio
+import msgspec
 import pytest
+import structlog.testing
+import zmq
 from bus_procs import SCRIPT, Lines
 
+from evtrain import events
 from evtrain.bus.address import BusAddress
 from evtrain.bus.publisher import Publisher
+from evtrain.bus.sequence import MAX_GAP, SequenceTracker
 from evtrain.bus.state_service import fetch_snapshot
 from evtrain.bus.subscriber import Subscriber
 from evtrain.events import (
+    BusGaps,
     CommandAcked,
     EvaluateNow,
     HookError,
@@ -24,8 +30,11 @@ from evtrain.events import (
     StageStarted,
     StepEnded,
     StopRun,
+    encode,
 )
 from evtrain.hooks import CommandTimeout, Hook, HookRunner, on
+from evtrain.hooks.runner import HOOK_TRACEBACKS
+from evtrain.ratelimit import RateLimitedLog
 
 pytestmark = pytest.mark.anyio
 
@@ -241,3 +250,112 @@ async def test_exit_on_run_end(bus: BusAddress) -> None:
             with stage_pub(bus) as pub:
                 pub.publish(RunEnded(status="completed", reason="done"))
     assert [e.reason for e in hook.events] == ["done"]  # type: ignore[attr-defined]
+
+
+# -- hostile sequence numbers, repeated raises ---------------------------------------------
+
+
+def test_sequence_counts_saturate_and_the_table_stays_bounded() -> None:
+    tracker = SequenceTracker(max_tracked=8)
+    for seq in (-(2**63), 2**63 - 1, -(2**63), 2**200, 0, 5):
+        tracker.observe("stage/0", b"step.ended", seq)
+    assert tracker.total_missing == 4  # 0 -> 5; the absurd jumps count as restarts
+    assert tracker.restarts == 4
+    tracker.total_missing = events.MAX_INT - 1
+    tracker.observe("stage/0", b"step.ended", 5 + MAX_GAP)
+    assert tracker.total_missing == events.MAX_INT  # saturated, still encodable
+    encode(BusGaps(from_source="stage/0", missing=MAX_GAP, total_missing=tracker.total_missing))
+    for i in range(100):
+        tracker.observe(f"made-up/{i}", b"step.ended", 0)
+    assert len(tracker.expected) == 8
+
+
+async def test_hostile_sequence_numbers_do_not_stop_a_hook(bus: BusAddress) -> None:
+    """StepEnded with seq -2**63, 2**63-1, -2**63, 2**63-1 once killed every hook."""
+    hook = StateWatcher()
+    gaps = Subscriber(bus.endpoint("events_out"), ["bus.gaps"])
+    context = zmq.Context()
+    raw = context.socket(zmq.XPUB)
+    raw.connect(bus.endpoint("events_in"))
+    assert raw.poll(10_000, zmq.POLLIN)
+    try:
+        async with attached(hook, bus=bus):
+            for seq in (-(2**63), 2**63 - 1, -(2**63), 2**63 - 1, events.MAX_INT, 0, 7):
+                payload = msgspec.msgpack.encode(
+                    {"type": "step.ended", "v": 1, "seq": seq, "step": 1, "stage": 0}
+                )
+                raw.send_multipart([b"step.ended", payload])
+            await wait_until(lambda: len(hook.steps) == 3)
+            with stage_pub(bus) as pub:
+                pub.publish(StepEnded(step=2, stage=0))
+                await wait_until(lambda: (0, 2) in hook.steps)
+            with anyio.fail_after(10):
+                reported = [m for m in await gaps.receive() if isinstance(m, BusGaps)]
+            assert reported and reported[0].missing == 6  # 0 -> 7
+    finally:
+        raw.close(linger=0)
+        context.term()
+        gaps.close()
+
+
+class AlwaysRaises(Hook):
+    @on(StepEnded)
+    def check(self, ev: StepEnded) -> None:
+        raise ValueError(f"boom at {ev.step}")
+
+
+async def test_a_handler_raising_on_every_event_reports_a_few_tracebacks_then_counts(
+    bus: BusAddress,
+) -> None:
+    errors = Subscriber(bus.endpoint("events_out"), ["hook.error"])
+    received: list[HookError] = []
+    with structlog.testing.capture_logs() as logs:
+        async with attached(AlwaysRaises(), bus=bus):
+            with stage_pub(bus) as pub:
+                for step in range(200):
+                    pub.publish(StepEnded(step=step, stage=0))
+            with anyio.fail_after(10):
+                while len(received) < HOOK_TRACEBACKS:
+                    received += [m for m in await errors.receive() if isinstance(m, HookError)]
+        # Teardown reported the rest as one count.
+        with anyio.fail_after(10):
+            while sum(e.count for e in received) < 200:
+                received += [m for m in await errors.receive() if isinstance(m, HookError)]
+    errors.close()
+    full = [e for e in logs if e["event"] == "hook handler raised"]
+    assert len(full) == HOOK_TRACEBACKS and all("exc_info" in e for e in full)
+    counts = [e for e in logs if e["event"] == "hook handler raised (repeated)"]
+    assert [(c["kind"], c["more"]) for c in counts] == [
+        ("always_raises.check: ValueError", 200 - HOOK_TRACEBACKS)
+    ]
+    assert [e.count for e in received] == [1] * HOOK_TRACEBACKS + [200 - HOOK_TRACEBACKS]
+    assert all(e.traceback for e in received[:HOOK_TRACEBACKS]) and not received[-1].traceback
+
+
+def test_rate_limited_log_counts_every_occurrence_and_logs_a_few_lines() -> None:
+    now = [0.0]
+    lines: list[tuple[str, dict[str, object]]] = []
+    summaries: list[tuple[str, int]] = []
+
+    class Sink:
+        def warning(self, event: str, **fields: object) -> None:
+            lines.append((event, fields))
+
+    limited = RateLimitedLog(
+        Sink(),
+        "bad",
+        first=2,
+        interval=10.0,
+        clock=lambda: now[0],
+        on_summary=lambda kind, more: summaries.append((kind, more)),
+    )
+    for i in range(1000):
+        now[0] = i * 0.1  # 100 s in all
+        limited("a", i=i)
+    limited("b")
+    limited.flush()
+    assert limited.counts == {"a": 1000, "b": 1} and limited.total == 1001
+    assert [fields.get("i") for event, fields in lines if event == "bad"] == [0, 1, None]
+    assert len(lines) <= 2 + 1 + 100 / 10 + 1
+    assert sum(more for kind, more in summaries if kind == "a") == 998
+    assert ("b", 1) not in summaries  # logged in full: nothing left to count

@@ -270,3 +270,112 @@ def test_lr_monitor_rtol_thins_out_smooth_schedules() -> None:
     assert steps[0] == 1 and steps[-1] > 80
     values = [v for _, v in lr.changes]
     assert all(b < a * (1 - 0.05) for a, b in itertools.pairwise(values))
+
+
+# -- hostile text and numbers ---------------------------------------------------------
+
+
+def test_safe_text_shows_control_characters_as_visible_escapes() -> None:
+    from evtrain.hooks.formatting import safe_lines, safe_text
+
+    assert safe_text("stage/0 loss é 日本") == "stage/0 loss é 日本"
+    assert safe_text("\x1b[2J\x1b]0;t\x07\r\n\t\x00\x7f\x9b\u202e") == (
+        "\\x1b[2J\\x1b]0;t\\x07\\r\\n\\t\\x00\\x7f\\x9b\\u202e"
+    )
+    assert safe_text("x" * 100, 10) == "xxxxxxx..."
+    assert safe_text(12.5) == "12.5"
+    assert safe_lines("a\x1b\nb") == "a\\x1b\nb"
+
+
+def test_number_formatters_take_any_float() -> None:
+    import math
+
+    from evtrain.hooks.formatting import fmt_bytes, fmt_duration, short
+
+    assert fmt_duration(math.inf) == "inf" and fmt_duration(math.nan) == "nan"
+    assert fmt_duration(1e300) == "1e+300s" and fmt_duration(83.2) == "0:01:23"
+    assert fmt_bytes(math.nan) == "nan" and fmt_bytes(1536) == "1.5KiB"
+    result = short(math.nan)
+    assert result is not None and math.isnan(result)
+
+
+def test_logging_hook_escapes_event_text_and_prints_nan(tmp_path: Path) -> None:
+    import math
+
+    import anyio
+
+    from evtrain.events import RunStarted, StageFailed, StepEnded
+    from evtrain.replay import ReplayRunner
+
+    path = tmp_path / "train.log"
+    hook = ConsoleLog(every=1, path=path)
+    evil = "\x1b[2J\x1b]0;owned\x07"
+    events = [
+        RunStarted(
+            name=evil,
+            num_stages=1,
+            num_microbatches=1,
+            schedule="1f1b",
+            max_steps=3,
+            batch_size=1,
+            run_dir=str(tmp_path),
+        ),
+        StepEnded(
+            step=1,
+            stage=0,
+            loss=math.nan,
+            grad_norm=math.inf,
+            metrics={evil: 1.0, "event": 2.0, "exc_info": 3.0, "step": 4.0},
+            duration_s=0.1,
+        ),
+        StageFailed(stage=0, error=evil, traceback=f"Traceback\n  {evil}\nValueError: {evil}"),
+    ]
+    runner = ReplayRunner([hook])
+    anyio.run(runner.replay, events)
+    assert runner.errors == 0
+    text = path.read_text()
+    assert "\x1b" not in text and "\x07" not in text
+    assert "run=\\x1b[2J\\x1b]0;owned\\x07" in text
+    progress = next(line for line in text.splitlines() if "progress" in line)
+    assert "loss=nan" in progress and "grad_norm=inf" in progress
+    assert "step=1/3" in progress  # a reported "step" never replaces the step
+    assert "\\x1b[2J\\x1b]0;owned\\x07=1.0" in progress
+
+
+def test_step_merger_checks_the_run_and_never_freezes() -> None:
+    from evtrain.events import RunStarted, StepEnded
+    from evtrain.hooks.step_merge import MAX_STEP_JUMP, StepCount, StepMerger
+    from evtrain.run_state import RunState
+
+    state = RunState()
+    merger = StepMerger(lambda: state)
+    lone = StepEnded(step=10**12, stage=0, loss=1.0)
+    assert [m.step for m in merger.add(lone)] == [10**12]  # no run known: it may be real
+    # ... but it does not hide the steps that follow.
+    assert [m.step for m in merger.add(StepEnded(step=5, stage=0, loss=1.0))] == [5]
+    assert merger.add(StepEnded(step=5, stage=0, loss=1.0)) == []  # a late duplicate
+
+    state.update(
+        RunStarted(
+            name="r",
+            num_stages=2,
+            num_microbatches=1,
+            schedule="1f1b",
+            max_steps=100,
+            batch_size=1,
+            run_id="r1",
+        )
+    )
+    merger.reset()
+    for absurd in (
+        StepEnded(step=10**12, stage=0, run_id="r1"),
+        StepEnded(step=3, stage=9, run_id="r1"),
+        StepEnded(step=3, stage=0, run_id="another"),
+    ):
+        assert merger.add(absurd) == []
+    assert merger.ignored.total == 3
+    assert merger.add(StepEnded(step=3, stage=1, run_id="r1")) == []
+    assert [m.step for m in merger.add(StepEnded(step=3, stage=0, run_id="r1"))] == [3]
+
+    count = StepCount()
+    assert [count.advance(s) for s in (1, 2, 2, 10**12, 3, 4)] == [1, 1, 0, MAX_STEP_JUMP, 1, 1]

@@ -318,3 +318,48 @@ def test_step_filter_that_matches_nothing(recorded_run: Path) -> None:
     done = run_cli(str(recorded_run), "--steps", "50:60")
     assert done.returncode == 2
     assert "recorded steps: 1..4" in done.stderr
+
+
+HOSTILE_LINES = (
+    '{"type": "microbatch.forward", "v": 1, "step": 1, "stage": 0, "microbatch": 0, '
+    '"start": 1e999, "end": 1.0}',  # a number JSON cannot hold as a float
+    '{"type": "microbatch.forward", "v": 1, "step": -1, "stage": 0, "microbatch": 0, '
+    '"start": 1.0, "end": 2.0}',
+    '{"type": "microbatch.backward", "v": 1, "step": 1, "stage": 99999, "microbatch": 0, '
+    '"start": 1.0, "end": 2.0}',
+    '{"type": "microbatch.wait", "v": 1, "step": 1, "stage": 0, "microbatch": 0, '
+    '"start": "soon", "end": 2.0}',
+    '{"type": "run.started", "v": 1, "name": "x", "num_stages": 0}',
+    "[1, 2, 3]",
+    "\x1b[2J garbage \x00",
+    '{"type": "step.ended", "v": 7, "step": 1, "stage": 0}',
+)
+
+
+def test_hostile_lines_in_a_recording_are_skipped_and_counted(recorded_run: Path) -> None:
+    from structlog.testing import capture_logs
+
+    from evtrain.replay import read_events as replay_events
+
+    events = recorded_run / "events.jsonl"
+    complete = load_run(recorded_run)
+    good = events.read_text()
+    events.write_text("\n".join(HOSTILE_LINES * 50) + "\n" + good + "\n".join(HOSTILE_LINES))
+    with capture_logs() as logs:
+        recorded = load_run(recorded_run)
+    assert recorded.spans == complete.spans and recorded.title == complete.title
+    skipped = {
+        e["kind"]: e["lines"] for e in logs if e["event"] == "skipped lines that are not events"
+    }
+    # The step.ended line is not even decoded: a timeline does not ask for that type.
+    assert sum(skipped.values()) == 51 * (len(HOSTILE_LINES) - 1)
+    assert skipped["not JSON"] == 2 * 51  # 1e999 is no float JSON decoders accept
+    assert skipped["microbatch.backward: invalid $.stage"] == 51
+    assert len(logs) <= len(HOSTILE_LINES)  # once per kind, not once per line
+    with capture_logs() as logs:
+        replayed = list(replay_events(events))
+    assert len(replayed) == len(good.splitlines())
+    assert sum(e["lines"] for e in logs) == 51 * len(HOSTILE_LINES)
+    done = run_cli(str(recorded_run))
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr and "\x1b" not in done.stderr
