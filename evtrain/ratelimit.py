@@ -64,7 +64,7 @@ class RateLimitedLog:
         now = self._clock()
         if count <= self.first:
             self._last_line[kind] = now
-            self._emit(self.event, kind=kind, count=count, **fields)
+            self._emit(self.event, kind=kind, occurrence=count, **fields)
             return True
         self._unlogged[kind] = self._unlogged.get(kind, 0) + 1
         if now - self._last_line.get(kind, now) >= self.interval:
@@ -82,6 +82,6 @@ class RateLimitedLog:
         if not more:
             return
         self._last_line[kind] = now
-        self._emit(f"{self.event} (repeated)", kind=kind, more=more, count=self.counts[kind])
+        self._emit(f"{self.event} (repeated)", kind=kind, more=more, total=self.counts[kind])
         if self._on_summary is not None:
             self._on_summary(kind, more)
