@@ -61,6 +61,7 @@ __all__ = [
     "CheckpointInfo",
     "Manifest",
     "NotCommitted",
+    "ResumeChoice",
     "ShardFile",
     "ShardRecord",
     "StageEntry",
@@ -69,6 +70,7 @@ __all__ = [
     "checkpoint_path_template",
     "checkpoints_root",
     "commit_checkpoint",
+    "find_resume",
     "format_checkpoint_path",
     "fsync_dir",
     "is_committed",
@@ -544,6 +546,9 @@ class CheckpointInfo:
     shards_done: int
     """Stages whose shard record is present."""
     manifest: Manifest | None
+    corrupt: str | None = None
+    """Why its ``MANIFEST.json`` cannot be read, when it has one that cannot: a
+    checkpoint that was committed and then damaged (it is not treated as committed)."""
 
 
 def _tree_size_and_mtime(path: Path) -> tuple[int, float]:
@@ -565,8 +570,11 @@ def _tree_size_and_mtime(path: Path) -> tuple[int, float]:
 def _info(path: Path, step: int) -> CheckpointInfo:
     size, mtime = _tree_size_and_mtime(path)
     records = shard_records(path)
+    corrupt: str | None = None
     try:
         manifest: Manifest | None = read_manifest(path)
+    except CheckpointCorrupt as exc:
+        manifest, corrupt = None, str(exc)
     except CheckpointError:
         manifest = None
     if manifest is not None:
@@ -600,6 +608,7 @@ def _info(path: Path, step: int) -> CheckpointInfo:
         num_stages=first.num_stages if first else None,
         shards_done=len(records),
         manifest=None,
+        corrupt=corrupt,
     )
 
 
@@ -656,13 +665,26 @@ def latest_committed(run_dir: str | os.PathLike[str]) -> CheckpointInfo | None:
     return newest
 
 
-def resolve_resume(path: str | os.PathLike[str]) -> Path:
-    """The committed checkpoint directory that ``path`` names.
+@dataclass(frozen=True)
+class ResumeChoice:
+    """The checkpoint a path resolves to, and the damaged ones passed over to get there."""
 
-    ``path`` is a checkpoint directory (``.../checkpoints/step-00000100``), a
-    run directory or its ``checkpoints`` directory (its latest committed
-    checkpoint), or the ``latest`` file. Raises `NotCommitted` for an
-    uncommitted checkpoint and `CheckpointError` when nothing usable is there.
+    path: Path
+    skipped: tuple[CheckpointInfo, ...] = ()
+    """Checkpoints at or after the chosen step whose manifest is corrupt."""
+
+    def warnings(self) -> list[str]:
+        """One line per skipped checkpoint, naming what is resumed instead."""
+        return [
+            f"{info.corrupt}: passed over for the older {self.path.name}" for info in self.skipped
+        ]
+
+
+def find_resume(path: str | os.PathLike[str]) -> ResumeChoice:
+    """The committed checkpoint directory that ``path`` names (see `resolve_resume`).
+
+    For a run directory, it also returns the newer checkpoints that were
+    passed over because their manifest is corrupt, so the caller can say so.
     """
     p = Path(path).expanduser()
     if not p.exists():
@@ -680,12 +702,31 @@ def resolve_resume(path: str | os.PathLike[str]) -> Path:
         or any(child.name.startswith("stage-") for child in p.iterdir())
     ):
         read_manifest(p)  # NotCommitted / CheckpointCorrupt with a clear message
-        return p
+        return ResumeChoice(p)
     run_dir = p.parent if p.name == CHECKPOINTS_DIR else p
+    infos = list_checkpoints(run_dir)
+    corrupt = [info for info in infos if info.corrupt is not None]
     info = latest_committed(run_dir)
     if info is None:
-        raise CheckpointError(f"no committed checkpoint under {checkpoints_root(run_dir)}")
-    return info.path
+        damaged = "".join(f"; {c.path.name} has a corrupt manifest" for c in corrupt)
+        raise CheckpointError(f"no committed checkpoint under {checkpoints_root(run_dir)}{damaged}")
+    return ResumeChoice(info.path, tuple(c for c in corrupt if c.step >= info.step))
+
+
+def resolve_resume(path: str | os.PathLike[str]) -> Path:
+    """The committed checkpoint directory that ``path`` names.
+
+    ``path`` is a checkpoint directory (``.../checkpoints/step-00000100``), a
+    run directory or its ``checkpoints`` directory (its latest committed
+    checkpoint), or the ``latest`` file. Raises `NotCommitted` for an
+    uncommitted checkpoint, `CheckpointCorrupt` for a damaged manifest and
+    `CheckpointError` when nothing usable is there. A newer checkpoint whose
+    manifest is corrupt is passed over with a warning.
+    """
+    choice = find_resume(path)
+    for line in choice.warnings():
+        log.warning(line)
+    return choice.path
 
 
 # ---------------------------------------------------------------------- retention

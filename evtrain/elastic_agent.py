@@ -16,36 +16,84 @@ signal: the launcher sends SIGTERM to the agent, elastic forwards SIGTERM to
 every worker (they finish the current step and end the run cleanly) and
 sends SIGKILL after ``shutdown_timeout`` seconds.
 
-The agent reads its `AgentConfig` as one JSON line on stdin. The launcher
-starts the process early (importing torch takes a second) and writes the
-line once the hooks are attached; an empty stdin (the launcher went away)
+The agent reads JSON lines on stdin: optionally a `LauncherCleanup` first
+(sent as soon as the launcher has a run directory and a bus), then the
+`AgentConfig`. The launcher starts the process early (importing torch takes a
+second) and writes the config once the hooks are attached; an empty stdin
 makes the agent exit without starting anything.
 
-Exit status: 0 when every worker returned, 1 when workers failed
-(elastic's ChildFailedError summary goes to ``failure_file``, or to stderr
-without one), 128 + N when the agent was stopped by signal N. Elastic's own
-log of each worker failure (a second copy of the traceback the stage
-already published on the bus) is silenced unless ``EVTRAIN_LOG_LEVEL`` is
-``debug``.
+Worker exits (`AgentReport`, in ``AgentConfig.report_path``): elastic tells
+only about the first worker it saw fail, and when two have ended by its next
+poll it names the lower rank — often a survivor whose gloo receive failed
+because the real culprit was killed. So the agent keeps its own record of
+every worker of every attempt: pid, when it died (watched on each process's
+sentinel, which is only waited on, never read, so elastic's own bookkeeping
+is untouched), its exit status or signal (once elastic has joined it), and
+whether the agent killed it. The record is rewritten whenever a worker dies.
+The processes come from ``torch.multiprocessing.start_processes``, the
+public call elastic starts its workers with, which `WorkerWatch` wraps in
+this process. When a worker dies without its stage report saying it
+finished, the survivors get ``failure_grace_s`` to end by themselves (they
+usually fail at once on the dead peer's connections), then SIGKILL: elastic
+itself would wait 30 s for a survivor stuck in a collective.
+
+When the launcher dies (SIGKILL: nothing of it runs any more), the agent
+notices — its parent changes, stdin ends, ``PR_SET_PDEATHSIG`` sends SIGTERM
+— stops the workers through elastic, then does what the launcher would have
+done at the end (`LauncherCleanup`): marks the run record interrupted and
+removes the launcher's private ipc directory.
+
+Exit status: 0 when every worker returned, 1 when workers failed, 128 + N
+when the agent was stopped by signal N. Elastic's own log of each worker
+failure, and torch's warning for every process it terminates after one, are
+silenced unless ``EVTRAIN_LOG_LEVEL`` is ``debug``: the launcher names the
+failure itself (`evtrain.failures`).
 """
 
 from __future__ import annotations
 
 import logging
+import multiprocessing.connection
 import os
+import shutil
 import signal
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
-__all__ = ["AgentConfig", "main", "run_agent"]
+from evtrain.run_record import mark_interrupted
+from evtrain.stages.worker import read_stage_reports
+
+__all__ = [
+    "AgentConfig",
+    "AgentReport",
+    "AttemptReport",
+    "LauncherCleanup",
+    "WorkerExit",
+    "WorkerWatch",
+    "main",
+    "run_agent",
+]
 
 EXIT_FAILED = 1
+_FINISHED_STATUSES = ("completed", "stopped")
 
 
-class AgentConfig(msgspec.Struct, kw_only=True):
+class LauncherCleanup(msgspec.Struct, kw_only=True, tag="cleanup"):
+    """What the agent does in the launcher's place if the launcher dies first."""
+
+    launcher_pid: int
+    run_record: str | None = None
+    """The run's ``run.json``: marked ``interrupted``."""
+    remove_dirs: list[str] = []
+    """The launcher's private ipc directory: removed."""
+
+
+class AgentConfig(msgspec.Struct, kw_only=True, tag="config"):
     """What the agent needs: the worker config plus elastic's LaunchConfig fields."""
 
     worker_config: str
@@ -53,6 +101,7 @@ class AgentConfig(msgspec.Struct, kw_only=True):
     nproc_per_node: int
     min_nodes: int = 1
     max_nodes: int = 1
+    node_rank: int = 0
     rdzv_backend: str = "c10d"
     rdzv_endpoint: str = "127.0.0.1:0"
     rdzv_configs: dict[str, Any] = {}
@@ -62,9 +111,12 @@ class AgentConfig(msgspec.Struct, kw_only=True):
     shutdown_timeout: int = 30
     start_method: str = "spawn"
     log_dir: str | None = None
-    failure_file: str | None = None
-    """Where elastic's failure summary goes (the launcher shows it when no stage
-    reported its own failure on the bus, e.g. a worker killed by a signal)."""
+    report_path: str | None = None
+    """Where the `AgentReport` goes (None: no report, no early kill of survivors)."""
+    stage_reports: str | None = None
+    """The workers' `StageReport` directory: tells a finished worker from a dead one."""
+    failure_grace_s: float = 1.0
+    """Seconds survivors get after a worker died before they are killed."""
 
     def encode(self) -> str:
         """One JSON line (no newline)."""
@@ -74,6 +126,163 @@ class AgentConfig(msgspec.Struct, kw_only=True):
     def decode(cls, text: str | bytes) -> AgentConfig:
         """Inverse of `encode`."""
         return msgspec.json.decode(text, type=cls)
+
+
+class WorkerExit(msgspec.Struct, kw_only=True):
+    """One worker process of one attempt."""
+
+    rank: int
+    pid: int
+    died_at: float | None = None
+    """Wall-clock time its end was seen (None while it runs)."""
+    exit_code: int | None = None
+    """Its exit status, negative for a signal; known once elastic joined it."""
+    killed_by_agent: bool = False
+
+
+class AttemptReport(msgspec.Struct, kw_only=True):
+    """One start of the worker group (elastic restarts make more)."""
+
+    attempt: int
+    started_at: float
+    workers: list[WorkerExit]
+
+
+class AgentReport(msgspec.Struct, kw_only=True):
+    """Every worker the agent started, and how each ended."""
+
+    node_rank: int = 0
+    attempts: list[AttemptReport] = []
+    finished: bool = False
+    exit_status: int | None = None
+
+    def write(self, path: str | os.PathLike[str]) -> None:
+        """Replace the report at ``path`` atomically."""
+        target = Path(path)
+        tmp = target.with_name(f".{target.name}.tmp")
+        tmp.write_bytes(msgspec.json.encode(self))
+        os.replace(tmp, target)
+
+    @classmethod
+    def read(cls, path: str | os.PathLike[str]) -> AgentReport | None:
+        """The report at ``path``; None while there is none (or it cannot be read)."""
+        try:
+            return msgspec.json.decode(Path(path).read_bytes(), type=cls)
+        except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+            return None
+
+
+class WorkerWatch:
+    """Records every worker process elastic starts and how it ends (module docstring)."""
+
+    def __init__(self, config: AgentConfig) -> None:
+        self.config = config
+        self.report = AgentReport(node_rank=config.node_rank)
+        self._lock = threading.Lock()
+        self._contexts: list[tuple[Any, AttemptReport]] = []
+        self._threads: list[threading.Thread] = []
+
+    def install(self) -> None:
+        """Wrap ``torch.multiprocessing.start_processes`` in this process."""
+        import torch.multiprocessing as mp
+
+        original = mp.start_processes
+
+        def start_processes(*args: Any, **kwargs: Any) -> Any:
+            context = original(*args, **kwargs)
+            self._watch(context)
+            return context
+
+        mp.start_processes = start_processes
+
+    def _watch(self, context: Any) -> None:
+        base = self.config.node_rank * self.config.nproc_per_node
+        attempt = AttemptReport(
+            attempt=len(self.report.attempts),
+            started_at=time.time(),
+            workers=[
+                WorkerExit(rank=base + i, pid=int(p.pid)) for i, p in enumerate(context.processes)
+            ],
+        )
+        with self._lock:
+            # Elastic stopped the previous attempt's workers before this one.
+            self._record_exit_codes()
+            self.report.attempts.append(attempt)
+            self._contexts.append((context, attempt))
+            self._write()
+        thread = threading.Thread(
+            target=self._follow, args=(context.processes, attempt), daemon=True
+        )
+        thread.start()
+        self._threads.append(thread)
+
+    def _follow(self, processes: list[Any], attempt: AttemptReport) -> None:
+        pending = {p.sentinel: (p, w) for p, w in zip(processes, attempt.workers, strict=True)}
+        kill_at: float | None = None
+        killed = False
+        while pending:
+            timeout = None if kill_at is None or killed else max(0.0, kill_at - time.monotonic())
+            try:
+                ready = multiprocessing.connection.wait(list(pending), timeout=timeout)
+            except (OSError, ValueError):  # a sentinel closed under us: elastic is done
+                return
+            now = time.time()
+            failed = False
+            with self._lock:
+                for sentinel in ready:
+                    _, worker = pending.pop(sentinel)  # type: ignore[call-overload]
+                    worker.died_at = now
+                    failed = failed or not self._finished(worker, attempt.attempt)
+                if kill_at is not None and not killed and time.monotonic() >= kill_at:
+                    killed = True
+                    for process, worker in pending.values():
+                        try:
+                            os.kill(process.pid, signal.SIGKILL)
+                        except ProcessLookupError:
+                            continue
+                        worker.killed_by_agent = True
+                self._write()
+            if failed and kill_at is None and pending:
+                kill_at = time.monotonic() + self.config.failure_grace_s
+
+    def _finished(self, worker: WorkerExit, attempt: int) -> bool:
+        """Whether the worker's own report says it ended the run normally."""
+        if self.config.stage_reports is None:
+            return True  # no way to tell: leave the survivors to elastic
+        report = read_stage_reports(self.config.stage_reports).get(worker.rank)
+        return (
+            report is not None
+            and report.attempt == attempt
+            and report.pid == worker.pid
+            and report.status in _FINISHED_STATUSES
+        )
+
+    def _record_exit_codes(self) -> None:
+        # Only from elastic's own thread, once it joined the processes: reading
+        # an exit status consumes it from the process's pipe.
+        for context, attempt in self._contexts:
+            for process, worker in zip(context.processes, attempt.workers, strict=True):
+                if worker.exit_code is None and process.exitcode is not None:
+                    worker.exit_code = int(process.exitcode)
+                    if worker.died_at is None:
+                        worker.died_at = time.time()
+
+    def finish(self, exit_status: int) -> None:
+        """Record every exit status (elastic has joined the processes) and the agent's own."""
+        for thread in self._threads:
+            thread.join(timeout=1.0)
+        with self._lock:
+            self._record_exit_codes()
+            self.report.finished = True
+            self.report.exit_status = exit_status
+            self._write()
+
+    def _write(self) -> None:
+        if self.config.report_path is not None:
+            try:
+                self.report.write(self.config.report_path)
+            except OSError:
+                pass  # the launcher falls back on elastic's exit status
 
 
 def run_agent(config: AgentConfig) -> int:
@@ -100,19 +309,17 @@ def run_agent(config: AgentConfig) -> int:
         shutdown_timeout=config.shutdown_timeout,
         logs_specs=DefaultLogsSpecs(log_dir=config.log_dir),
     )
+    watch = WorkerWatch(config)
+    watch.install()
+    status = 0
     try:
         elastic_launch(launch_config, worker_main)(config.worker_config)
-    except ChildFailedError as exc:
-        if config.failure_file:
-            Path(config.failure_file).parent.mkdir(parents=True, exist_ok=True)
-            Path(config.failure_file).write_text(exc.format_msg() + "\n")
-        else:
-            sys.stderr.write(exc.format_msg() + "\n")
-            sys.stderr.flush()
-        return EXIT_FAILED
+    except ChildFailedError:
+        status = EXIT_FAILED
     except SignalException as exc:
-        return 128 + int(exc.sigval)
-    return 0
+        status = 128 + int(exc.sigval)
+    watch.finish(status)
+    return status
 
 
 def prestart_forkserver() -> None:
@@ -132,30 +339,61 @@ def prestart_forkserver() -> None:
     multiprocessing.forkserver.ensure_running()
 
 
+def _terminated(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _clean_up_after(cleanup: LauncherCleanup | None) -> None:
+    """The launcher's end-of-run cleanup, if the launcher is gone."""
+    if cleanup is None or os.getppid() == cleanup.launcher_pid:
+        return
+    if cleanup.run_record is not None:
+        mark_interrupted(cleanup.run_record, "the launcher was killed")
+    for directory in cleanup.remove_dirs:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m evtrain.elastic_agent [START_METHOD]``: read the config, run.
+    """Entry point of ``python -m evtrain.elastic_agent [START_METHOD]``: read, run, clean up.
 
     With ``forkserver`` as the start method the fork server starts at once.
     """
     args = sys.argv[1:] if argv is None else argv
     # Until elastic installs its own handlers (once workers start), a signal
-    # must simply end this process: nothing has been started yet.
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    if args and args[0] == "forkserver":
-        prestart_forkserver()
-    # Import torch's launcher while the launcher still starts the hooks.
-    import torch.distributed.launcher.api  # noqa: F401
+    # ends this process, after the cleanup a dead launcher left undone.
+    signal.signal(signal.SIGINT, _terminated)
+    signal.signal(signal.SIGTERM, _terminated)
+    cleanup: LauncherCleanup | None = None
+    try:
+        if args and args[0] == "forkserver":
+            prestart_forkserver()
+        # Import torch's launcher while the launcher still starts the hooks.
+        import torch.distributed.launcher.api  # noqa: F401
 
-    if os.environ.get("EVTRAIN_LOG_LEVEL", "info") != "debug":
-        logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(
-            logging.CRITICAL
-        )
-
-    line = sys.stdin.readline()
-    if not line.strip():
+        if os.environ.get("EVTRAIN_LOG_LEVEL", "info") != "debug":
+            for name in (
+                "torch.distributed.elastic.multiprocessing.api",
+                "torch.multiprocessing.spawn",
+            ):
+                logging.getLogger(name).setLevel(logging.CRITICAL)
+        while line := sys.stdin.readline():
+            if not line.strip():
+                continue
+            message = msgspec.json.decode(line, type=LauncherCleanup | AgentConfig)
+            if isinstance(message, LauncherCleanup):
+                cleanup = message
+                continue
+            return run_agent(message)
         return 0
-    return run_agent(AgentConfig.decode(line))
+    finally:
+        _clean_up_after(cleanup)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Every worker is gone and the report written: tearing down an
+    # interpreter that imported torch would only delay the launcher by seconds.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

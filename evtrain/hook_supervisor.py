@@ -237,19 +237,6 @@ class HookSupervisor:
         """The run ended: hooks that exit from now on are not restarted."""
         self.run_ended = True
 
-    def revive(self) -> None:
-        """The run goes on after all (elastic restarted the workers after a failed run end).
-
-        Hooks that exited because the run ended are started again; hooks that
-        crashed too often stay down.
-        """
-        self.run_ended = False
-        for hook in self.hooks:
-            if hook.done and not hook.gave_up and hook.proc is None:
-                hook.done = False
-                log.info("restarting hook for the restarted run", hook=hook.label)
-                self._start(hook)
-
     # -- ending --------------------------------------------------------------------
 
     def running(self) -> list[HookProcess]:

@@ -2,11 +2,14 @@
 
 One `Launcher` runs one job on this node:
 
-1. It loads and validates the spec with its overrides and every hook the
-   spec names *before* starting anything, so a mistake is one line and exit
-   status 2. It picks a run id, creates the run directory and writes
-   ``run.json`` there (run id, spec, overrides, bus address; completed with
-   the outcome at the end).
+1. It loads and validates the spec with its overrides, every hook the spec
+   names, and the ``--resume`` / ``--load-weights`` paths (resolved to one
+   committed checkpoint or weights file) *before* starting anything, so a
+   mistake is one line and exit status 2. It picks a run id, creates the run
+   directory and writes ``run.json`` there (`evtrain.run_record`: run id,
+   spec, overrides, bus address; completed with the outcome at the end). A
+   ``run.json`` left ``running`` by a launcher that is gone is marked
+   ``interrupted`` first.
 2. It starts the broker in threads of its own process (``ipc://`` in a fresh
    private directory by default; ``--bus tcp://HOST:PORT`` for several
    machines) and prints the bus address, so anyone can attach
@@ -18,14 +21,47 @@ One `Launcher` runs one job on this node:
    (`evtrain.hook_supervisor`) and waits until each has attached.
 4. It starts the stage workers through torch.distributed.elastic, run by a
    child process (`evtrain.elastic_agent`; that module says why a process
-   and not a thread), and follows the run on the bus: progress line
-   (`evtrain.progress`), stage failures, the end of the run.
+   and not a thread), and follows the run: progress line (`evtrain.progress`)
+   from the bus; the truth about every stage from files that do not depend on
+   the bus — each stage's `evtrain.stages.worker.StageReport` and the
+   agent's `evtrain.elastic_agent.AgentReport`, in
+   ``RUN_DIR/launches/RUN_ID/``.
 5. At the end hooks get time to finish (they exit on `RunEnded`), then it
-   prints a summary and returns the exit status: 0 when the run completed or
-   was stopped cleanly (by a hook's stop command, or by SIGTERM/Ctrl-C when
-   the stages ended the run at a step boundary); 1 when a stage failed (its
-   error and traceback are printed); 128 + N when signal N arrived before
-   the stages could stop cleanly.
+   prints a summary and returns the exit status (below).
+
+Exit status: 0 when the run completed or was stopped cleanly (by a hook's
+stop command, or by SIGTERM/Ctrl-C when the stages ended the run at a step
+boundary); 1 when a stage failed; 2 for a usage mistake (nothing started);
+3 when the training completed or stopped cleanly but the bus was lost on the
+way (below); 128 + N when signal N arrived before the stages could stop
+cleanly.
+
+Failures: the first stage that failed is the root cause, not the first one
+that said so (`evtrain.failures`): the others usually fail on its closed
+connections moments later, and a stage killed by a signal says nothing at
+all. The launcher prints it once (``evtrain launch: error: stage 1 was
+killed by SIGKILL after step 62``, or the exception with the user's
+``FILE:LINE``), then one line per consequence, and writes everything, full
+tracebacks included, to ``RUN_DIR/launches/RUN_ID/failure.txt``. It
+publishes ``RunEnded(status="failed")`` with ``root_cause`` itself, as soon
+as the cause is known; the agent kills survivors that do not end within a
+second, and hooks get a second to finish, so a failed launch ends a few
+seconds after the failure. With ``--max-restarts`` a failure before the
+last restart is a warning naming its root cause, and elastic restarts the
+workers.
+
+The broker and its death: by default the broker runs inside the launcher.
+It cannot be crashed by what clients send it (`evtrain.bus.broker`), so it
+lives exactly as long as the launcher. With ``--external-bus`` it is another
+process, which may die on its own; the launcher does not depend on it for
+anything but events. Training goes on, the stage reports keep the launcher
+informed, and when no event arrived for a few seconds and the broker does
+not answer, the launcher warns that the bus was lost at step N. At the end
+the summary and ``run.json`` say so with the consequence (hooks saw nothing
+after step N; checkpoints after it were not committed), and the exit
+status is 3 instead of 0: the weights trained after step N exist only in
+the stages that are gone. A broker that comes back (a restarted compose
+service) is used again; the loss is still reported.
 
 Signals: the agent and every hook run in their own session, so a Ctrl-C at
 the terminal reaches only the launcher, which orders the shutdown in phases
@@ -37,7 +73,8 @@ and elastic sends SIGTERM to each worker, then SIGKILL after
 ``ELASTIC_SHUTDOWN_S``; after that, or on a third signal, the agent's whole
 process group (the workers are in it) gets SIGKILL. Children also carry
 ``PR_SET_PDEATHSIG``: if the launcher itself is killed, the agent and the
-hooks receive SIGTERM and shut down the same way.
+hooks receive SIGTERM and shut down the same way, and the agent marks
+``run.json`` interrupted and removes the launcher's ipc directory.
 
 Several machines: run ``evtrain launch`` on each with the same ``--nnodes``,
 ``--rdzv-endpoint HOST0:PORT``, ``--run-id`` and ``--bus tcp://HOST0:PORT2``
@@ -50,11 +87,11 @@ addresses) were tried by hand.
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -63,17 +100,19 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import anyio
+import anyio.to_thread
 import structlog
 
 from evtrain.bus.address import BusAddress
 from evtrain.bus.broker import Broker
 from evtrain.bus.publisher import Publisher
 from evtrain.bus.subscriber import Subscriber
-from evtrain.elastic_agent import AgentConfig
+from evtrain.elastic_agent import AgentConfig, AgentReport, AttemptReport, LauncherCleanup
 from evtrain.errors import UsageError
 from evtrain.events import (
     CommandAcked,
     EvalEnded,
+    Heartbeat,
     HookStarted,
     Message,
     RunEnded,
@@ -82,8 +121,23 @@ from evtrain.events import (
     StepEnded,
     StopRun,
 )
+from evtrain.failures import (
+    Failure,
+    RootCause,
+    failure_from_exit,
+    find_root_cause,
+    is_communication_error,
+)
 from evtrain.hook_supervisor import HookSupervisor, set_pdeathsig
 from evtrain.progress import Progress
+from evtrain.run_record import (
+    RUN_RECORD,
+    mark_if_stale,
+    process_start_ticks,
+    read_run_record,
+    write_run_record,
+)
+from evtrain.stages.worker import StageReport, read_stage_reports
 
 __all__ = ["LaunchOptions", "Launcher", "new_run_id"]
 
@@ -91,6 +145,7 @@ log = structlog.get_logger("evtrain.launcher")
 
 EXIT_OK = 0
 EXIT_FAILED = 1
+EXIT_BUS_LOST = 3
 LAUNCHER_SOURCE = "launcher"
 _TOPICS = (
     RunStarted.topic.decode(),
@@ -100,12 +155,24 @@ _TOPICS = (
     StageFailed.topic.decode(),
     HookStarted.topic.decode(),
     CommandAcked.topic.decode(),
+    Heartbeat.topic.decode(),
 )
 _POLL_S = 0.1
 _STOP_RETRY_S = 1.0
 ELASTIC_SHUTDOWN_S = 5
 """Seconds elastic gives workers between its SIGTERM and SIGKILL (second stop phase)."""
 _KILL_AFTER_S = ELASTIC_SHUTDOWN_S + 10
+WORKER_FAILURE_GRACE_S = 1.0
+"""Seconds the other workers get to end by themselves after one failed (then SIGKILL)."""
+FAILURE_SETTLE_S = 1.5
+"""Seconds after the first sign of a failure by which the root cause is published anyway."""
+FAILED_HOOK_GRACE_S = 1.0
+"""Seconds hooks get after a failed run's `RunEnded` before they are terminated."""
+BUS_QUIET_S = 3.0
+"""No event for this long while stages run (they send heartbeats every second): ask the broker."""
+_BUS_PING_TIMEOUT_S = 1.0
+_SUBSCRIBE_TIMEOUT_S = 10.0
+_FINISHED = ("completed", "stopped")
 
 
 def _exit_on_signal(signum: int, frame: object) -> None:
@@ -160,6 +227,15 @@ class LaunchOptions:
     log_level: str = "info"
 
 
+@dataclass
+class BusLoss:
+    """When the bus stopped answering, and whether it came back."""
+
+    step: int
+    at: float
+    back_at_step: int | None = None
+
+
 class Launcher:
     """Runs one job on this node; see the module docstring. Use `run` (once)."""
 
@@ -174,6 +250,12 @@ class Launcher:
         self.run_dir: Path | None = None
         self.address: BusAddress | None = None
         self.progress = Progress(self.out, enabled=not options.quiet)
+        self.resume_path: Path | None = None
+        """The committed checkpoint ``--resume`` resolved to (before anything started)."""
+        self.load_weights_path: Path | None = None
+        self.warnings: list[str] = []
+        """Problems found while preparing that do not stop the launch (printed with the header)."""
+        self._checkpointing = False
         self._broker: Broker | None = None
         self._owns_ipc_dir = False
         self._agent: subprocess.Popen[bytes] | None = None
@@ -186,10 +268,21 @@ class Launcher:
         self._stop_id = secrets.token_hex(8)
         self._stop_acks: set[int] = set()
         self._stop_sent_at = 0.0
+        self._publisher: Publisher | None = None
         self._command_publisher: Publisher | None = None
         self._config_sent = False
         self._started = time.monotonic()
         self._started_at = time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime())
+        self._previous_run: dict[str, Any] | None = None
+        self._agent_report: AgentReport | None = None
+        self._stage_reports: dict[int, StageReport] = {}
+        self._failure_seen_at: float | None = None
+        self._run_end_published: RunEnded | None = None
+        self._run_end_published_at = 0.0
+        self._announced_attempts: set[int] = set()
+        self._root: RootCause | None = None
+        self._last_bus_event = time.monotonic()
+        self._bus_loss: BusLoss | None = None
 
     # ------------------------------------------------------------------ checks
 
@@ -198,8 +291,15 @@ class Launcher:
         """Whether this node binds the bus and runs the hooks (node 0)."""
         return self.options.nnodes == 1 or self.options.node_rank == 0
 
+    @property
+    def report_dir(self) -> Path:
+        """Where this launch's stage and agent reports (and ``failure.txt``) go."""
+        assert self.run_dir is not None
+        return self.run_dir / "launches" / self.run_id
+
     def prepare(self) -> None:
         """Load and validate everything; raise `UsageError` before anything starts."""
+        from evtrain.hooks.checkpoint import CheckpointHook
         from evtrain.hooks.loader import build_hook_from_spec
         from evtrain.spec import apply_overrides, load_job
 
@@ -236,9 +336,44 @@ class Launcher:
             job.stage_device(job.stages // opts.nnodes - 1)  # SpecError when GPUs are missing
         if opts.hooks and self.is_bus_owner:
             for spec in job.hook_specs:
-                build_hook_from_spec(spec)  # UsageError naming the hook and option
+                hook = build_hook_from_spec(spec)  # UsageError naming the hook and option
+                self._checkpointing = self._checkpointing or isinstance(hook, CheckpointHook)
+        self._resolve_paths(job)
         self.address = BusAddress.parse(opts.bus) if opts.bus else None
         self.job = job
+
+    def _resolve_paths(self, job: Any) -> None:
+        """``--resume`` and ``--load-weights`` to what the stages will load, or `UsageError`."""
+        from evtrain.checkpoints import CheckpointError, find_resume
+
+        opts = self.options
+        if opts.resume is not None:
+            target = job.run_dir if opts.resume == "latest" else opts.resume
+            if opts.resume == "latest" and not Path(target).expanduser().is_dir():
+                raise UsageError(
+                    f"--resume: the run directory {target} does not exist: no checkpoint to resume"
+                )
+            try:
+                choice = find_resume(target)
+            except CheckpointError as exc:
+                raise UsageError(f"--resume: {exc}") from None
+            self.resume_path = choice.path
+            self.warnings += choice.warnings()
+        if opts.load_weights is not None:
+            path = Path(opts.load_weights).expanduser().resolve()
+            if path.is_file() and path.suffix == ".safetensors":
+                self.load_weights_path = path
+            elif path.is_file():
+                raise UsageError(
+                    f"--load-weights: {path} is neither a .safetensors file nor a checkpoint"
+                )
+            else:
+                try:
+                    choice = find_resume(path)
+                except CheckpointError as exc:
+                    raise UsageError(f"--load-weights: {exc}") from None
+                self.load_weights_path = choice.path
+                self.warnings += choice.warnings()
 
     # ------------------------------------------------------------------ running
 
@@ -258,6 +393,9 @@ class Launcher:
             job = self.job
             self.run_dir = Path(job.run_dir).expanduser().resolve()
             self.run_dir.mkdir(parents=True, exist_ok=True)
+            if self.is_bus_owner:
+                self._take_over_run_dir()
+            self.report_dir.mkdir(parents=True, exist_ok=True)
             if self.is_bus_owner and not self.options.external_bus:
                 if self.address is None:
                     self.address = BusAddress.new_ipc()
@@ -266,6 +404,7 @@ class Launcher:
                 self._broker.start()
             assert self.address is not None
             self._write_run_json(status="running")
+            self._send_agent(self._cleanup_message())
             self._print_header()
             status = anyio.run(self._main)
             self._write_run_json(status=self._final_status(status), exit_status=status)
@@ -273,6 +412,26 @@ class Launcher:
         finally:
             self._cleanup()
             signal.signal(signal.SIGTERM, previous)
+
+    def _take_over_run_dir(self) -> None:
+        """Refuse a run directory in use; mark a record its dead launcher left ``running``."""
+        assert self.run_dir is not None
+        stale = mark_if_stale(self.run_dir)
+        previous = stale or read_run_record(self.run_dir)
+        if previous is not None and previous.get("status") == "running":
+            raise UsageError(
+                f"run directory {self.run_dir} is in use by run {previous.get('run_id')} "
+                f"(launcher pid {previous.get('launcher_pid')})"
+            )
+        if stale is not None:
+            self._warn(
+                f"the previous run {stale.get('run_id')} in {self.run_dir} was interrupted "
+                f"(its launcher, pid {stale.get('launcher_pid')}, is gone); marked interrupted"
+            )
+        if previous is not None:
+            self._previous_run = {
+                key: previous.get(key) for key in ("run_id", "status", "steps", "exit_status")
+            }
 
     def _wait_for_broker(self) -> None:
         """Block until the external broker answers; `UsageError` after ``bus_wait_s``."""
@@ -296,28 +455,61 @@ class Launcher:
         )
         self._say(f"  bus: {address}  (attach: evtrain hook MODULE:CLASS --bus {address})")
         self._say(f"  run dir: {self.run_dir}")
+        if self.resume_path is not None:
+            self._say(f"  resume: {self.resume_path}")
+        for note in self.warnings:
+            self._warn(note)
 
     def _say(self, text: str) -> None:
         self.out.write(text + "\n")
         self.out.flush()
 
+    def _warn(self, text: str) -> None:
+        self.err.write(f"evtrain launch: warning: {text}\n")
+        self.err.flush()
+
     async def _main(self) -> int:
         self._ended_event = anyio.Event()
         assert self.address is not None
-        # Subscribed before any hook starts, so no hook's HookStarted is missed.
         subscriber = Subscriber(self.address.endpoint("events_out"), _TOPICS)
+        self._publisher = Publisher(
+            self.address.endpoint("events_in"),
+            source=LAUNCHER_SOURCE,
+            run_id=self.run_id,
+            connect_timeout=self.options.bus_wait_s,
+        )
         with (
             subscriber,
             anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals,
         ):
+            # Before any hook starts, so that no hook's HookStarted is missed.
+            await self._prove_subscription(subscriber)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._watch_signals, signals)
                 tg.start_soon(self._read_bus, subscriber)
+                tg.start_soon(self._watch_bus)
                 try:
                     status = await self._drive()
                 finally:
                     tg.cancel_scope.cancel()
         return status
+
+    async def _prove_subscription(self, subscriber: Subscriber) -> None:
+        """Wait until our own heartbeat comes back: from then on we see what hooks publish.
+
+        A hook stops announcing itself once *its* subscription works, which
+        says nothing about ours: a subscription still on its way to the broker
+        would miss the announcement for good.
+        """
+        assert self._publisher is not None
+        deadline = time.monotonic() + _SUBSCRIBE_TIMEOUT_S
+        while time.monotonic() < deadline:
+            self._publisher.publish(Heartbeat(state="starting"))
+            for msg in await subscriber.receive(timeout=0.05):
+                if isinstance(msg, Heartbeat) and msg.source == LAUNCHER_SOURCE:
+                    return
+                self._on_event(msg)
+        raise UsageError(f"the bus at {self.address} does not deliver our own events")
 
     async def _watch_signals(self, signals: Any) -> None:
         async for signum in signals:
@@ -341,12 +533,15 @@ class Launcher:
         Why not begin with 2: after a worker returns, elastic's worker wrapper
         waits for the agent to collect its result, which an agent that was
         signalled never does, so every clean stop would last the whole
-        shutdown timeout and end with SIGKILL.
+        shutdown timeout and end with SIGKILL. With the bus lost, though, no
+        command reaches the stages: then 2 comes first.
         """
         self._stop_phase += 1
         now = time.monotonic()
         if self._stop_phase == 1 and not self._config_sent:
             self._stop_phase = 3  # no workers yet: nothing to stop gently
+        elif self._stop_phase == 1 and self._bus_down():
+            self._stop_phase = 2
         if self._stop_phase == 1:
             log.warning("stopping the run at the next step boundary")
             self._phase_deadline = now + self.options.grace_s
@@ -399,6 +594,7 @@ class Launcher:
                 self._on_event(msg)
 
     def _on_event(self, msg: Message) -> None:
+        self._last_bus_event = time.monotonic()
         if msg.run_id and msg.run_id != self.run_id:
             return  # another run sharing this bus
         self.progress.update(msg)
@@ -407,12 +603,6 @@ class Launcher:
                 self._supervisor.attached(msg.pid)
         elif isinstance(msg, RunStarted):
             log.debug("run started", after_s=round(time.monotonic() - self._started, 2))
-            if self._ended is not None and self._ended.status == "failed":
-                # Elastic restarted the workers after a failure: the run goes on.
-                self._ended = None
-                self._ended_event = anyio.Event()
-                if self._supervisor is not None:
-                    self._supervisor.revive()
         elif isinstance(msg, CommandAcked):
             if msg.command_id == self._stop_id:
                 self._stop_acks.add(msg.stage)
@@ -445,15 +635,23 @@ class Launcher:
                 return 128 + self._stop_signal
             return EXIT_FAILED
         log.debug("hooks attached", after_s=round(time.monotonic() - self._started, 2))
-        self._config_sent = self._send_agent_config()
+        self._config_sent = self._send_agent(self.agent_config())
+        self._close_agent_stdin()
         if not self._config_sent:
             self.err.write("evtrain launch: error: the elastic agent process died at startup\n")
             self._supervisor.terminate()
             return EXIT_FAILED
         agent_status = await self._follow()
-        await self._wait_run_ended(timeout=1.0)
+        self._refresh_reports()
+        seen_on_bus = self.progress.stats.steps_done
+        self._settle_progress()
+        self._root = self._find_root_cause(self._current_attempt())
+        if agent_status == 0 and self._ended is None and not self._bus_down():
+            await self._wait_run_ended(timeout=1.0)
+            if self._ended is None:
+                await self._check_bus(seen_on_bus)
         self._kill_agent()  # anything left in the agent's process group
-        if self._ended is None and self.is_bus_owner:
+        if self._ended is None and self._run_end_published is None and self.is_bus_owner:
             self._publish_run_ended(agent_status)
         await self._finish_hooks()
         self.progress.close()
@@ -480,6 +678,15 @@ class Launcher:
             preexec_fn=set_pdeathsig(),
         )
 
+    def _cleanup_message(self) -> LauncherCleanup:
+        assert self.run_dir is not None and self.address is not None
+        owned = [self.address.location] if self._owns_ipc_dir else []
+        return LauncherCleanup(
+            launcher_pid=os.getpid(),
+            run_record=str(self.run_dir / RUN_RECORD) if self.is_bus_owner else None,
+            remove_dirs=owned,
+        )
+
     def agent_config(self) -> AgentConfig:
         """The elastic configuration of this node's worker group."""
         from evtrain.stages.worker import WorkerConfig
@@ -490,11 +697,12 @@ class Launcher:
             overrides=dict(opts.overrides),
             bus=str(self.address),
             run_id=self.run_id,
-            resume=opts.resume,
-            load_weights=opts.load_weights,
+            resume=str(self.resume_path) if self.resume_path is not None else None,
+            load_weights=str(self.load_weights_path) if self.load_weights_path else None,
             dump_weights_dir=(
                 str(Path(opts.dump_weights).expanduser().resolve()) if opts.dump_weights else None
             ),
+            report_dir=str(self.report_dir),
         )
         if opts.nnodes == 1:
             # As torchrun --standalone: a c10d store on a free loopback port.
@@ -511,6 +719,7 @@ class Launcher:
             nproc_per_node=job.stages // opts.nnodes,
             min_nodes=opts.nnodes,
             max_nodes=opts.nnodes,
+            node_rank=opts.node_rank or 0,
             rdzv_backend=backend,
             rdzv_endpoint=endpoint,
             rdzv_configs=rdzv_configs,
@@ -519,20 +728,23 @@ class Launcher:
             shutdown_timeout=ELASTIC_SHUTDOWN_S,
             start_method=opts.start_method,
             log_dir=str(self.run_dir / "elastic"),
-            failure_file=str(self._failure_file()),
+            report_path=str(self._agent_report_path()),
+            stage_reports=str(self.report_dir),
+            failure_grace_s=WORKER_FAILURE_GRACE_S,
         )
 
-    def _failure_file(self) -> Path:
-        assert self.run_dir is not None
+    def _agent_report_path(self) -> Path:
         node = f"-node{self.options.node_rank}" if self.options.nnodes > 1 else ""
-        return self.run_dir / "elastic" / f"{self.run_id}{node}-failure.txt"
+        return self.report_dir / f"agent{node}.json"
 
-    def _send_agent_config(self) -> bool:
+    def _send_agent(self, message: AgentConfig | LauncherCleanup) -> bool:
         assert self._agent is not None and self._agent.stdin is not None
+        import msgspec
+
         try:
-            self._agent.stdin.write((self.agent_config().encode() + "\n").encode())
-            self._agent.stdin.close()
-        except (BrokenPipeError, OSError):
+            self._agent.stdin.write(msgspec.json.encode(message) + b"\n")
+            self._agent.stdin.flush()
+        except (BrokenPipeError, OSError, ValueError):
             return False
         return True
 
@@ -544,10 +756,12 @@ class Launcher:
                 pass
 
     async def _follow(self) -> int:
-        """Supervise hooks and show progress until the agent exits; its exit status."""
+        """Supervise hooks and stages, show progress, until the agent exits; its exit status."""
         assert self._agent is not None and self._supervisor is not None
         while (code := self._agent.poll()) is None:
             self._supervisor.poll()
+            self._refresh_reports()
+            self._watch_failure()
             self.progress.tick()
             self._stop_tick()
             await anyio.sleep(_POLL_S)
@@ -580,6 +794,204 @@ class Launcher:
             self._agent.wait(timeout=5)
         except subprocess.TimeoutExpired:
             log.error("the elastic agent did not die", pid=self._agent.pid)
+
+    # -- what the stages say, without the bus -------------------------------------
+
+    def _refresh_reports(self) -> None:
+        report = AgentReport.read(self._agent_report_path())
+        if report is not None:
+            self._agent_report = report
+        self._stage_reports = read_stage_reports(self.report_dir)
+
+    def _current_attempt(self) -> AttemptReport | None:
+        report = self._agent_report
+        return report.attempts[-1] if report is not None and report.attempts else None
+
+    def _failures(self, attempt: AttemptReport | None) -> list[Failure]:
+        """Every stage failure of ``attempt`` (None: what the bus said, if anything)."""
+        number = attempt.attempt if attempt is not None else 0
+        started = attempt.started_at if attempt is not None else 0.0
+        reports = {s: r for s, r in self._stage_reports.items() if r.attempt == number}
+        exits = {w.rank: w for w in attempt.workers} if attempt is not None else {}
+        published = {}
+        for event in sorted(self.progress.stats.failures, key=lambda e: e.ts):
+            if event.ts >= started:
+                published.setdefault(event.stage, event)
+        failures = []
+        for stage in range(self.job.stages):
+            report, worker, event = reports.get(stage), exits.get(stage), published.get(stage)
+            if report is not None and report.status == "failed":
+                failures.append(
+                    Failure(
+                        stage=stage,
+                        at=report.failed_at or report.updated,
+                        what=report.error,
+                        consequence=report.consequence,
+                        location=report.location,
+                        step=report.failed_step,
+                        user_frames=tuple(report.user_frames),
+                        traceback=report.traceback,
+                    )
+                )
+            elif (
+                worker is not None
+                and worker.died_at is not None
+                and worker.exit_code != 0
+                and not (report is not None and report.status in _FINISHED)
+            ):
+                steps = max(report.step if report is not None else 0, self._steps_known())
+                failures.append(
+                    failure_from_exit(
+                        stage,
+                        worker.exit_code,
+                        worker.died_at,
+                        killed_by_agent=worker.killed_by_agent,
+                        step=steps,
+                    )
+                )
+            elif event is not None and stage not in exits:
+                # Another node's stage: the bus is all this launcher hears of it.
+                failures.append(
+                    Failure(
+                        stage=stage,
+                        at=event.ts,
+                        what=event.error,
+                        consequence=is_communication_error(event.error),
+                        step=event.step,
+                        traceback=event.traceback,
+                    )
+                )
+        return failures
+
+    def _find_root_cause(self, attempt: AttemptReport | None) -> RootCause | None:
+        failures = self._failures(attempt)
+        if self._stop_phase >= 2:
+            # We had elastic (or ourselves) end the workers: their deaths say nothing.
+            failures = [f for f in failures if not f.died]
+        return find_root_cause(failures)
+
+    def _steps_known(self) -> int:
+        reports = [r.step for r in self._stage_reports.values()]
+        return max([self.progress.stats.steps_done, *reports])
+
+    def _restart_pending(self, attempt: AttemptReport | None) -> bool:
+        number = attempt.attempt if attempt is not None else 0
+        return number < self.options.max_restarts
+
+    def _watch_failure(self) -> None:
+        """Announce failed attempts; once the last one failed, end the run for the hooks."""
+        report = self._agent_report
+        if report is not None:
+            for earlier in report.attempts[:-1]:
+                self._announce_restart(earlier)
+        attempt = self._current_attempt()
+        if (
+            self._restart_pending(attempt)
+            or self._run_end_published is not None
+            or self._stop_phase >= 2
+        ):
+            return
+        failures = self._failures(attempt)
+        if not failures:
+            return
+        now = time.monotonic()
+        if self._failure_seen_at is None:
+            self._failure_seen_at = now
+        # An exception that is not a symptom names the cause outright; a death
+        # needs its exit status, which the agent has once elastic reaped it.
+        known = any(not f.consequence and f.certain for f in failures)
+        if known or now - self._failure_seen_at > FAILURE_SETTLE_S:
+            root = find_root_cause(failures)
+            assert root is not None
+            self._publish_failed(root)
+
+    def _announce_restart(self, attempt: AttemptReport) -> None:
+        if attempt.attempt in self._announced_attempts:
+            return
+        self._announced_attempts.add(attempt.attempt)
+        root = self._find_root_cause(attempt)
+        what = root.headline() if root is not None else "the stage workers failed"
+        self._warn(
+            f"{what}; elastic restarts the workers "
+            f"(restart {attempt.attempt + 1} of {self.options.max_restarts})"
+        )
+
+    def _settle_progress(self) -> None:
+        """The stages' own count and last loss, where the bus fell behind."""
+        attempt = self._current_attempt()
+        number = attempt.attempt if attempt is not None else 0
+        reports = [r for r in self._stage_reports.values() if r.attempt == number]
+        if not reports:
+            return
+        last = max(reports, key=lambda r: r.stage)
+        self.progress.settle(max(r.step for r in reports), last.loss)
+
+    # -- the bus ---------------------------------------------------------------
+
+    def _bus_down(self) -> bool:
+        loss = self._bus_loss
+        return loss is not None and loss.back_at_step is None
+
+    async def _watch_bus(self) -> None:
+        """Notice a bus that stopped delivering while the stages publish (heartbeats)."""
+        while True:
+            await anyio.sleep(1.0)
+            quiet = time.monotonic() - self._last_bus_event
+            loss = self._bus_loss
+            if loss is not None:
+                if loss.back_at_step is None and quiet < BUS_QUIET_S:
+                    loss.back_at_step = self._steps_known()
+                    self._warn(
+                        f"the bus at {self.address} answers again (step {loss.back_at_step})"
+                    )
+                continue
+            if quiet >= BUS_QUIET_S and self._stages_running():
+                await self._check_bus(self.progress.stats.steps_done)
+
+    async def _check_bus(self, step: int) -> None:
+        """Ask the broker; if it does not answer, the bus was lost at ``step``."""
+        from evtrain.bus.state_service import ping_broker
+
+        alive = self._broker_healthy() and await anyio.to_thread.run_sync(
+            ping_broker, self.address, _BUS_PING_TIMEOUT_S
+        )
+        if alive or self._bus_loss is not None:
+            return
+        self._bus_loss = BusLoss(step=step, at=time.time())
+        if self._agent is not None and self._agent.poll() is None:
+            self._warn(
+                f"the bus at {self.address} stopped answering at step {step}; training goes "
+                "on, but hooks get no events and no checkpoint is committed until it is back"
+            )
+
+    def _broker_healthy(self) -> bool:
+        if self._broker is None:
+            return True
+        try:
+            self._broker.check()
+        except RuntimeError:
+            return False
+        return True
+
+    def _stages_running(self) -> bool:
+        if not self._config_sent or self._ended is not None or self._run_end_published:
+            return False
+        return any(r.status in ("starting", "running") for r in self._stage_reports.values())
+
+    def _bus_loss_line(self) -> str | None:
+        loss = self._bus_loss
+        if loss is None:
+            return None
+        back = f" (back at step {loss.back_at_step})" if loss.back_at_step is not None else ""
+        line = f"the bus was lost at step {loss.step}{back}: hooks got no events after it"
+        if self._checkpointing:
+            from evtrain.checkpoints import latest_committed
+
+            assert self.run_dir is not None
+            latest = latest_committed(self.run_dir)
+            committed = f"latest committed: step {latest.step}" if latest else "none committed"
+            line += f"; checkpoints after step {loss.step} were not committed ({committed})"
+        return line
 
     # -- hooks ------------------------------------------------------------------
 
@@ -615,15 +1027,24 @@ class Launcher:
         return None
 
     async def _finish_hooks(self) -> None:
+        """Give hooks time to exit on `RunEnded`, then terminate the rest."""
         assert self._supervisor is not None
         self._supervisor.mark_run_ended()
-        with anyio.move_on_after(self.options.hook_finish_timeout):
+        failed = self._run_end_published is not None and self._run_end_published.status == "failed"
+        if self._bus_down():
+            timeout, term = 0.0, 2.0  # they cannot hear the end of the run
+        elif failed:
+            spent = time.monotonic() - self._run_end_published_at
+            timeout, term = max(0.2, FAILED_HOOK_GRACE_S - spent), 1.0
+        else:
+            timeout, term = self.options.hook_finish_timeout, 5.0
+        with anyio.move_on_after(timeout):
             while self._supervisor.running():
                 self._supervisor.poll()
                 await anyio.sleep(0.05)
         for hook in self._supervisor.running():
             log.warning("hook still running after the run; terminating it", hook=hook.label)
-        await anyio.to_thread.run_sync(self._supervisor.terminate)
+        await anyio.to_thread.run_sync(self._supervisor.terminate, term)
 
     # -- the end ----------------------------------------------------------------
 
@@ -633,41 +1054,40 @@ class Launcher:
             with anyio.move_on_after(timeout):
                 await self._ended_event.wait()
 
+    def _publish(self, event: RunEnded) -> None:
+        if self._publisher is not None and not self._bus_down():
+            self._publisher.publish(event)
+        self._run_end_published = event
+        self._run_end_published_at = time.monotonic()
+        if self._supervisor is not None:
+            self._supervisor.mark_run_ended()
+
+    def _publish_failed(self, root: RootCause) -> None:
+        headline = root.headline()
+        self._publish(
+            RunEnded(
+                status="failed", reason=headline, root_cause=headline, step=self._steps_known()
+            )
+        )
+
     def _publish_run_ended(self, agent_status: int) -> None:
         """Tell hooks the run is over when the stages could not (they failed or were killed)."""
-        assert self.address is not None
+        if self._root is not None and (agent_status != 0 or self._stop_signal is None):
+            self._publish_failed(self._root)
+            return
         if self._stop_signal is not None and agent_status != EXIT_FAILED:
             status, reason = "stopped", f"launcher got {signal.Signals(self._stop_signal).name}"
         elif agent_status == 0:
             status, reason = "completed", ""
         else:
-            status, reason = "failed", self._failure_line() or "stage workers failed"
-        try:
-            with Publisher(
-                self.address.endpoint("events_in"),
-                source=LAUNCHER_SOURCE,
-                run_id=self.run_id,
-                connect_timeout=2.0,
-            ) as publisher:
-                publisher.publish(
-                    RunEnded(status=status, reason=reason, step=self.progress.stats.steps_done)
-                )
-        except UsageError as exc:  # a remote bus that went away
-            log.warning("could not publish the end of the run", error=str(exc))
-
-    def _failure_line(self) -> str | None:
-        failures = sorted(self.progress.stats.failures, key=lambda f: f.ts)
-        if not failures:
-            return None
-        first = failures[0]
-        at = f" at step {first.step}" if first.step is not None else ""
-        return f"stage {first.stage} failed{at}: {first.error}"
+            status, reason = "failed", "stage workers failed"
+        self._publish(RunEnded(status=status, reason=reason, step=self._steps_known()))
 
     def _report(self, agent_status: int) -> int:
         """Print the summary (and the failure), return the exit status."""
         status = self._exit_status(agent_status)
         ended = self._ended
-        if status == EXIT_OK:
+        if status in (EXIT_OK, EXIT_BUS_LOST):
             word = ended.status if ended is not None else "completed"
         elif self._stop_signal is not None and status != EXIT_FAILED:
             word = f"interrupted ({signal.Signals(self._stop_signal).name})"
@@ -680,48 +1100,55 @@ class Launcher:
         )
         if status == EXIT_FAILED:
             self._print_failure(agent_status)
+        loss = self._bus_loss_line()
+        if loss is not None:
+            self._warn(loss)
         return status
 
     def _exit_status(self, agent_status: int) -> int:
         ended = self._ended
         if self._stop_signal is not None:
             if agent_status == 0 or (ended is not None and ended.status != "failed"):
-                return EXIT_OK  # the workers ended the run at a step boundary
-            if agent_status == EXIT_FAILED and self.progress.stats.failures:
+                return self._degraded(EXIT_OK)  # the workers ended the run at a step boundary
+            if agent_status == EXIT_FAILED and self._root is not None:
                 return EXIT_FAILED
             return 128 + self._stop_signal
         if agent_status != 0:
             return EXIT_FAILED
         if ended is not None and ended.status == "failed":
             return EXIT_FAILED
-        return EXIT_OK
+        return self._degraded(EXIT_OK)
+
+    def _degraded(self, status: int) -> int:
+        return EXIT_BUS_LOST if status == EXIT_OK and self._bus_loss is not None else status
 
     def _print_failure(self, agent_status: int) -> None:
-        failures = sorted(self.progress.stats.failures, key=lambda f: f.ts)
-        if not failures:
-            # No stage said why (killed by a signal, out of memory...): elastic's summary.
-            report = ""
-            if self._failure_file().exists():
-                report = self._failure_file().read_text().rstrip() + "\n"
+        root = self._root
+        if root is None:
             self.err.write(
                 f"evtrain launch: error: stage workers failed (elastic agent exit status "
-                f"{agent_status})\n{report}"
+                f"{agent_status}); no stage reported why\n"
             )
             self.err.flush()
             return
-        first = failures[0]
-        self.err.write(f"evtrain launch: error: {self._failure_line()}\n")
-        if first.traceback:
-            self.err.write(first.traceback.rstrip() + "\n")
-        for other in failures[1:]:
-            self.err.write(f"  (then stage {other.stage} failed: {other.error})\n")
-        if self._failure_file().exists():
-            # It also names workers that died without a word (a signal, OOM).
-            self.err.write(f"  elastic's summary of the worker exits: {self._failure_file()}\n")
+        lines = [f"evtrain launch: error: {root.headline()}"]
+        if len(root.first.user_frames) > 1 or (
+            root.first.user_frames and ": " in root.first.user_frames[-1]
+        ):
+            lines.append("  user code (innermost last):")
+            lines += [f"    {frame}" for frame in root.first.user_frames]
+        lines += [f"  consequence: {f.headline(brief=True)}" for f in root.consequences]
+        path = self.report_dir / "failure.txt"
+        try:
+            path.write_text(root.report())
+            lines.append(f"  full report: {path}")
+        except OSError as exc:
+            log.warning("cannot write the failure report", error=str(exc))
+        self.err.write("\n".join(lines) + "\n")
         self.err.flush()
 
     def _final_status(self, status: int) -> str:
-        if status == EXIT_OK:
+        if status in (EXIT_OK, EXIT_BUS_LOST):
             return self._ended.status if self._ended is not None else "completed"
         if status == EXIT_FAILED:
             return "failed"
@@ -737,30 +1164,42 @@ class Launcher:
             "spec": str(Path(self.options.spec).expanduser().resolve()),
             "overrides": dict(self.options.overrides),
             "bus": str(self.address),
+            "owned_bus_dir": self.address.location if self._owns_ipc_dir and self.address else None,
             "run_dir": str(self.run_dir),
+            "reports": str(self.report_dir),
             "stages": self.job.stages,
             "schedule": self.job.schedule,
             "nnodes": self.options.nnodes,
             "max_restarts": self.options.max_restarts,
-            "resume": self.options.resume,
-            "load_weights": self.options.load_weights,
+            "resume": str(self.resume_path) if self.resume_path is not None else None,
+            "load_weights": str(self.load_weights_path) if self.load_weights_path else None,
+            "host": socket.gethostname(),
             "launcher_pid": os.getpid(),
+            "launcher_start": process_start_ticks(os.getpid()),
             "started": self._started_at,
             "steps": stats.steps_done,
             "final_loss": stats.last_loss,
             "last_eval": stats.last_eval.metrics if stats.last_eval is not None else None,
+            "previous_run": self._previous_run,
         }
+        if self._root is not None:
+            data["root_cause"] = self._root.headline()
+        if self._bus_loss is not None:
+            data["bus_lost"] = {
+                "step": self._bus_loss.step,
+                "at": self._bus_loss.at,
+                "back_at_step": self._bus_loss.back_at_step,
+                "consequence": self._bus_loss_line(),
+            }
         data.update(extra)
-        path = self.run_dir / "run.json"
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(data, indent=2) + "\n")
-        os.replace(tmp, path)
+        write_run_record(self.run_dir, data)
 
     def _cleanup(self) -> None:
         """Whatever happened: no process of ours left, broker stopped, ipc dir removed."""
         self._kill_agent()
-        if self._command_publisher is not None:
-            self._command_publisher.close(linger=0)
+        for publisher in (self._publisher, self._command_publisher):
+            if publisher is not None:
+                publisher.close(linger=0 if self._bus_down() else 1.0)
         if self._supervisor is not None:
             self._supervisor.kill()
         if self._broker is not None:

@@ -1,5 +1,9 @@
 """The launcher's progress line and end-of-run summary, computed from bus events.
 
+At the end the launcher settles the count with what the stages themselves
+reported (`Progress.settle`), so the summary is right even when bus events
+were lost.
+
 `Progress` folds the events the launcher's own subscriber receives
 (`RunStarted`, `StepEnded`, `EvalEnded`, `RunEnded`, `StageFailed`) into a
 few numbers and renders them: steps done / max, loss, samples/s, steps/s and
@@ -65,6 +69,10 @@ class ProgressStats:
     failures: list[StageFailed] = field(default_factory=list)
     first_step_ts: float | None = None
     last_step_ts: float | None = None
+    first_step_seen: int = 0
+    """The step of the first `StepEnded` timed (``first_step_ts``)."""
+    last_step_seen: int = 0
+    """The step of the latest `StepEnded` timed (``last_step_ts``)."""
     samples_total: int = 0
     window: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=_WINDOW))
 
@@ -161,8 +169,19 @@ class Progress:
         stats.samples_total += msg.samples
         if stats.first_step_ts is None:
             stats.first_step_ts = msg.ts
+            stats.first_step_seen = msg.step
         stats.last_step_ts = msg.ts
+        stats.last_step_seen = msg.step
         stats.window.append((msg.ts, msg.samples))
+
+    def settle(self, steps: int, loss: float | None) -> None:
+        """Adopt the stages' own final count (and the last stage's loss) where it is ahead."""
+        stats = self.stats
+        if steps < stats.steps_done:
+            return
+        if steps > stats.steps_done or stats.last_loss is None:
+            stats.last_loss = loss if loss is not None else stats.last_loss
+        stats.steps_done = steps
 
     # -- rendering --------------------------------------------------------------
 
@@ -234,12 +253,14 @@ class Progress:
         total = f"/{stats.max_steps}" if stats.max_steps is not None else ""
         head = f"run {status}: {stats.steps_done}{total} steps in {format_duration(wall_s)}"
         if stats.first_step_ts is not None and stats.last_step_ts is not None:
-            trained = stats.steps_done - stats.start_step
+            # Timed by the events seen: a count settled from the stages' reports
+            # (events lost) has no timestamps.
+            timed = stats.last_step_seen - stats.first_step_seen
             span = stats.last_step_ts - stats.first_step_ts
-            if trained > 1 and span > 0:
-                head += f" ({_rate((trained - 1) / span)} steps/s)"
+            if timed > 0 and span > 0:
+                head += f" ({_rate(timed / span)} steps/s)"
         lines = [head]
-        # A failed run's reason is one stage's view; the launcher names the root cause.
+        # A failed run's reason is the root cause, which the launcher prints itself.
         if stats.ended is not None and stats.ended.reason and stats.ended.status != "failed":
             lines.append(f"  reason: {stats.ended.reason}")
         if stats.last_loss is not None:

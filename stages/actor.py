@@ -25,8 +25,12 @@ Who publishes what:
   ``StageStopped`` on a clean exit, ``StageFailed`` (with the traceback) when
   it raises — then it re-raises so the process exits non-zero;
 * stage 0: ``RunStarted`` once all stages joined and ``RunEnded``
-  (``completed``/``stopped``/``failed``) — stage 0 is the one stage every run
-  has, and it is the last to finish a step (it runs the final backward);
+  (``completed``/``stopped``) — stage 0 is the one stage every run has, and
+  it is the last to finish a step (it runs the final backward). A failed run
+  is ended by the launcher, which knows which stage failed first and why
+  (`evtrain.failures`); only a worker without a launcher (no
+  ``WorkerConfig.report_dir``) publishes ``RunEnded(status="failed")`` from a
+  failing stage 0, when elastic has no restart left;
 * the last stage: ``EvalStarted``/``EvalEnded`` (it holds the metrics).
 
 Microbatch spans (``Job.microbatch_spans``): ``"all"`` every step;
@@ -82,8 +86,12 @@ saved one (``RunStarted.start_step``). After an elastic restart
 (``TORCHELASTIC_RESTART_COUNT`` > 0) the stages resume from the run
 directory's latest committed checkpoint when there is one (else as the first
 attempt did). ``WorkerConfig.load_weights`` loads weights only and starts at
-step 0. A failing stage 0 publishes ``RunEnded(status="failed")`` only when
-elastic has no restart left.
+step 0.
+
+Reports: with ``WorkerConfig.report_dir`` the stage keeps its
+`evtrain.stages.worker.StageReport` there — at start, with every heartbeat,
+at the end, and on failure (exception, innermost user frame, whether it is a
+communication error) before `StageFailed` is published.
 """
 
 from __future__ import annotations
@@ -133,6 +141,7 @@ from evtrain.events import (
     StepStarted,
     StopRun,
 )
+from evtrain.failures import frame_location, is_communication_error, user_frames
 from evtrain.job import Job
 from evtrain.reporting import Reporter, reporting
 from evtrain.spec import apply_overrides, load_job
@@ -148,7 +157,7 @@ from evtrain.stages.control import ControlResult, StepControl
 from evtrain.stages.executor import Span, StageExecutor, StepStats
 from evtrain.stages.p2p import Mailbox, TensorSpec, exchange_shapes, infer_output_spec
 from evtrain.stages.partition import StageModule, build_stage_module, partition
-from evtrain.stages.worker import WorkerConfig
+from evtrain.stages.worker import ReportStatus, StageReport, WorkerConfig
 
 __all__ = ["RankInfo", "StageActor", "run_worker", "spans_enabled"]
 
@@ -224,6 +233,16 @@ class StageActor:
         self.writer: ShardWriter | None = None
         self.start_step = 0
         self._saved_step: int | None = None
+        self._last_loss: float | None = None
+        self.report: StageReport | None = None
+        if config.report_dir is not None:
+            self.report = StageReport(
+                stage=self.stage,
+                pid=os.getpid(),
+                attempt=_restart_count(),
+                status="starting",
+                updated=time.time(),
+            )
         # Span times are perf_counter readings; this turns them into wall clock.
         self._clock_offset = time.time() - time.perf_counter()
 
@@ -240,7 +259,8 @@ class StageActor:
     # --------------------------------------------------------------- lifecycle
 
     async def run(self) -> None:
-        """Set up, train, publish; re-raise a failure after publishing `StageFailed`."""
+        """Set up, train, publish; re-raise a failure after reporting and publishing it."""
+        self._write_report()
         if self.config.bus is not None:
             address = BusAddress.parse(self.config.bus)
             self.publisher = Publisher(
@@ -270,18 +290,53 @@ class StageActor:
         if failure is not None:
             raise failure
 
+    def _write_report(self, status: ReportStatus | None = None) -> None:
+        """Bring this stage's `StageReport` up to date (the launcher's view without the bus)."""
+        report, directory = self.report, self.config.report_dir
+        if report is None or directory is None:
+            return
+        if status is not None:
+            report.status = status
+        elif report.status == "starting" and self.state == "running":
+            report.status = "running"
+        report.step = self.completed
+        report.loss = self._last_loss
+        try:
+            report.write(directory)
+        except OSError as exc:
+            log.warning("cannot write the stage report", stage=self.stage, error=str(exc))
+
     def _report_failure(self, exc: BaseException) -> None:
         text = "".join(traceback.format_exception(exc))
         error = f"{type(exc).__name__}: {exc}"
-        log.error("stage failed", stage=self.stage, error=error)
         step = self.completed + 1 if self._in_step else None
+        if self.report is not None:
+            # The file comes first: the launcher decides the root cause from it,
+            # whatever becomes of the bus.
+            frames = user_frames(exc.__traceback__)
+            self.report.error = error
+            self.report.traceback = text
+            self.report.user_frames = frames
+            self.report.location = frame_location(frames[-1]) if frames else ""
+            self.report.consequence = is_communication_error(error)
+            self.report.failed_at = time.time()
+            self.report.failed_step = step
+            self._write_report("failed")
+            # The launcher prints the root cause once; a line per stage here
+            # would repeat it and its consequences.
+            log.debug("stage failed", stage=self.stage, error=error)
+        else:
+            log.error("stage failed", stage=self.stage, error=error)
         self.publish(StageFailed(stage=self.stage, error=error, traceback=text, step=step))
-        if self.stage == 0 and not _restart_pending():
+        if self.report is None and self.stage == 0 and not _restart_pending():
+            # Without a launcher nobody else ends the run for the hooks; a
+            # launcher publishes RunEnded itself, naming the root cause.
             self.publish(RunEnded(status="failed", reason=error, step=self.completed))
 
     async def _heartbeats(self) -> None:
         while True:
             self.publish(Heartbeat(stage=self.stage, step=self.completed, state=self.state))
+            self._write_report()
             self._publish_shards()
             await anyio.sleep(HEARTBEAT_INTERVAL_S)
 
@@ -370,6 +425,7 @@ class StageActor:
         for done in await anyio.to_thread.run_sync(self._save_on_stop):
             self.publish(done.to_event())
         await anyio.to_thread.run_sync(self._finish)
+        self._write_report(status)
         if self.stage == 0:
             self.publish(RunEnded(status=status, reason=stop_reason or "", step=self.completed))
         self.publish(StageStopped(stage=self.stage, status=status, reason=stop_reason or ""))
@@ -577,6 +633,8 @@ class StageActor:
         )
         self._in_step = False
         self.completed = step
+        if stats.loss is not None:
+            self._last_loss = stats.loss
         metrics = self.reporter.collect()
         for span in stats.spans:
             self.publish(self._span_event(step, span))

@@ -1,6 +1,6 @@
 """The stage worker entrypoint: what `torch.distributed.elastic` starts once per stage.
 
-The contract with the launcher (``evtrain launch``) is two names:
+The contract with the launcher (``evtrain launch``) is three names:
 
 * `WorkerConfig` — everything a worker needs besides the environment,
   JSON-encoded into one string (`WorkerConfig.encode`) so it passes through
@@ -12,9 +12,18 @@ The contract with the launcher (``evtrain launch``) is two names:
   elastic set them; rank r runs pipeline stage r (world size == stages P; no
   data parallelism yet).
 
+* `StageReport` — what a worker tells the launcher without the bus: the
+  actor keeps ``WorkerConfig.report_dir/stage-{r}.json`` up to date (at
+  start, about once a second while training, at the end, and when it fails,
+  before anything is published), so the launcher knows every stage's steps,
+  status and failure even when the bus is lost. A worker killed by a signal
+  leaves its last report behind; its exit status comes from the elastic agent
+  (`evtrain.elastic_agent`).
+
 `worker_main` returns None when the run completed or was stopped (StopRun,
-SIGTERM/SIGINT) and raises when the stage failed, after publishing
-`StageFailed` — so elastic sees a non-zero exit and tears the others down.
+SIGTERM/SIGINT) and raises when the stage failed, after reporting and
+publishing `StageFailed` — so elastic sees a non-zero exit and tears the
+others down.
 
 Fast exit: tearing down an interpreter that imported torch (and, through the
 optimizers, torch._dynamo) takes 1-3 s on a small machine. When a worker
@@ -28,10 +37,15 @@ from __future__ import annotations
 import atexit
 import os
 import sys
+import time
+from pathlib import Path
+from typing import Literal
 
 import msgspec
 
-__all__ = ["WorkerConfig", "worker_main"]
+__all__ = ["StageReport", "WorkerConfig", "read_stage_reports", "worker_main"]
+
+ReportStatus = Literal["starting", "running", "completed", "stopped", "failed"]
 
 
 class WorkerConfig(msgspec.Struct, kw_only=True):
@@ -66,6 +80,9 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     """A testing/export aid: at the end of the run each stage writes its parameters
     (keys of the unsplit model, ``"3.weight"``) to ``DIR/stage-{r}.safetensors``."""
 
+    report_dir: str | None = None
+    """Where each stage keeps its `StageReport` (None: no reports)."""
+
     def encode(self) -> str:
         """The JSON string `worker_main` takes."""
         return msgspec.json.encode(self).decode()
@@ -74,6 +91,59 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     def decode(cls, text: str | bytes) -> WorkerConfig:
         """Inverse of `encode`."""
         return msgspec.json.decode(text, type=cls)
+
+
+class StageReport(msgspec.Struct, kw_only=True):
+    """One stage's own account of itself, kept in ``report_dir/stage-{stage}.json``."""
+
+    stage: int
+    pid: int
+    attempt: int = 0
+    """Elastic's restart count of the worker group this process belongs to."""
+    status: ReportStatus
+    step: int = 0
+    """Optimizer steps this stage has completed (the resumed step at start)."""
+    loss: float | None = None
+    """The last completed step's loss (the last stage only)."""
+    updated: float
+    """Wall-clock time of this report."""
+    error: str = ""
+    """``"Type: message"`` of the exception that failed the stage."""
+    location: str = ""
+    """``FILE:LINE in FUNCTION``: the innermost frame of the failure in user code."""
+    user_frames: list[str] = []
+    """The failure's frames in user code, innermost last, with their source lines."""
+    traceback: str = ""
+    consequence: bool = False
+    """The error is a communication failure: a symptom of another process failing."""
+    failed_at: float | None = None
+    """Wall-clock time the exception was caught."""
+    failed_step: int | None = None
+    """The step that was running when the stage failed (None: between steps)."""
+
+    def write(self, directory: str | os.PathLike[str]) -> None:
+        """Replace this stage's report in ``directory`` atomically."""
+        self.updated = time.time()
+        path = Path(directory) / f"stage-{self.stage}.json"
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(msgspec.json.encode(self))
+        os.replace(tmp, path)
+
+
+def read_stage_reports(directory: str | os.PathLike[str]) -> dict[int, StageReport]:
+    """Every readable stage report in ``directory``, by stage."""
+    reports: dict[int, StageReport] = {}
+    try:
+        paths = list(Path(directory).glob("stage-*.json"))
+    except OSError:
+        return reports
+    for path in paths:
+        try:
+            report = msgspec.json.decode(path.read_bytes(), type=StageReport)
+        except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+            continue
+        reports[report.stage] = report
+    return reports
 
 
 def worker_main(config_json: str) -> None:

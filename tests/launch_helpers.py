@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -200,3 +202,47 @@ def run_launch(
     leftovers = wait_no_marked(marker, timeout=5.0)
     kill_marked(marker)
     return proc, leftovers
+
+
+def start_launch(spec: Path, *args: str, marker: str, **env: str) -> subprocess.Popen[str]:
+    """Start ``evtrain launch`` in the background (its own session, output captured)."""
+    return subprocess.Popen(
+        launch_cmd(spec, *args),
+        env=launch_env(marker, **env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The JSON lines a `launch_hooks.StepRecorder` wrote so far."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def wait_for_records(
+    path: Path,
+    done: Callable[[list[dict[str, Any]]], bool],
+    proc: subprocess.Popen[str],
+    timeout: float = 60.0,
+) -> list[dict[str, Any]]:
+    """Poll ``path`` until ``done(records)``; fail if ``proc`` exits or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        records = read_records(path)
+        if done(records):
+            return records
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            raise AssertionError(f"the launch ended early ({proc.returncode}):\n{out}\n{err}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no such records within {timeout} s: {records[-5:]}")
+        time.sleep(0.05)
+
+
+def steps_recorded(records: list[dict[str, Any]]) -> int:
+    """How many loss-carrying steps a `launch_hooks.StepRecorder` saw."""
+    return sum("step" in r for r in records)

@@ -10,7 +10,7 @@ import json
 import os
 from pathlib import Path
 
-from evtrain.events import RunEnded, RunStarted, StepEnded
+from evtrain.events import RunEnded, RunStarted, StageStarted, StepEnded
 from evtrain.hooks.hook import Hook, on
 
 
@@ -21,7 +21,8 @@ def _append(path: Path, record: dict[str, object]) -> None:
 
 
 class StepRecorder(Hook):
-    """Appends every loss-carrying `StepEnded` and the `RunEnded` to a JSON-lines file.
+    """Appends `StageStarted` (stage, pid), every loss-carrying `StepEnded` and the
+    `RunEnded` to a JSON-lines file.
 
     ``path`` is the file; without it ``$EVTRAIN_TEST_STEPS`` names it.
     """
@@ -34,6 +35,10 @@ class StepRecorder(Hook):
     def started(self, ev: RunStarted) -> None:
         _append(self.path, {"started": ev.run_id, "num_stages": ev.num_stages, "pid": os.getpid()})
 
+    @on(StageStarted)
+    def stage_started(self, ev: StageStarted) -> None:
+        _append(self.path, {"stage_started": ev.stage, "pid": ev.pid})
+
     @on(StepEnded)
     def step(self, ev: StepEnded) -> None:
         if ev.loss is not None:
@@ -41,7 +46,15 @@ class StepRecorder(Hook):
 
     @on(RunEnded)
     def ended(self, ev: RunEnded) -> None:
-        _append(self.path, {"end": ev.status, "reason": ev.reason, "source": ev.source})
+        _append(
+            self.path,
+            {
+                "end": ev.status,
+                "reason": ev.reason,
+                "root_cause": ev.root_cause,
+                "source": ev.source,
+            },
+        )
 
 
 class CrashOnce(Hook):

@@ -21,6 +21,7 @@ from launch_helpers import (
     launch_cmd,
     launch_env,
     new_marker,
+    read_records,
     run_launch,
     wait_no_marked,
     write_spec,
@@ -41,12 +42,6 @@ def marker() -> Iterator[str]:
         yield token
     finally:
         kill_marked(token)
-
-
-def _records(path: Path) -> list[dict[str, object]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def _one_line(text: str) -> str:
@@ -205,34 +200,12 @@ def test_two_stage_run_completes_with_summary_and_run_json(tmp_path: Path, marke
     assert info["steps"] == 3 and info["stages"] == 2
     assert info["run_id"] in out
 
-    records = _records(steps_file)
+    records = read_records(steps_file)
     assert [r["step"] for r in records if "step" in r] == [1, 2, 3]
     assert all(r["stage"] == 1 for r in records if "step" in r)
     assert records[-1]["end"] == "completed"
     # The private ipc bus directory is gone with the launcher.
     assert not Path(info["bus"][len("ipc://") :]).exists()
-
-
-@pytest.mark.slow
-def test_stage_failure_exits_nonzero_fast_with_the_error(tmp_path: Path, marker: str) -> None:
-    # Layer 4 (Fault) is on stage 1 with balance [3, 3]; it raises in step 2 and
-    # writes the time it did so to `stamp`.
-    stamp = tmp_path / "failed_at"
-    spec = write_spec(tmp_path, steps=50, fail_at_step=2, balance=[3, 3], stamp=str(stamp))
-    proc, leftovers = run_launch(spec, "--quiet", marker=marker, timeout=90)
-    ended = time.time()
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    # From the exception to the launcher's exit, every process ended included.
-    after = ended - float(stamp.read_text())
-    assert after < 10, f"the launcher exited {after:.1f} s after the stage failed"
-    assert not leftovers
-    assert "evtrain launch: error: stage 1 failed at step 2: RuntimeError: injected failure" in (
-        proc.stderr
-    )
-    assert "Traceback" in proc.stderr
-    assert "run failed" in proc.stdout
-    info = json.loads((tmp_path / "run" / "run.json").read_text())
-    assert info["status"] == "failed" and info["exit_status"] == 1
 
 
 @pytest.mark.slow
@@ -256,7 +229,7 @@ def test_signal_stops_the_run_cleanly(tmp_path: Path, marker: str, signum: int) 
     )
     try:
         deadline = time.monotonic() + 40
-        while not any("step" in r for r in _records(steps_file)):
+        while not any("step" in r for r in read_records(steps_file)):
             assert proc.poll() is None, proc.communicate()
             assert time.monotonic() < deadline, "no step within 40 s"
             time.sleep(0.1)
@@ -269,7 +242,7 @@ def test_signal_stops_the_run_cleanly(tmp_path: Path, marker: str, signum: int) 
     assert proc.returncode == 0, stdout + stderr
     assert not wait_no_marked(marker)
     assert "run stopped" in stdout
-    records = _records(steps_file)
+    records = read_records(steps_file)
     assert records[-1]["end"] == "stopped"
     assert records[-1]["reason"] == f"launcher got {signal.Signals(signum).name}"
     assert 1 <= len([r for r in records if "step" in r]) < 100_000
@@ -329,3 +302,9 @@ def test_max_restarts_passes_through_to_elastic(tmp_path: Path, marker: str) -> 
     assert not leftovers
     assert (tmp_path / "failed").exists()
     assert "run completed: 4/4 steps" in proc.stdout
+    # The failed attempt is a warning naming its root cause, not an error.
+    assert (
+        "warning: stage 1 failed at step 2: RuntimeError: injected failure at step 2" in proc.stderr
+    )
+    assert "elastic restarts the workers (restart 1 of 1)" in proc.stderr
+    assert "error:" not in proc.stderr

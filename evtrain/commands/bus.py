@@ -63,7 +63,10 @@ def run(args: argparse.Namespace) -> int:
     if args.bus:
         address = BusAddress.parse(args.bus)
     elif args.tcp:
-        address = BusAddress.new_tcp(args.tcp)
+        try:
+            address = BusAddress.new_tcp(args.tcp)
+        except OSError as exc:  # an unknown host name, an address not on this machine
+            raise UsageError(f"--tcp {args.tcp}: cannot bind there: {exc}") from None
     else:
         address = BusAddress.new_ipc()
     # sigwait only sees signals blocked in every thread, and the proxy threads

@@ -1,8 +1,11 @@
 """``evtrain ckpt``: list, verify and export checkpoints.
 
 * ``evtrain ckpt list RUN_DIR`` — one line per checkpoint: step, time, size,
-  metric, committed or not (``*`` marks the one a resume would use).
-* ``evtrain ckpt verify CKPT`` — check every file against its recorded sha256.
+  metric, committed or not (``*`` marks the one a resume would use; a
+  manifest that cannot be read shows as ``CORRUPT``). A ``run.json`` left
+  ``running`` by a launcher that is gone is marked ``interrupted`` on the way.
+* ``evtrain ckpt verify CKPT`` — check every file against its recorded sha256;
+  for a run directory also that no checkpoint's manifest is corrupt.
 * ``evtrain ckpt export CKPT -o FILE`` — one safetensors file of the whole
   model, keys as in the unsplit ``nn.Sequential`` (``"3.weight"``), loadable
   with ``build_full_model(job).load_state_dict(safetensors.torch.load_file(FILE))``.
@@ -16,10 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
 from evtrain.checkpoints import (
+    CheckpointCorrupt,
+    find_resume,
     latest_committed,
     list_checkpoints,
     read_manifest,
@@ -27,6 +33,7 @@ from evtrain.checkpoints import (
     validate_checkpoint,
 )
 from evtrain.errors import UsageError
+from evtrain.run_record import mark_if_stale
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -78,9 +85,19 @@ def _size(n: int) -> str:
 
 
 def run_list(args: argparse.Namespace) -> int:
-    """Print the table (or JSON lines)."""
+    """Print the table (or JSON lines); notes about the run go to stderr."""
     infos = list_checkpoints(args.run_dir)
     latest = latest_committed(args.run_dir)
+    stale = mark_if_stale(args.run_dir)
+    if stale is not None:
+        print(
+            f"note: run {stale.get('run_id')} was interrupted (its launcher, pid "
+            f"{stale.get('launcher_pid')}, is gone): run.json marked interrupted",
+            file=sys.stderr,
+        )
+    for info in infos:
+        if info.corrupt is not None:
+            print(f"warning: {info.corrupt}", file=sys.stderr)
     if args.json:
         for info in infos:
             print(
@@ -89,6 +106,7 @@ def run_list(args: argparse.Namespace) -> int:
                         "step": info.step,
                         "path": str(info.path),
                         "committed": info.committed,
+                        "corrupt": info.corrupt,
                         "latest": latest is not None and info.path == latest.path,
                         "time": info.time,
                         "size_bytes": info.size_bytes,
@@ -121,7 +139,7 @@ def run_list(args: argparse.Namespace) -> int:
                 time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info.time)),
                 _size(info.size_bytes),
                 metric,
-                "yes" if info.committed else "no",
+                "yes" if info.committed else ("CORRUPT" if info.corrupt else "no"),
                 shards,
                 info.reason or "-",
             )
@@ -134,9 +152,14 @@ def run_list(args: argparse.Namespace) -> int:
 
 def run_verify(args: argparse.Namespace) -> int:
     """Verify every file; a problem is a `CheckpointCorrupt` (exit 2) naming the file."""
-    path = resolve_resume(args.ckpt)
-    manifest = validate_checkpoint(path, hashes=True)
-    print(f"ok: {path} (step {manifest.step}, {manifest.num_stages} stages)")
+    choice = find_resume(args.ckpt)
+    manifest = validate_checkpoint(choice.path, hashes=True)
+    if choice.skipped:
+        damaged = "; ".join(str(info.corrupt) for info in choice.skipped)
+        raise CheckpointCorrupt(
+            f"not ok: {damaged} (the latest intact checkpoint, {choice.path}, verifies)"
+        )
+    print(f"ok: {choice.path} (step {manifest.step}, {manifest.num_stages} stages)")
     return 0
 
 
