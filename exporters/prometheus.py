@@ -76,7 +76,8 @@ dashboard shows 0 rather than no data: every status of
 ``evtrain_runs_ended_total``; each stage of the run once `RunStarted` told
 their number (``stage`` counters, ``stage/N`` sources); and every hook and
 observer that announced itself with `HookStarted`. Each label takes at most
-`MAX_LABEL_VALUES` distinct values (`safe_text`, cut to `MAX_LABEL_LENGTH`); the
+`MAX_LABEL_VALUES` distinct values (`safe_text`, cut to `MAX_LABEL_LENGTH`) and
+the gap counter at most `MAX_GAP_SERIES` (source, observer) pairs; the
 series of stages a new run does not have are dropped at its `RunStarted`.
 
 The last scrape: after ``run.ended`` the hook keeps serving until a scrape
@@ -138,6 +139,8 @@ MAX_LABEL_VALUES = 200
 """Distinct values of one label (metric names, stages, sources, hooks): a bug in user
 code or a made-up event cannot explode the series."""
 MAX_LABEL_LENGTH = 200
+MAX_GAP_SERIES = 1000
+"""Distinct (source, observer) pairs of ``evtrain_events_missing_total``."""
 MAX_STEP_SAMPLES = 2**32
 """Most samples one optimizer step may count (more than any batch)."""
 MAX_LINGER = 30.0
@@ -301,6 +304,7 @@ class PrometheusExporter(Hook):
         self._sources = _Labels()
         self._hooks = _Labels()
         self._observers: set[str] = set()
+        self._gap_pairs: set[tuple[str, str]] = set()
         self._stage_children: set[int] = set()
         self.not_counted = RateLimitedLog(self.log, "event values not counted")
         self._define_metrics()
@@ -527,7 +531,11 @@ class PrometheusExporter(Hook):
                 counter.labels(label)
             self.checkpoint_blocked.labels(label)
             self.stage_failures.labels(label)
-            self._source_known(f"stage/{stage}")
+            source = self._sources.admit(f"stage/{stage}")
+            if source is not None:
+                self.dropped.labels(source)
+                for observer in self._observers:
+                    self._gap_series(source, observer)
         return label
 
     def _forget_stages_from(self, num_stages: int) -> None:
@@ -563,23 +571,24 @@ class PrometheusExporter(Hook):
                 self.stage_last_seen.labels(label).set(ev.ts)
         return label
 
-    def _source_known(self, source: str) -> None:
-        label = self._sources.admit(source)
-        if label is None:
-            return
-        self.dropped.labels(label)
-        if label.startswith("stage/"):
-            for observer in self._observers:
-                self.missing.labels(label, observer)
-
     def _observer_known(self, observer: str) -> None:
+        """A subscriber that reports gaps: a 0 series for it and each stage of the run."""
         label = self._sources.admit(observer)
         if label is None or label in self._observers:
             return
         self._observers.add(label)
-        for source in self._sources.values:
-            if source.startswith("stage/"):
-                self.missing.labels(source, label)
+        for stage in sorted(self._stage_children):
+            self._gap_series(f"stage/{stage}", label)
+
+    def _gap_series(self, source: str, observer: str) -> Any:
+        """The gap counter of (source, observer); None once `MAX_GAP_SERIES` exist."""
+        pair = (source, observer)
+        if pair not in self._gap_pairs:
+            if len(self._gap_pairs) >= MAX_GAP_SERIES:
+                self.not_counted("too many gap series", source=source, observer=observer)
+                return None
+            self._gap_pairs.add(pair)
+        return self.missing.labels(source, observer)
 
     def _hook_known(self, name: str) -> None:
         label = self._hooks.admit(name)
@@ -762,11 +771,12 @@ class PrometheusExporter(Hook):
     @on(BusGaps)
     def bus_gaps(self, ev: BusGaps) -> None:
         """A subscriber (``observer``) missed events of ``from_source``."""
-        self._observer_known(ev.source)
         source = self._sources.admit(ev.from_source)
         observer = self._sources.admit(ev.source)
-        if source is not None and observer is not None:
-            counter = self.missing.labels(source, observer)
+        if source is None or observer is None:
+            return
+        counter = self._gap_series(source, observer)
+        if counter is not None:
             self._count(counter, ev.missing, MAX_GAP, "gap above MAX_GAP")
 
     @on(HookError)

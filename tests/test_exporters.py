@@ -455,20 +455,30 @@ def test_prometheus_labelled_counters_start_at_zero() -> None:
 
 
 def test_prometheus_labels_stay_bounded_and_follow_the_run() -> None:
-    from evtrain.exporters.prometheus import MAX_LABEL_VALUES
+    from evtrain.exporters.prometheus import MAX_GAP_SERIES, MAX_LABEL_VALUES
 
     exporter = PrometheusExporter(port=0)
     names = HookStarted(hooks=[f"made-up-{i}" for i in range(5000)], topics=[], pid=1)
+    gaps = []
+    for i in range(3000):
+        gap = BusGaps(from_source=f"src{i % 150}", missing=1, total_missing=1)
+        gap.source = f"observer{i // 150}"
+        gaps.append(gap)
     escaped = HookError(hook="\x1b[2Jx", handler="h", event_type="step.ended", error="e", count=3)
     events = [
         _run_started(num_stages=4, run_id="first"),
         StepEnded(step=1, stage=3, run_id="first"),
         names,
         escaped,
+        *gaps,
         _run_started(num_stages=2, run_id="second"),
     ]
     _replay(exporter, events)
     text = generate_latest(exporter.registry).decode()
+    missing = [
+        line for line in text.splitlines() if line.startswith("evtrain_events_missing_total")
+    ]
+    assert len(missing) <= MAX_GAP_SERIES
     hook_series = [
         line for line in text.splitlines() if line.startswith("evtrain_hook_errors_total")
     ]
