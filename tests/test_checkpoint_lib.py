@@ -36,6 +36,7 @@ from evtrain.checkpoints import (
     NotCommitted,
     checkpoint_path_template,
     commit_checkpoint,
+    find_resume,
     latest_committed,
     list_checkpoints,
     plan_retention,
@@ -540,6 +541,59 @@ def test_uncommitted_is_never_latest_or_resumed(tmp: Path) -> None:
     assert not (second / MANIFEST_FILE).exists()
     with pytest.raises(CheckpointError, match="does not exist"):
         resolve_resume(tmp / "nope")
+
+
+def test_a_corrupt_committed_manifest_is_reported_never_skipped_silently(tmp: Path) -> None:
+    from launch_helpers import write_spec
+
+    from evtrain.launcher import Launcher, LaunchOptions
+
+    job = make_job()
+    first = save_all_stages(tmp, job, 2, step=2, cid="first")
+    commit_checkpoint(first, checkpoint_id="first", num_stages=2)
+    second = save_all_stages(tmp, job, 2, step=4, cid="second")
+    commit_checkpoint(second, checkpoint_id="second", num_stages=2)
+    set_latest(tmp, second)
+    (second / MANIFEST_FILE).write_text('{"checkpoint_id": "second", "step": ')  # torn
+
+    infos = list_checkpoints(tmp)
+    assert [(i.step, i.committed, i.corrupt is not None) for i in infos] == [
+        (2, True, False),
+        (4, False, True),
+    ]
+    choice = find_resume(tmp)
+    assert choice.path == first and [i.path for i in choice.skipped] == [second]
+    (warning,) = choice.warnings()
+    assert str(second / MANIFEST_FILE) in warning and first.name in warning
+    assert resolve_resume(tmp) == first  # falls back, with that warning logged
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "evtrain", "ckpt", *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    listing = cli("list", str(tmp))
+    assert listing.returncode == 0, listing.stderr
+    row4 = next(line for line in listing.stdout.splitlines() if line.split()[0] == "4")
+    assert " CORRUPT " in row4
+    assert str(second / MANIFEST_FILE) in listing.stderr
+    as_json = [json.loads(line) for line in cli("list", str(tmp), "--json").stdout.splitlines()]
+    assert [bool(r["corrupt"]) for r in as_json] == [False, True]
+    verify = cli("verify", str(tmp))
+    assert verify.returncode == 2 and "not ok" in verify.stderr, verify.stdout + verify.stderr
+    assert str(second / MANIFEST_FILE) in verify.stderr and "ok:" not in verify.stdout
+    assert cli("verify", str(first)).returncode == 0
+    assert cli("verify", str(second)).returncode == 2
+
+    # The launcher resolves the same before anything starts, and says so.
+    spec = write_spec(tmp, run_dir=str(tmp))
+    launcher = Launcher(LaunchOptions(spec=str(spec), resume="latest"))
+    launcher.prepare()
+    assert launcher.resume_path == first
+    assert launcher.warnings == [warning]
 
 
 def test_killed_writer_leaves_no_committable_shard(tmp: Path, procs: Any) -> None:

@@ -38,9 +38,12 @@ class _LaunchParser(argparse.ArgumentParser):
 _DESCRIPTION = (
     "start the event bus, the spec's hooks (as supervised processes) and one stage "
     "worker per pipeline stage through torch.distributed.elastic; show progress; exit 0 "
-    "when the run completed or stopped cleanly, 1 when a stage failed (its error is "
-    "shown), 2 for a bad spec, override or hook. Ctrl-C / SIGTERM stop the workers at "
-    "a step boundary."
+    "when the run completed or stopped cleanly, 1 when a stage failed (the first stage "
+    "that failed and why are shown, the full report is in RUN_DIR/launches/RUN_ID/"
+    "failure.txt), 2 for a bad spec, override, hook or resume path (nothing is started), "
+    "3 when the run completed but its --external-bus broker was lost on the way (hooks "
+    "missed the rest, later checkpoints were not committed). Ctrl-C / SIGTERM stop the "
+    "workers at a step boundary."
 )
 
 
