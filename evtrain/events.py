@@ -27,16 +27,16 @@ outside them makes the whole message malformed:
   ``1..MAX_STAGES``; ``num_microbatches`` is at least 1;
 * durations (``*_s``) are finite seconds in ``0..MAX_SECONDS``;
 * wall-clock times (``ts``, span ``start``/``end``) are finite seconds since
-  the epoch in ``0..MAX_TIMESTAMP``; a learning rate is finite;
-* ``loss``, ``grad_norm``, reported and eval metric values and a checkpoint's
-  ``metric`` may be anything a float holds, NaN and infinities included: a
-  diverging run really produces them, and a loss guard must see them.
+  the epoch in ``0..MAX_TIMESTAMP``;
+* ``loss``, ``grad_norm``, ``lr``, reported and eval metric values and a
+  checkpoint's ``metric`` may be anything a float holds, NaN and infinities
+  included: a diverging run really produces them, a loss guard must see them,
+  and the step they belong to still happened.
 """
 
 from __future__ import annotations
 
 import re
-import sys
 import typing
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -58,7 +58,6 @@ StageIndex = Annotated[int, msgspec.Meta(ge=0, lt=MAX_STAGES)]
 NumStages = Annotated[int, msgspec.Meta(ge=1, le=MAX_STAGES)]
 Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_SECONDS)]
 Timestamp = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_TIMESTAMP)]
-Finite = Annotated[float, msgspec.Meta(ge=-sys.float_info.max, le=sys.float_info.max)]
 
 
 class DecodeError(ValueError):
@@ -184,7 +183,7 @@ class StepEnded(Event, kw_only=True, tag="step.ended"):
     step: Count
     stage: StageIndex
     loss: float | None = None
-    lr: Finite | None = None
+    lr: float | None = None
     grad_norm: float | None = None
     samples: Count = 0
     epoch: Count = 0

@@ -72,7 +72,9 @@ class LRMonitor(Hook):
         self.log.info(message, step=ev.step, lr=ev.lr, previous=previous)
 
     def _same(self, a: float, b: float) -> bool:
-        return a == b or math.isclose(a, b, rel_tol=self.rtol)
+        # NaN equals nothing, itself included: a broken schedule would log every step.
+        both_nan = math.isnan(a) and math.isnan(b)
+        return both_nan or a == b or math.isclose(a, b, rel_tol=self.rtol)
 
     def _check_agreement(self, ev: StepEnded, lr: float) -> None:
         at_step = self._by_step.setdefault(ev.step, {})
