@@ -220,8 +220,8 @@ def absurd_valid_message(rng: random.Random) -> Message:
         return HookError(hook=text, handler=text, event_type=text, error=text, count=MAX_INT)
     if roll < 0.8:  # thousands of made-up hook names: label values must stay bounded
         return HookStarted(hooks=[f"{text}{i}" for i in range(5000)], topics=[text], pid=1)
-    return StageFailed(  # a megabyte of text
-        stage=0, error=text * 1000, traceback=(text + "\n") * 100_000, run_id=made_up_run(rng)
+    return StageFailed(  # 100 KB of text
+        stage=0, error=text * 1000, traceback=(text + "\n") * 10_000, run_id=made_up_run(rng)
     )
 
 
