@@ -170,7 +170,7 @@ FAILED_HOOK_GRACE_S = 1.0
 """Seconds hooks get after a failed run's `RunEnded` before they are terminated."""
 BUS_QUIET_S = 3.0
 """No event for this long while stages run (they send heartbeats every second): ask the broker."""
-_BUS_PING_TIMEOUT_S = 1.0
+_BUS_PING_TIMEOUT_S = 2.0
 _SUBSCRIBE_TIMEOUT_S = 10.0
 _FINISHED = ("completed", "stopped")
 
@@ -952,9 +952,11 @@ class Launcher:
         """Ask the broker; if it does not answer, the bus was lost at ``step``."""
         from evtrain.bus.state_service import ping_broker
 
-        alive = self._broker_healthy() and await anyio.to_thread.run_sync(
-            ping_broker, self.address, _BUS_PING_TIMEOUT_S
-        )
+        if self._broker is not None:
+            # Ours: nothing a client sends can stop it; only a dead proxy thread would.
+            alive = self._broker_healthy()
+        else:
+            alive = await anyio.to_thread.run_sync(ping_broker, self.address, _BUS_PING_TIMEOUT_S)
         if alive or self._bus_loss is not None:
             return
         self._bus_loss = BusLoss(step=step, at=time.time())
@@ -965,8 +967,7 @@ class Launcher:
             )
 
     def _broker_healthy(self) -> bool:
-        if self._broker is None:
-            return True
+        assert self._broker is not None
         try:
             self._broker.check()
         except RuntimeError:
@@ -974,7 +975,9 @@ class Launcher:
         return True
 
     def _stages_running(self) -> bool:
-        if not self._config_sent or self._ended is not None or self._run_end_published:
+        if not self._config_sent or self._ended is not None:
+            return False
+        if self._run_end_published is not None:
             return False
         return any(r.status in ("starting", "running") for r in self._stage_reports.values())
 
