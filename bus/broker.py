@@ -5,7 +5,36 @@ that connect afterwards never race it. Its XSUB sides subscribe to everything
 themselves: every publisher always has the broker as a subscriber, so the first
 events of a run are never filtered away while no hook listens yet, and a
 publisher can confirm the link is up before it sends (see `Publisher`).
-The proxies never decode a frame, so no frame can crash them.
+Publishers therefore never need the hooks' subscriptions, and nothing a
+subscriber sends ever travels on to a publisher.
+
+Each proxy is a loop of ours, not libzmq's: downstream it forwards bursts of
+``[topic, payload]`` messages without decoding them (a message of another
+shape, or with a topic that is not an evtrain topic, is dropped and counted);
+upstream its XPUB runs with ``ZMQ_XPUB_MANUAL``, so a subscription reaches the
+matching trie only if the loop applies it, and it applies only those of the
+grammar in `evtrain.bus.limits`. Everything else that arrives upstream is
+dropped and counted. `Broker.stats` returns the counts; the proxies log them,
+at most every ``REPORT_INTERVAL`` seconds while hostile input keeps coming.
+
+Memory, per peer and whatever the peer does (the sizes are in
+`evtrain.bus.limits`):
+
+* frames: every socket facing outside has ``ZMQ_MAXMSGSIZE``: ``MAX_FRAME_BYTES``
+  on the inputs, ``MAX_SUBSCRIPTION_BYTES`` on the outputs (all a subscriber may
+  send is a subscription), ``MAX_REQUEST_BYTES`` on the state endpoint, each
+  plus the handshake's ``WIRE_OVERHEAD_BYTES``. libzmq disconnects a peer that
+  sends a larger frame before queueing any of it, so libzmq 4.3.5's
+  subscription tries, which recurse once per topic byte, never see a long topic.
+* queues: ``hwm`` messages (default ``QUEUE_MESSAGES``) each way, so at most
+  ``hwm * MAX_MESSAGE_BYTES`` (16 MiB at the default) towards a subscriber that
+  stops reading, plus the kernel's socket buffer. Input queues drain as fast as
+  the loop runs; a publisher that outpaces it is held back by its own queue.
+* subscriptions: libzmq also records every subscription frame a peer sent (valid
+  or not, up to ``MAX_SUBSCRIPTION_BYTES`` each) until that peer leaves, to
+  cancel them then; only the valid ones, a few hundred prefixes at most, are
+  matched against.
+* state requests: see `evtrain.bus.state_service`.
 
 With a `CurveServer` every socket is a CURVE server and a ZAP authenticator
 admits only the authorized client keys: an unknown client never completes the
@@ -15,10 +44,13 @@ handshake and receives nothing.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import socket
 import threading
+import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
@@ -26,14 +58,222 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
 from evtrain.bus.address import ROLES, BusAddress, Role
+from evtrain.bus.limits import (
+    INPUT_QUEUE_MESSAGES,
+    LARGE_QUEUE_MESSAGES,
+    MAX_FRAME_BYTES,
+    MAX_SUBSCRIPTION_BYTES,
+    QUEUE_MESSAGES,
+    SMALL_MESSAGE_BYTES,
+    TOPICS,
+    socket_limit,
+    valid_subscription,
+)
 from evtrain.bus.security import CurveServer
-from evtrain.bus.state_service import StateService
+from evtrain.bus.state_service import StateService, StateStats
 from evtrain.errors import UsageError
 
 log = structlog.get_logger("evtrain.bus.broker")
 
-DEFAULT_HWM = 10_000
+DEFAULT_HWM = QUEUE_MESSAGES
+REPORT_INTERVAL = 10.0
+"""Seconds between two log lines about hostile input of one proxy."""
+
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
+_BURST = 1000  # messages one direction forwards before the loop looks at the other
+# Plain ints: pyzmq converts its enum flags on every call (measurably slower).
+_NOBLOCK = int(zmq.NOBLOCK)
+_NOBLOCK_MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
+_POLLIN = int(zmq.POLLIN)
+_SNDHWM = int(zmq.SNDHWM)
+_SUBSCRIBE = int(zmq.SUBSCRIBE)
+# pyzmq's Python-level Socket.send adds about half a microsecond per frame, a third
+# of the forwarding loop: the loop calls the compiled backend method directly.
+_send = zmq.backend.Socket.send
+_UNSUBSCRIBE = int(zmq.UNSUBSCRIBE)
+
+
+@dataclass(frozen=True)
+class ProxyStats:
+    """What one proxy did so far."""
+
+    forwarded: int = 0
+    """Messages passed downstream."""
+    malformed: int = 0
+    """Downstream messages dropped: not two frames, or not an evtrain topic."""
+    subscriptions: int = 0
+    """Valid subscriptions and cancellations applied."""
+    rejected_subscriptions: int = 0
+    """(Un)subscriptions dropped: a prefix of no evtrain topic."""
+    upstream_garbage: int = 0
+    """Upstream messages dropped that were no subscription at all."""
+
+
+@dataclass(frozen=True)
+class BrokerStats:
+    """Counters of a running broker (see `Broker.stats`)."""
+
+    events: ProxyStats
+    commands: ProxyStats
+    state: StateStats
+
+
+class _Proxy:
+    """One XSUB -> XPUB proxy loop; runs in its own thread until TERMINATE arrives."""
+
+    def __init__(
+        self,
+        name: str,
+        inbound: zmq.Socket,
+        outbound: zmq.Socket,
+        control: zmq.Socket,
+        hwm: int,
+    ) -> None:
+        self.name = name
+        self.forwarded = 0
+        self.malformed = 0
+        self.subscriptions = 0
+        self.rejected = 0
+        self.garbage = 0
+        self._in = inbound
+        self._out = outbound
+        self._control = control
+        self._hwm = hwm
+        self._large_hwm = min(hwm, LARGE_QUEUE_MESSAGES)
+        self._reported = (0, 0, 0)
+        self._last_report = -math.inf
+
+    def stats(self) -> ProxyStats:
+        return ProxyStats(
+            forwarded=self.forwarded,
+            malformed=self.malformed,
+            subscriptions=self.subscriptions,
+            rejected_subscriptions=self.rejected,
+            upstream_garbage=self.garbage,
+        )
+
+    def run(self) -> None:
+        inbound, outbound, control = self._in, self._out, self._control
+        items = [(inbound, _POLLIN), (outbound, _POLLIN), (control, _POLLIN)]
+        poll = zmq.zmq_poll  # zmq.Poller adds a microsecond per wakeup
+        timeout = int(REPORT_INTERVAL * 1000)
+        try:
+            while True:
+                ready = poll(items, timeout)
+                for sock, _ in ready:
+                    if sock is inbound:
+                        self._forward()
+                    elif sock is outbound:
+                        self._upstream()
+                    else:
+                        return  # TERMINATE
+                self._report()
+        finally:
+            self._report(force=True)
+
+    def _forward(self) -> None:
+        """Pass up to a burst of ready messages downstream; drop the malformed ones.
+
+        The topic frame is read as bytes without asking whether more frames follow
+        (that query costs as much as the receive); the framing is checked on the
+        payload frame instead, and a topic-only message cannot swallow the
+        message after it: a second frame that continues is taken as a possible
+        start of the next message.
+        """
+        inbound = self._in
+        recv = inbound.recv
+        out = self._out
+        topics = TOPICS
+        start: bytes | None = None  # a frame already read that may start a message
+        forwarded = 0
+        count = 0
+        try:
+            while count < _BURST or start is not None:  # never stop inside a message
+                count += 1
+                if start is None:
+                    topic = recv(_NOBLOCK)
+                else:
+                    topic, start = start, None
+                if topic not in topics:
+                    self._skip_rest(inbound)
+                    self.malformed += 1
+                    continue
+                try:
+                    payload = recv(_NOBLOCK, copy=False)
+                except zmq.Again:  # a topic alone, the last message for now
+                    self.malformed += 1
+                    break
+                if payload.more:
+                    candidate = payload.bytes
+                    if candidate in topics:
+                        start = candidate
+                    else:
+                        self._skip_rest(inbound)
+                    self.malformed += 1
+                    continue
+                if len(payload) <= SMALL_MESSAGE_BYTES:
+                    _send(out, topic, _NOBLOCK_MORE)
+                    _send(out, payload, _NOBLOCK, False)
+                else:
+                    # libzmq checks a subscriber's queue against the high-water mark
+                    # as it takes the first frame: a large message goes only to those
+                    # with fewer than the large mark queued (see evtrain.bus.limits).
+                    out.setsockopt(_SNDHWM, self._large_hwm)
+                    _send(out, topic, _NOBLOCK_MORE)
+                    _send(out, payload, _NOBLOCK, False)
+                    out.setsockopt(_SNDHWM, self._hwm)
+                forwarded += 1
+        except zmq.Again:
+            pass
+        finally:
+            self.forwarded += forwarded
+
+    def _upstream(self) -> None:
+        """Apply the valid (un)subscriptions that arrived; drop everything else."""
+        out = self._out
+        recv = out.recv
+        try:
+            for _ in range(_BURST):
+                frame = recv(_NOBLOCK, copy=False)
+                if frame.more:
+                    self._skip_rest(out)
+                    self.garbage += 1
+                    continue
+                data = frame.bytes
+                if valid_subscription(data):
+                    # XPUB_MANUAL: applies to the subscriber the frame came from.
+                    out.setsockopt(_SUBSCRIBE if data[0] else _UNSUBSCRIBE, data[1:])
+                    self.subscriptions += 1
+                elif data[:1] in (b"\x00", b"\x01"):
+                    self.rejected += 1
+                else:
+                    self.garbage += 1
+        except zmq.Again:
+            pass
+
+    @staticmethod
+    def _skip_rest(sock: zmq.Socket) -> None:
+        while sock.rcvmore:
+            sock.recv(_NOBLOCK, copy=False)
+
+    def _report(self, force: bool = False) -> None:
+        counts = (self.malformed, self.rejected, self.garbage)
+        if counts == self._reported:
+            return
+        now = time.monotonic()
+        if not force and now - self._last_report < REPORT_INTERVAL:
+            return
+        before = self._reported
+        self._reported = counts
+        self._last_report = now
+        log.warning(
+            "broker dropped hostile input",
+            proxy=self.name,
+            malformed=counts[0] - before[0],
+            rejected_subscriptions=counts[1] - before[1],
+            upstream_garbage=counts[2] - before[2],
+            total=sum(counts),
+        )
 
 
 class Broker:
@@ -68,6 +308,8 @@ class Broker:
         self._errors: list[BaseException] = []
         self._owned: list[zmq.Socket] = []
         self._state: StateService | None = None
+        self._service: StateService | None = None  # kept after `stop`, for `stats`
+        self._proxies: dict[str, _Proxy] = {}
         self._auth: ThreadAuthenticator | None = None
         self._state_source = f"inproc://evtrain-state-{uuid.uuid4().hex}"
         self._started = False
@@ -104,9 +346,16 @@ class Broker:
             )
         if self.curve is not None:
             self._auth = self.curve.start_authenticator(self._context)
-        for inbound, outbound in (("events_in", "events_out"), ("commands_in", "commands_out")):
-            xsub = self._bind(zmq.XSUB, inbound)
-            xpub = self._bind(zmq.XPUB, outbound)
+        for name, inbound, outbound in (
+            ("events", "events_in", "events_out"),
+            ("commands", "commands_in", "commands_out"),
+        ):
+            xsub = self._bind(
+                zmq.XSUB, inbound, max_frame=MAX_FRAME_BYTES, hwm=INPUT_QUEUE_MESSAGES
+            )
+            xpub = self._bind(
+                zmq.XPUB, outbound, max_frame=MAX_SUBSCRIPTION_BYTES, hwm=self.hwm, manual=True
+            )
             if inbound == "events_in":
                 # The state service listens in-process, beside the external subscribers.
                 xpub.bind(self._state_source)
@@ -123,11 +372,10 @@ class Broker:
             steer.connect(control_address)
             self._controls.append(control)
             self._owned.append(steer)
+            proxy = _Proxy(name, xsub, xpub, steer, self.hwm)
+            self._proxies[name] = proxy
             thread = threading.Thread(
-                target=self._proxy,
-                args=(xsub, xpub, steer),
-                name=f"evtrain-broker-{inbound}",
-                daemon=True,
+                target=self._proxy, args=(proxy,), name=f"evtrain-broker-{inbound}", daemon=True
             )
             thread.start()
             self._threads.append(thread)
@@ -138,6 +386,7 @@ class Broker:
             curve=self.curve,
         )
         self._state.start()
+        self._service = self._state
 
     def _prepare_ipc(self) -> None:
         directory = Path(self.address.location)
@@ -153,12 +402,18 @@ class Broker:
                 raise UsageError(f"a bus is already running at {self.address} ({path} is live)")
         self._bound_ipc = True
 
-    def _bind(self, kind: int, role: Role) -> zmq.Socket:
+    def _bind(
+        self, kind: int, role: Role, *, max_frame: int, hwm: int, manual: bool = False
+    ) -> zmq.Socket:
+        """A socket bound at ``role``: ``hwm`` messages out, few in, frames of ``max_frame``."""
         sock = self._context.socket(kind)
         self._owned.append(sock)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, self.hwm)
-        sock.setsockopt(zmq.RCVHWM, self.hwm)
+        sock.setsockopt(zmq.SNDHWM, hwm)
+        sock.setsockopt(zmq.RCVHWM, INPUT_QUEUE_MESSAGES)
+        sock.setsockopt(zmq.MAXMSGSIZE, socket_limit(max_frame))
+        if manual:
+            sock.setsockopt(zmq.XPUB_MANUAL, 1)
         if self.curve is not None:
             self.curve.apply(sock)
         endpoint = self.address.endpoint(role, bind=True)
@@ -168,14 +423,29 @@ class Broker:
             raise UsageError(f"cannot bind the bus at {endpoint}: {exc}") from None
         return sock
 
-    def _proxy(self, frontend: zmq.Socket, backend: zmq.Socket, control: zmq.Socket) -> None:
+    def _proxy(self, proxy: _Proxy) -> None:
         try:
-            zmq.proxy_steerable(frontend, backend, None, control)
+            proxy.run()
         except zmq.ContextTerminated:
             pass
         except BaseException as exc:  # surfaced by `check`
             self._errors.append(exc)
             log.error("broker proxy stopped", error=repr(exc))
+
+    def stats(self) -> BrokerStats:
+        """What the proxies and the state service did so far (zeros before `start`).
+
+        Safe to call from any thread, also after `stop`.
+        """
+        empty = ProxyStats()
+        events = self._proxies.get("events")
+        commands = self._proxies.get("commands")
+        state = self._service
+        return BrokerStats(
+            events=events.stats() if events is not None else empty,
+            commands=commands.stats() if commands is not None else empty,
+            state=state.stats() if state is not None else StateStats(),
+        )
 
     def check(self) -> None:
         """Raise if a proxy thread died."""

@@ -9,9 +9,14 @@ published as a `BusDrops` event once the queue has room again.
 Its only peer is the broker, so NODROP cannot let one slow hook stall anyone: the
 broker's own XPUB towards the hooks keeps the default (drop) behaviour.
 
-The XPUB also receives whatever the broker passes upstream (subscriptions, and
-anything a rogue client sends to the broker's output): libzmq queues those
-without bound, so `publish` reads them away every few hundred calls.
+The XPUB also queues what comes upstream: from an evtrain broker that is only
+its own subscription to everything, once per connection (the broker never
+passes on what subscribers send), so reading it once after connecting suffices.
+
+A message whose payload exceeds the bus's frame limit (``MAX_FRAME_BYTES``) would
+make the broker drop the connection, so it never leaves: its longest texts (a
+traceback, an error) are cut in the middle until it fits, and a message that
+is long for another reason is dropped and counted like a full queue.
 
 Not thread-safe: use one Publisher per thread.
 """
@@ -20,9 +25,11 @@ from __future__ import annotations
 
 import time
 
+import msgspec
 import structlog
 import zmq
 
+from evtrain.bus.limits import MAX_FRAME_BYTES
 from evtrain.bus.security import CurveConfig
 from evtrain.errors import UsageError
 from evtrain.events import BusDrops, Message, encode
@@ -33,7 +40,11 @@ DEFAULT_HWM = 10_000
 # Plain ints: pyzmq converts its enum flags on every call, which doubles a send's cost.
 _NOBLOCK = int(zmq.NOBLOCK)
 _NOBLOCK_MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
-_UPSTREAM_READ_EVERY = 256  # publishes between two reads of the upstream queue
+# pyzmq's Python-level Socket.send adds about half a microsecond per frame, a
+# quarter of a publish: call the compiled backend method directly.
+_send = zmq.backend.Socket.send
+_MIN_KEPT = 256  # bytes a shortened text keeps at least
+_MARKER_ROOM = 64  # more than the "[... N characters cut ...]" marker takes
 
 
 class Publisher:
@@ -61,6 +72,9 @@ class Publisher:
         self.run_id = run_id
         self.sent = 0
         self.dropped = 0
+        self.oversized = 0
+        """Messages dropped because they did not fit a frame, even shortened (in `dropped` too)."""
+        self._oversized_types: set[str] = set()
         # One sequence per topic: a subscriber filtering by topic prefix still sees
         # every number of the topics it gets, so only real losses look like gaps.
         self._seqs: dict[bytes, int] = {}
@@ -89,11 +103,6 @@ class Publisher:
             raise UsageError(
                 f"no evtrain broker answered at {endpoint} within {connect_timeout:g} s ({hint})"
             )
-        self._send = self._sock.send
-        self._drain_upstream()
-
-    def _drain_upstream(self) -> None:
-        # Subscriptions (and any stray upstream frames) queue up without bound: read them.
         recv = self._sock.recv
         try:
             while True:
@@ -108,6 +117,7 @@ class Publisher:
         number (subscribers see the gap) and is reported as a `BusDrops` event.
         """
         topic = msg.topic
+        sock = self._sock
         seqs = self._seqs
         seq = seqs.get(topic, 0)
         seqs[topic] = seq + 1
@@ -115,19 +125,38 @@ class Publisher:
         msg.source = self.source
         msg.run_id = self.run_id
         msg.ts = time.time()
+        payload = encode(msg)
+        if len(payload) > MAX_FRAME_BYTES:
+            shortened = _shorten(msg, payload)
+            if shortened is None:
+                self._oversized(msg, len(payload))
+                return False
+            payload = shortened
         try:
             # The XPUB admits a whole message or nothing: HWM is checked per message.
-            self._send(topic, _NOBLOCK_MORE)
-            self._send(encode(msg), _NOBLOCK)
+            _send(sock, topic, _NOBLOCK_MORE)
+            _send(sock, payload, _NOBLOCK)
         except zmq.Again:
             self.dropped += 1
             return False
         self.sent += 1
         if self.dropped != self._reported_drops:
             self._report_drops()
-        if not self.sent % _UPSTREAM_READ_EVERY:
-            self._drain_upstream()
         return True
+
+    def _oversized(self, msg: Message, size: int) -> None:
+        self.dropped += 1
+        self.oversized += 1
+        kind = msg.topic.decode()
+        if kind not in self._oversized_types:  # once per type: it may recur every step
+            self._oversized_types.add(kind)
+            log.error(
+                "message too large for the bus: dropped",
+                source=self.source,
+                type=kind,
+                bytes=size,
+                limit=MAX_FRAME_BYTES,
+            )
 
     def _report_drops(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -157,3 +186,47 @@ class Publisher:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _shorten(msg: Message, payload: bytes) -> bytes | None:
+    """``msg`` encoded within the frame limit by cutting its longest texts in the middle.
+
+    The texts above a common length are cut down to it (so a long error and a
+    long traceback both keep a fair share), keeping both ends: an error's first
+    line and a traceback's last frames say the most. None if that is not enough
+    (the size is in other fields).
+    """
+    while (excess := len(payload) - MAX_FRAME_BYTES) > 0:
+        texts = sorted(
+            (
+                (len(encoded := value.encode()), name, encoded)
+                for name in msg.__struct_fields__
+                if isinstance(value := getattr(msg, name), str)
+            ),
+            reverse=True,
+        )
+        # The common length in bytes: cutting every longer text to it (plus a
+        # marker each) removes ``excess`` bytes.
+        level, total = 0, 0
+        for k, (size, _, _) in enumerate(texts, start=1):
+            total += size
+            level = (total - excess - k * _MARKER_ROOM) // k
+            if k == len(texts) or level >= texts[k][0]:
+                break
+        level = max(level, _MIN_KEPT)
+        changes = {}
+        for size, name, encoded in texts:
+            if size > level + _MARKER_ROOM:
+                head = level // 4
+                marker = f"\n[... {size - level} bytes cut ...]\n"
+                # A cut inside a UTF-8 sequence drops that character's remains.
+                changes[name] = (
+                    encoded[:head].decode(errors="ignore")
+                    + marker
+                    + encoded[size - (level - head) :].decode(errors="ignore")
+                )
+        if not changes:
+            return None
+        msg = msgspec.structs.replace(msg, **changes)
+        payload = encode(msg)
+    return payload

@@ -10,10 +10,24 @@ each stage counts, so it has its own subscription that the service samples: ever
 field only; one full decode per stage). Beyond that rate the queue fills and the
 broker drops step events for the service alone: the state may then be a fraction
 of a second old, but the service costs the broker almost nothing even at 100k
-events/s. Run, stage, eval and checkpoint events are rare and all read at once.
+events/s. Run, stage, eval, checkpoint and hook events are rare and read in
+larger batches.
 
-A reply is ``[b"snapshot", event, event...]``: the header frame makes even an
-empty state a valid reply (REQ sockets discard a reply without a body).
+A request is the one frame ``snapshot`` (a REQ socket adds its empty delimiter);
+anything else is counted and not answered. A reply is ``[b"snapshot", event,
+event...]``: the header frame makes even an empty state a valid reply (REQ
+sockets discard a reply without a body).
+
+Memory stays bounded whatever a client does. The state holds one entry per stage
+and hook of the run (see `RunState`), each at most ``MAX_FRAME_BYTES`` (the
+broker's inputs admit nothing longer), so a reply is at most ``MAX_REPLY_BYTES``.
+The encoded reply is built once per state change and every answer sends the
+same frames, which libzmq shares by reference count, so queued answers to any
+number of clients cost one copy of the state per version. A client that does
+not read its answers has at most ``STATE_REPLIES_QUEUED`` of them queued (the
+ROUTER reports a full queue, and that request goes unanswered); requests are
+frames of at most ``MAX_REQUEST_BYTES``, and one with more frames than a
+request has is discarded frame by frame.
 """
 
 from __future__ import annotations
@@ -21,6 +35,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -28,16 +43,32 @@ import structlog
 import zmq
 
 from evtrain.bus.address import BusAddress
+from evtrain.bus.limits import (
+    MAX_FRAME_BYTES,
+    MAX_REQUEST_BYTES,
+    QUEUE_MESSAGES,
+    STATE_REPLIES_QUEUED,
+    socket_limit,
+)
 from evtrain.bus.security import CurveConfig, CurveServer
 from evtrain.errors import UsageError
 from evtrain.events import DecodeError, Message, StepEnded, decode, encode
-from evtrain.run_state import STATE_TOPICS, RunState
+from evtrain.run_state import MAX_HOOKS, MAX_STAGES, STATE_TOPICS, RunState
 
 log = structlog.get_logger("evtrain.bus.state")
 
 _REQUEST = b"snapshot"
 _NOBLOCK = int(zmq.NOBLOCK)
+_NOBLOCK_MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
 _STEP_TOPIC = StepEnded.topic
+
+MAX_REPLY_BYTES = (2 * MAX_STAGES + MAX_HOOKS + 4) * MAX_FRAME_BYTES
+"""Largest reply: run, stages, steps, hooks, eval, checkpoint and end, each one frame."""
+
+STEP_PERIOD = 0.02
+STEP_BUDGET = 256
+EVENT_BUDGET = 4096  # rare state events folded per loop turn, so requests are answered too
+REQUEST_BUDGET = 256  # requests answered per loop turn, so events are folded too
 
 
 class _StepKey(msgspec.Struct):
@@ -49,8 +80,21 @@ class _StepKey(msgspec.Struct):
 _step_key = msgspec.msgpack.Decoder(_StepKey)
 
 
-STEP_PERIOD = 0.02
-STEP_BUDGET = 256
+@dataclass(frozen=True)
+class StateStats:
+    """What the state service did so far."""
+
+    requests: int = 0
+    """Well-formed requests received."""
+    unanswered: int = 0
+    """Requests not answered: the client had unread answers queued, or left."""
+    malformed_requests: int = 0
+    malformed_events: int = 0
+    """State events that did not decode."""
+    ignored_events: int = 0
+    """Events outside the run's shape (see `RunState.ignored`)."""
+    entries: int = 0
+    """Events the state holds now."""
 
 
 class StateService:
@@ -66,17 +110,28 @@ class StateService:
     ) -> None:
         self.state = RunState()
         self.requests = 0
+        self.unanswered = 0
+        self.malformed_requests = 0
         self.malformed = 0
         self._steps: dict[int, tuple[bytes, bytes]] = {}  # stage -> latest (topic, payload)
+        self._reply: list[zmq.Frame] | None = None  # the encoded state, until it changes
         self._context = context
         self._stop = threading.Event()
         step_topic = _STEP_TOPIC.decode()
-        self._sub = self._subscriber(events_source, [t for t in STATE_TOPICS if t != step_topic])
+        self._sub = self._subscriber(
+            events_source, [t for t in STATE_TOPICS if t != step_topic], hwm=QUEUE_MESSAGES
+        )
         self._step_sub = self._subscriber(
             events_source, [step_topic] if step_topic in STATE_TOPICS else [], hwm=1000
         )
         self._rep = context.socket(zmq.ROUTER)
         self._rep.setsockopt(zmq.LINGER, 0)
+        self._rep.setsockopt(zmq.MAXMSGSIZE, socket_limit(MAX_REQUEST_BYTES))
+        self._rep.setsockopt(zmq.SNDHWM, STATE_REPLIES_QUEUED)
+        self._rep.setsockopt(zmq.RCVHWM, 16)
+        # A full or vanished client then fails the send instead of queueing or
+        # silently dropping it: an unanswerable request costs one failed send.
+        self._rep.setsockopt(zmq.ROUTER_MANDATORY, 1)
         if curve is not None:
             curve.apply(self._rep)
         try:
@@ -86,7 +141,7 @@ class StateService:
             raise UsageError(f"cannot bind the bus at {bind_endpoint}: {exc}") from None
         self._thread = threading.Thread(target=self._serve, name="evtrain-state", daemon=True)
 
-    def _subscriber(self, source: str, topics: list[str], hwm: int = 100_000) -> zmq.Socket:
+    def _subscriber(self, source: str, topics: list[str], hwm: int) -> zmq.Socket:
         sock = self._context.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, hwm)
@@ -99,6 +154,18 @@ class StateService:
         """Serve in a background thread."""
         self._thread.start()
 
+    def stats(self) -> StateStats:
+        """Counters so far (safe to call from any thread)."""
+        state = self.state
+        return StateStats(
+            requests=self.requests,
+            unanswered=self.unanswered,
+            malformed_requests=self.malformed_requests,
+            malformed_events=self.malformed,
+            ignored_events=state.ignored,
+            entries=len(state.snapshot()),
+        )
+
     def _serve(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sub, zmq.POLLIN)
@@ -110,7 +177,7 @@ class StateService:
                 wait_ms = max(0, math.ceil((next_steps - time.monotonic()) * 1000))
                 ready = dict(poller.poll(min(wait_ms, 100)))
                 if self._sub in ready:
-                    self._read(self._sub, budget=None)
+                    self._read(self._sub, budget=EVENT_BUDGET)
                 if time.monotonic() >= next_steps:
                     self._read(self._step_sub, budget=STEP_BUDGET)
                     next_steps = time.monotonic() + STEP_PERIOD
@@ -125,13 +192,13 @@ class StateService:
             if sock is not None:
                 sock.close(linger=0)
 
-    def _read(self, sock: zmq.Socket, budget: int | None) -> None:
-        """Fold up to ``budget`` (None: all) ready messages of ``sock`` into the state."""
+    def _read(self, sock: zmq.Socket, budget: int) -> None:
+        """Fold up to ``budget`` ready messages of ``sock`` into the state."""
         recv = sock.recv
         steps = self._steps
         count = 0
         try:
-            while budget is None or count < budget:
+            while count < budget:
                 count += 1
                 topic = recv(_NOBLOCK, copy=False)
                 if not topic.more:
@@ -158,6 +225,7 @@ class StateService:
                     continue
                 self._fold_steps()  # keep the order: steps before this event first
                 self.state.update(msg)
+                self._reply = None
         except zmq.Again:
             pass
         self._fold_steps()
@@ -175,23 +243,52 @@ class StateService:
             if run is None or msg.run_id == run.run_id:  # a stale run's step is not state
                 self.state.update(msg)
         self._steps.clear()
+        self._reply = None
 
     def _answer(self) -> None:
-        while True:
+        sock = self._rep
+        for _ in range(REQUEST_BUDGET):
             try:
-                frames: list[Any] = self._rep.recv_multipart(zmq.NOBLOCK)
+                envelope = self._request()
             except zmq.Again:
                 return
-            # ROUTER frames: identity, empty delimiter (REQ peers), request.
-            if len(frames) < 2 or frames[-1] != _REQUEST:
+            if envelope is None:
+                self.malformed_requests += 1
                 continue
-            envelope = frames[:-1]
             self.requests += 1
-            payload = [encode(msg) for msg in self.state.snapshot()]
+            if self._reply is None:
+                state = self.state.snapshot()
+                self._reply = [zmq.Frame(_REQUEST), *(zmq.Frame(encode(m)) for m in state)]
+            *head, last = [*envelope, *self._reply]
             try:
-                self._rep.send_multipart([*envelope, _REQUEST, *payload], zmq.NOBLOCK)
-            except zmq.ZMQError:
-                continue
+                for frame in head:
+                    sock.send(frame, _NOBLOCK_MORE, copy=False)
+                sock.send(last, _NOBLOCK, copy=False)
+            except zmq.ZMQError:  # EAGAIN: its answers are unread; EHOSTUNREACH: it left
+                self.unanswered += 1
+
+    def _request(self) -> list[bytes] | None:
+        """The routing envelope of the next request, None if it is not a request.
+
+        Reads frame by frame, keeping the first three: a message of many frames
+        is discarded as it is read, never collected.
+        """
+        recv = self._rep.recv
+        frames: list[bytes] = []
+        count = 0
+        more = True
+        while more:
+            frame = recv(_NOBLOCK, copy=False)
+            more = frame.more
+            count += 1
+            if count <= 3:
+                frames.append(frame.bytes)
+        # [identity, request] from a DEALER, [identity, b"", request] from a REQ.
+        if count == 2 and frames[1] == _REQUEST:
+            return frames[:1]
+        if count == 3 and frames[1] == b"" and frames[2] == _REQUEST:
+            return frames[:2]
+        return None
 
     @property
     def running(self) -> bool:

@@ -1,0 +1,91 @@
+"""What the bus admits: frame sizes, queue lengths and the subscription grammar.
+
+These are the broker's promises about memory, so they live in one place: the
+broker enforces them on every socket it binds, publishers keep their messages
+within them, and the state service sizes its replies by them.
+
+* A message is ``[topic, payload]``; every frame a peer sends to an events or
+  commands endpoint is at most `MAX_FRAME_BYTES` (libzmq disconnects a peer
+  that sends a larger one, before the frame is ever queued). Sockets are set to
+  such a limit plus `WIRE_OVERHEAD_BYTES` (see `socket_limit`).
+* A subscription is a one-frame message ``\\x01 PREFIX`` (``\\x00`` cancels it)
+  whose ``PREFIX`` is an evtrain topic or a prefix of one (the empty prefix
+  means everything), so at most `MAX_SUBSCRIPTION_BYTES` long.
+* libzmq bounds its queues in messages, not bytes, so the broker accounts for
+  bytes itself where it sends: towards each subscriber it queues up to
+  `QUEUE_MESSAGES` messages of at most `SMALL_MESSAGE_BYTES`, but a larger
+  message only while fewer than `LARGE_QUEUE_MESSAGES` are queued for that
+  subscriber. Per subscriber that is at most `PEER_BYTES` (about 14 MiB), plus
+  what the kernel buffers for the connection. From each publisher the broker
+  queues `INPUT_QUEUE_MESSAGES` (it drains them as fast as it runs; a publisher
+  that outpaces it is held back in its own queue).
+"""
+
+from __future__ import annotations
+
+from evtrain.events import BY_TAG
+
+TOPICS: frozenset[bytes] = frozenset(tag.encode() for tag in BY_TAG)
+"""Every topic a valid message can have."""
+
+SUBSCRIPTION_PREFIXES: frozenset[bytes] = frozenset(
+    topic[:end] for topic in TOPICS for end in range(len(topic) + 1)
+)
+"""The prefixes a subscription may name: every prefix of every topic, ``b""`` included."""
+
+MAX_FRAME_BYTES = 16 * 1024
+"""Largest frame of an event or a command (the payload; topics are far shorter).
+
+The largest legitimate messages are failures with their tracebacks; a publisher
+shortens the text of a longer message to fit (see `Publisher`).
+"""
+
+MAX_TOPIC_BYTES = max(len(topic) for topic in TOPICS)
+MAX_MESSAGE_BYTES = MAX_TOPIC_BYTES + MAX_FRAME_BYTES
+"""Largest ``[topic, payload]`` message the broker forwards."""
+
+MAX_SUBSCRIPTION_BYTES = 1 + MAX_TOPIC_BYTES
+"""Largest frame a subscriber may send: a (un)subscribe byte and a topic prefix."""
+
+SMALL_MESSAGE_BYTES = 1024
+"""Messages up to this size (all routine events) may fill a subscriber's whole queue."""
+
+QUEUE_MESSAGES = 10_000
+"""Messages the broker queues per subscriber (its default high-water mark).
+
+Deep enough for bursts: a hook that is busy, or whose I/O thread gets no CPU for
+a moment, catches up from it.
+"""
+
+LARGE_QUEUE_MESSAGES = 256
+"""A message above `SMALL_MESSAGE_BYTES` is queued only behind fewer than this many."""
+
+INPUT_QUEUE_MESSAGES = 1000
+"""Messages the broker queues from each publisher, and upstream from each subscriber."""
+
+PEER_BYTES = QUEUE_MESSAGES * SMALL_MESSAGE_BYTES + LARGE_QUEUE_MESSAGES * MAX_MESSAGE_BYTES
+"""Most bytes the broker queues for one subscriber with the default high-water mark."""
+
+WIRE_OVERHEAD_BYTES = 1024
+"""What ZMTP adds to the frames a socket limit applies to.
+
+libzmq checks ``ZMQ_MAXMSGSIZE`` on every frame it decodes, handshake commands
+included (a CURVE INITIATE with its metadata is several hundred bytes) and, with
+CURVE, on the encrypted frame (33 bytes longer than the message).
+"""
+
+MAX_REQUEST_BYTES = 256
+"""Largest frame a state-service client may send (a request is ``snapshot``)."""
+
+STATE_REPLIES_QUEUED = 2
+"""Snapshot replies the state service queues per client that is not reading them."""
+
+
+def socket_limit(max_frame: int) -> int:
+    """The ``ZMQ_MAXMSGSIZE`` that admits frames of ``max_frame`` bytes and the handshake."""
+    return max_frame + WIRE_OVERHEAD_BYTES
+
+
+def valid_subscription(frame: bytes) -> bool:
+    """Whether ``frame`` is a well-formed (un)subscription to evtrain topics."""
+    return frame[:1] in (b"\x00", b"\x01") and frame[1:] in SUBSCRIPTION_PREFIXES
