@@ -65,6 +65,7 @@ from typing import Any
 
 import msgspec
 
+from evtrain.hook_supervisor import set_pdeathsig
 from evtrain.run_record import mark_interrupted
 from evtrain.stages.worker import read_stage_reports
 
@@ -80,13 +81,14 @@ __all__ = [
 ]
 
 EXIT_FAILED = 1
+LAUNCHER_PID_ENV = "EVTRAIN_LAUNCHER_PID"
+"""The launcher's pid, so that the agent knows whether it outlived it."""
 _FINISHED_STATUSES = ("completed", "stopped")
 
 
 class LauncherCleanup(msgspec.Struct, kw_only=True, tag="cleanup"):
-    """What the agent does in the launcher's place if the launcher dies first."""
+    """What the agent does in the launcher's place if the launcher (its parent) dies first."""
 
-    launcher_pid: int
     run_record: str | None = None
     """The run's ``run.json``: marked ``interrupted``."""
     remove_dirs: list[str] = []
@@ -343,14 +345,35 @@ def _terminated(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
-def _clean_up_after(cleanup: LauncherCleanup | None) -> None:
-    """The launcher's end-of-run cleanup, if the launcher is gone."""
-    if cleanup is None or os.getppid() == cleanup.launcher_pid:
-        return
+def _launcher_gone(pid: int, wait_s: float) -> bool:
+    """Whether the launcher ``pid`` has died (this process was handed to another parent).
+
+    A dying process closes its files (our stdin ends) a moment before its
+    children are re-parented: give that moment before concluding it lives.
+    """
+    deadline = time.monotonic() + wait_s
+    while os.getppid() == pid:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def _clean_up_after(cleanup: LauncherCleanup) -> None:
+    """What the launcher would have done at the end: mark the record, remove its ipc dir."""
     if cleanup.run_record is not None:
         mark_interrupted(cleanup.run_record, "the launcher was killed")
     for directory in cleanup.remove_dirs:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def _read_cleanup(lines: str) -> LauncherCleanup | None:
+    for line in lines.splitlines():
+        if line.strip():
+            message = msgspec.json.decode(line, type=LauncherCleanup | AgentConfig)
+            if isinstance(message, LauncherCleanup):
+                return message
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -359,12 +382,19 @@ def main(argv: list[str] | None = None) -> int:
     With ``forkserver`` as the start method the fork server starts at once.
     """
     args = sys.argv[1:] if argv is None else argv
+    launcher = int(os.environ.get(LAUNCHER_PID_ENV) or os.getppid())
     # Until elastic installs its own handlers (once workers start), a signal
     # ends this process, after the cleanup a dead launcher left undone.
     signal.signal(signal.SIGINT, _terminated)
     signal.signal(signal.SIGTERM, _terminated)
     cleanup: LauncherCleanup | None = None
+    # Ended by elastic: the launcher that waits for us is there, unless a
+    # signal (its death sends SIGTERM) or the end of stdin says otherwise.
+    status: int | None = None
     try:
+        set_pdeathsig()()  # the launcher's death is a SIGTERM from now on...
+        if os.getppid() != launcher:
+            return 0  # ...but it may have come first: only the cleanup is left
         if args and args[0] == "forkserver":
             prestart_forkserver()
         # Import torch's launcher while the launcher still starts the hooks.
@@ -383,10 +413,19 @@ def main(argv: list[str] | None = None) -> int:
             if isinstance(message, LauncherCleanup):
                 cleanup = message
                 continue
-            return run_agent(message)
+            status = run_agent(message)
+            return status
         return 0
     finally:
-        _clean_up_after(cleanup)
+        # The launcher's death also sends SIGTERM: it must not cut the cleanup short.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if _launcher_gone(launcher, wait_s=0.0 if status in (0, EXIT_FAILED) else 0.5):
+            # A launcher killed while we were still importing torch wrote its
+            # message to a pipe we never read: it is there, then end of file.
+            cleanup = cleanup or _read_cleanup(sys.stdin.read())
+            if cleanup is not None:
+                _clean_up_after(cleanup)
 
 
 if __name__ == "__main__":

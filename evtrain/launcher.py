@@ -107,7 +107,13 @@ from evtrain.bus.address import BusAddress
 from evtrain.bus.broker import Broker
 from evtrain.bus.publisher import Publisher
 from evtrain.bus.subscriber import Subscriber
-from evtrain.elastic_agent import AgentConfig, AgentReport, AttemptReport, LauncherCleanup
+from evtrain.elastic_agent import (
+    LAUNCHER_PID_ENV,
+    AgentConfig,
+    AgentReport,
+    AttemptReport,
+    LauncherCleanup,
+)
 from evtrain.errors import UsageError
 from evtrain.events import (
     CommandAcked,
@@ -128,7 +134,7 @@ from evtrain.failures import (
     find_root_cause,
     is_communication_error,
 )
-from evtrain.hook_supervisor import HookSupervisor, set_pdeathsig
+from evtrain.hook_supervisor import HookSupervisor
 from evtrain.progress import Progress
 from evtrain.run_record import (
     RUN_RECORD,
@@ -400,11 +406,15 @@ class Launcher:
                 if self.address is None:
                     self.address = BusAddress.new_ipc()
                     self._owns_ipc_dir = True
+                # Before anything it would have to undo exists: should we die
+                # from here on, the agent removes the directory and marks the record.
+                self._send_agent(self._cleanup_message())
                 self._broker = Broker(self.address)
                 self._broker.start()
+            else:
+                self._send_agent(self._cleanup_message())
             assert self.address is not None
             self._write_run_json(status="running")
-            self._send_agent(self._cleanup_message())
             self._print_header()
             status = anyio.run(self._main)
             self._write_run_json(status=self._final_status(status), exit_status=status)
@@ -670,19 +680,21 @@ class Launcher:
         # (pytorch/pytorch#135712; seen here with --max-restarts). A fresh
         # store per attempt avoids it.
         env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+        # The agent arms PR_SET_PDEATHSIG itself and then checks that we are
+        # still its parent: armed in a preexec function, our death before its
+        # handlers exist would kill it before it could clean up after us.
+        env[LAUNCHER_PID_ENV] = str(os.getpid())
         return subprocess.Popen(
             [sys.executable, "-m", "evtrain.elastic_agent", self.options.start_method],
             env=env,
             stdin=subprocess.PIPE,
             start_new_session=True,
-            preexec_fn=set_pdeathsig(),
         )
 
     def _cleanup_message(self) -> LauncherCleanup:
-        assert self.run_dir is not None and self.address is not None
-        owned = [self.address.location] if self._owns_ipc_dir else []
+        assert self.run_dir is not None
+        owned = [self.address.location] if self._owns_ipc_dir and self.address else []
         return LauncherCleanup(
-            launcher_pid=os.getpid(),
             run_record=str(self.run_dir / RUN_RECORD) if self.is_bus_owner else None,
             remove_dirs=owned,
         )
