@@ -224,6 +224,18 @@ def test_bad_resume_and_weight_paths_exit_2_before_anything_starts(
     assert list((tmp_path / "run").iterdir()) == []
 
 
+def test_a_bus_on_a_host_that_does_not_resolve_is_one_line_and_exit_2() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "evtrain", "bus", "--tcp", "no-such-host.invalid"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    lines = [x for x in proc.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("evtrain bus: error: --tcp no-such-host.invalid")
+
+
 def _dead_pid() -> int:
     proc = subprocess.Popen(["true"])
     proc.wait()
