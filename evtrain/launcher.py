@@ -1087,7 +1087,7 @@ class Launcher:
 
     def _publish_run_ended(self, agent_status: int) -> None:
         """Tell hooks the run is over when the stages could not (they failed or were killed)."""
-        if self._root is not None and (agent_status != 0 or self._stop_signal is None):
+        if self._root is not None:
             self._publish_failed(self._root)
             return
         if self._stop_signal is not None and agent_status != EXIT_FAILED:
@@ -1101,9 +1101,8 @@ class Launcher:
     def _report(self, agent_status: int) -> int:
         """Print the summary (and the failure), return the exit status."""
         status = self._exit_status(agent_status)
-        ended = self._ended
         if status in (EXIT_OK, EXIT_BUS_LOST):
-            word = ended.status if ended is not None else "completed"
+            word = self._ended_status()
         elif self._stop_signal is not None and status != EXIT_FAILED:
             word = f"interrupted ({signal.Signals(self._stop_signal).name})"
         else:
@@ -1119,6 +1118,15 @@ class Launcher:
         if loss is not None:
             self._warn(loss)
         return status
+
+    def _ended_status(self) -> str:
+        """How a run that did not fail ended: stage 0's word, else the stages' own reports."""
+        if self._ended is not None:
+            return self._ended.status
+        attempt = self._current_attempt()
+        number = attempt.attempt if attempt is not None else 0
+        reports = [r for r in self._stage_reports.values() if r.attempt == number]
+        return "stopped" if any(r.status == "stopped" for r in reports) else "completed"
 
     def _exit_status(self, agent_status: int) -> int:
         ended = self._ended
@@ -1164,7 +1172,7 @@ class Launcher:
 
     def _final_status(self, status: int) -> str:
         if status in (EXIT_OK, EXIT_BUS_LOST):
-            return self._ended.status if self._ended is not None else "completed"
+            return self._ended_status()
         if status == EXIT_FAILED:
             return "failed"
         return "interrupted"
