@@ -11,11 +11,17 @@ subscriber sends ever travels on to a publisher.
 Each proxy is a loop of ours, not libzmq's: downstream it forwards bursts of
 ``[topic, payload]`` messages without decoding them (a message of another
 shape, or with a topic that is not an evtrain topic, is dropped and counted);
-upstream its XPUB runs with ``ZMQ_XPUB_MANUAL``, so a subscription reaches the
-matching trie only if the loop applies it, and it applies only those of the
-grammar in `evtrain.bus.limits`. Everything else that arrives upstream is
-dropped and counted. `Broker.stats` returns the counts; the proxies log them,
-at most every ``REPORT_INTERVAL`` seconds while hostile input keeps coming.
+upstream it reads what subscribers send and drops it, counting what is not a
+subscription to the grammar in `evtrain.bus.limits`. libzmq's XPUB applies
+subscriptions to its matching trie by itself; since only evtrain topics are
+ever forwarded, a subscription outside the grammar can never select anything,
+and its length is bounded by the frame limit below. (``ZMQ_XPUB_MANUAL``, which
+would let the loop apply only valid ones, attributes a subscription to the
+wrong subscriber once a non-subscription frame arrived upstream in libzmq 4.3.5,
+so a rogue client could steal a hook's subscription.) `Broker.stats` returns
+the counts (`fetch_stats` asks a broker in another process); the proxies log
+them, at most every ``REPORT_INTERVAL`` seconds while hostile input keeps
+coming.
 
 Memory, per peer and whatever the peer does (the sizes are in
 `evtrain.bus.limits`):
@@ -25,20 +31,16 @@ Memory, per peer and whatever the peer does (the sizes are in
   send is a subscription), ``MAX_REQUEST_BYTES`` on the state endpoint, each
   plus the handshake's ``WIRE_OVERHEAD_BYTES``. libzmq disconnects a peer that
   sends a larger frame before queueing any of it, so libzmq 4.3.5's
-  subscription tries, which recurse once per topic byte, never see a long topic.
-* queues: ``hwm`` messages (default ``QUEUE_MESSAGES``) each way, so at most
-  ``hwm * MAX_MESSAGE_BYTES`` (16 MiB at the default) towards a subscriber that
-  stops reading, plus the kernel's socket buffer. Input queues drain as fast as
-  the loop runs; a publisher that outpaces it is held back by its own queue.
-* subscriptions: libzmq also records every subscription frame a peer sent (valid
-  or not, up to ``MAX_SUBSCRIPTION_BYTES`` each) until that peer leaves, to
-  cancel them then; only the valid ones, a few hundred prefixes at most, are
-  matched against.
+  subscription tries, which recurse once per topic byte, never see a long topic
+  (a 200 KB one crashed the broker when its subscriber left).
+* queues: ``hwm`` messages (default ``QUEUE_MESSAGES``) towards each subscriber,
+  so at most ``hwm * MAX_MESSAGE_BYTES`` (``PEER_BYTES``, 160 MiB at the
+  default) for one that stops reading, plus the kernel's socket buffer;
+  ``INPUT_QUEUE_MESSAGES`` from each publisher and upstream from each
+  subscriber, drained as fast as the loop runs.
+* subscriptions: libzmq keeps every distinct subscription a subscriber sent
+  (at most ``MAX_SUBSCRIPTION_BYTES`` plus the overhead each) until it leaves.
 * state requests: see `evtrain.bus.state_service`.
-
-With a `CurveServer` every socket is a CURVE server and a ZAP authenticator
-admits only the authorized client keys: an unknown client never completes the
-handshake and receives nothing.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 import structlog
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
@@ -60,17 +63,15 @@ from zmq.auth.thread import ThreadAuthenticator
 from evtrain.bus.address import ROLES, BusAddress, Role
 from evtrain.bus.limits import (
     INPUT_QUEUE_MESSAGES,
-    LARGE_QUEUE_MESSAGES,
     MAX_FRAME_BYTES,
     MAX_SUBSCRIPTION_BYTES,
     QUEUE_MESSAGES,
-    SMALL_MESSAGE_BYTES,
     TOPICS,
     socket_limit,
     valid_subscription,
 )
-from evtrain.bus.security import CurveServer
-from evtrain.bus.state_service import StateService, StateStats
+from evtrain.bus.security import CurveConfig, CurveServer
+from evtrain.bus.state_service import StateService, StateStats, request
 from evtrain.errors import UsageError
 
 log = structlog.get_logger("evtrain.bus.broker")
@@ -85,7 +86,6 @@ _BURST = 1000  # messages one direction forwards before the loop looks at the ot
 _NOBLOCK = int(zmq.NOBLOCK)
 _NOBLOCK_MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
 _POLLIN = int(zmq.POLLIN)
-_SNDHWM = int(zmq.SNDHWM)
 _SUBSCRIBE = int(zmq.SUBSCRIBE)
 # pyzmq's Python-level Socket.send adds about half a microsecond per frame, a third
 # of the forwarding loop: the loop calls the compiled backend method directly.
@@ -102,9 +102,9 @@ class ProxyStats:
     malformed: int = 0
     """Downstream messages dropped: not two frames, or not an evtrain topic."""
     subscriptions: int = 0
-    """Valid subscriptions and cancellations applied."""
+    """Distinct valid subscriptions and cancellations seen."""
     rejected_subscriptions: int = 0
-    """(Un)subscriptions dropped: a prefix of no evtrain topic."""
+    """Distinct (un)subscriptions to a prefix of no evtrain topic (they select nothing)."""
     upstream_garbage: int = 0
     """Upstream messages dropped that were no subscription at all."""
 
@@ -127,7 +127,6 @@ class _Proxy:
         inbound: zmq.Socket,
         outbound: zmq.Socket,
         control: zmq.Socket,
-        hwm: int,
     ) -> None:
         self.name = name
         self.forwarded = 0
@@ -138,8 +137,6 @@ class _Proxy:
         self._in = inbound
         self._out = outbound
         self._control = control
-        self._hwm = hwm
-        self._large_hwm = min(hwm, LARGE_QUEUE_MESSAGES)
         self._reported = (0, 0, 0)
         self._last_report = -math.inf
 
@@ -174,6 +171,9 @@ class _Proxy:
     def _forward(self) -> None:
         """Pass up to a burst of ready messages downstream; drop the malformed ones.
 
+        Malformed: not two frames, a topic that is no evtrain topic, or a payload
+        above ``MAX_FRAME_BYTES``.
+
         The topic frame is read as bytes without asking whether more frames follow
         (that query costs as much as the receive); the framing is checked on the
         payload frame instead, and a topic-only message cannot swallow the
@@ -184,6 +184,7 @@ class _Proxy:
         recv = inbound.recv
         out = self._out
         topics = TOPICS
+        max_frame = MAX_FRAME_BYTES
         start: bytes | None = None  # a frame already read that may start a message
         forwarded = 0
         count = 0
@@ -211,17 +212,11 @@ class _Proxy:
                         self._skip_rest(inbound)
                     self.malformed += 1
                     continue
-                if len(payload) <= SMALL_MESSAGE_BYTES:
-                    _send(out, topic, _NOBLOCK_MORE)
-                    _send(out, payload, _NOBLOCK, False)
-                else:
-                    # libzmq checks a subscriber's queue against the high-water mark
-                    # as it takes the first frame: a large message goes only to those
-                    # with fewer than the large mark queued (see evtrain.bus.limits).
-                    out.setsockopt(_SNDHWM, self._large_hwm)
-                    _send(out, topic, _NOBLOCK_MORE)
-                    _send(out, payload, _NOBLOCK, False)
-                    out.setsockopt(_SNDHWM, self._hwm)
+                if len(payload) > max_frame:  # within the socket's slack for the handshake
+                    self.malformed += 1
+                    continue
+                _send(out, topic, _NOBLOCK_MORE)
+                _send(out, payload, _NOBLOCK, False)
                 forwarded += 1
         except zmq.Again:
             pass
@@ -229,7 +224,11 @@ class _Proxy:
             self.forwarded += forwarded
 
     def _upstream(self) -> None:
-        """Apply the valid (un)subscriptions that arrived; drop everything else."""
+        """Read and drop what subscribers sent; count what is no valid subscription.
+
+        libzmq surfaces a subscription when its topic is new to the XPUB and a
+        cancellation when its last subscriber goes; anything else is garbage.
+        """
         out = self._out
         recv = out.recv
         try:
@@ -241,8 +240,6 @@ class _Proxy:
                     continue
                 data = frame.bytes
                 if valid_subscription(data):
-                    # XPUB_MANUAL: applies to the subscriber the frame came from.
-                    out.setsockopt(_SUBSCRIBE if data[0] else _UNSUBSCRIBE, data[1:])
                     self.subscriptions += 1
                 elif data[:1] in (b"\x00", b"\x01"):
                     self.rejected += 1
@@ -353,9 +350,7 @@ class Broker:
             xsub = self._bind(
                 zmq.XSUB, inbound, max_frame=MAX_FRAME_BYTES, hwm=INPUT_QUEUE_MESSAGES
             )
-            xpub = self._bind(
-                zmq.XPUB, outbound, max_frame=MAX_SUBSCRIPTION_BYTES, hwm=self.hwm, manual=True
-            )
+            xpub = self._bind(zmq.XPUB, outbound, max_frame=MAX_SUBSCRIPTION_BYTES, hwm=self.hwm)
             if inbound == "events_in":
                 # The state service listens in-process, beside the external subscribers.
                 xpub.bind(self._state_source)
@@ -372,7 +367,7 @@ class Broker:
             steer.connect(control_address)
             self._controls.append(control)
             self._owned.append(steer)
-            proxy = _Proxy(name, xsub, xpub, steer, self.hwm)
+            proxy = _Proxy(name, xsub, xpub, steer)
             self._proxies[name] = proxy
             thread = threading.Thread(
                 target=self._proxy, args=(proxy,), name=f"evtrain-broker-{inbound}", daemon=True
@@ -383,6 +378,7 @@ class Broker:
             self._context,
             self._state_source,
             self.address.endpoint("state", bind=True),
+            stats=lambda: msgspec.json.encode(self.stats()),
             curve=self.curve,
         )
         self._state.start()
@@ -402,9 +398,7 @@ class Broker:
                 raise UsageError(f"a bus is already running at {self.address} ({path} is live)")
         self._bound_ipc = True
 
-    def _bind(
-        self, kind: int, role: Role, *, max_frame: int, hwm: int, manual: bool = False
-    ) -> zmq.Socket:
+    def _bind(self, kind: int, role: Role, *, max_frame: int, hwm: int) -> zmq.Socket:
         """A socket bound at ``role``: ``hwm`` messages out, few in, frames of ``max_frame``."""
         sock = self._context.socket(kind)
         self._owned.append(sock)
@@ -412,8 +406,6 @@ class Broker:
         sock.setsockopt(zmq.SNDHWM, hwm)
         sock.setsockopt(zmq.RCVHWM, INPUT_QUEUE_MESSAGES)
         sock.setsockopt(zmq.MAXMSGSIZE, socket_limit(max_frame))
-        if manual:
-            sock.setsockopt(zmq.XPUB_MANUAL, 1)
         if self.curve is not None:
             self.curve.apply(sock)
         endpoint = self.address.endpoint(role, bind=True)
@@ -506,6 +498,23 @@ class Broker:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def fetch_stats(
+    address: BusAddress,
+    timeout: float = 2.0,
+    context: zmq.Context | None = None,
+    *,
+    curve: CurveConfig | None = None,
+) -> BrokerStats | None:
+    """The counters of the broker at ``address`` (`Broker.stats`); None if it does not answer."""
+    frames = request(address, b"stats", timeout, context, curve)
+    if frames is None or len(frames) != 2:
+        return None
+    try:
+        return msgspec.json.decode(frames[1], type=BrokerStats)
+    except msgspec.DecodeError:
+        return None
 
 
 def _unix_socket_alive(path: str) -> bool:

@@ -4,21 +4,20 @@ These are the broker's promises about memory, so they live in one place: the
 broker enforces them on every socket it binds, publishers keep their messages
 within them, and the state service sizes its replies by them.
 
-* A message is ``[topic, payload]``; every frame a peer sends to an events or
-  commands endpoint is at most `MAX_FRAME_BYTES` (libzmq disconnects a peer
-  that sends a larger one, before the frame is ever queued). Sockets are set to
-  such a limit plus `WIRE_OVERHEAD_BYTES` (see `socket_limit`).
+* A message is ``[topic, payload]`` with a payload of at most `MAX_FRAME_BYTES`.
+  Sockets admit frames up to such a limit plus `WIRE_OVERHEAD_BYTES` (see
+  `socket_limit`): libzmq disconnects a peer that sends a longer frame before
+  any of it is queued, and the broker drops a payload between the two.
 * A subscription is a one-frame message ``\\x01 PREFIX`` (``\\x00`` cancels it)
   whose ``PREFIX`` is an evtrain topic or a prefix of one (the empty prefix
   means everything), so at most `MAX_SUBSCRIPTION_BYTES` long.
-* libzmq bounds its queues in messages, not bytes, so the broker accounts for
-  bytes itself where it sends: towards each subscriber it queues up to
-  `QUEUE_MESSAGES` messages of at most `SMALL_MESSAGE_BYTES`, but a larger
-  message only while fewer than `LARGE_QUEUE_MESSAGES` are queued for that
-  subscriber. Per subscriber that is at most `PEER_BYTES` (about 14 MiB), plus
-  what the kernel buffers for the connection. From each publisher the broker
-  queues `INPUT_QUEUE_MESSAGES` (it drains them as fast as it runs; a publisher
-  that outpaces it is held back in its own queue).
+* libzmq bounds its queues in messages, not bytes: the broker queues at most
+  `QUEUE_MESSAGES` messages of at most `MAX_MESSAGE_BYTES` towards each
+  subscriber, `PEER_BYTES` (160 MiB) for one that stops reading while the
+  largest messages flow, plus what the kernel buffers for the connection;
+  routine events are ~250 bytes, so a lagging hook costs a few MiB. From each
+  publisher it queues `INPUT_QUEUE_MESSAGES` (it drains them as fast as it
+  runs; a publisher that outpaces it is held back in its own queue).
 """
 
 from __future__ import annotations
@@ -47,23 +46,19 @@ MAX_MESSAGE_BYTES = MAX_TOPIC_BYTES + MAX_FRAME_BYTES
 MAX_SUBSCRIPTION_BYTES = 1 + MAX_TOPIC_BYTES
 """Largest frame a subscriber may send: a (un)subscribe byte and a topic prefix."""
 
-SMALL_MESSAGE_BYTES = 1024
-"""Messages up to this size (all routine events) may fill a subscriber's whole queue."""
-
 QUEUE_MESSAGES = 10_000
 """Messages the broker queues per subscriber (its default high-water mark).
 
 Deep enough for bursts: a hook that is busy, or whose I/O thread gets no CPU for
-a moment, catches up from it.
+a moment, catches up from it. (libzmq's queues have hysteresis: a full queue
+takes messages again once half of it drained, so a mark cannot be changed
+per message without cutting a subscriber off for good.)
 """
-
-LARGE_QUEUE_MESSAGES = 256
-"""A message above `SMALL_MESSAGE_BYTES` is queued only behind fewer than this many."""
 
 INPUT_QUEUE_MESSAGES = 1000
 """Messages the broker queues from each publisher, and upstream from each subscriber."""
 
-PEER_BYTES = QUEUE_MESSAGES * SMALL_MESSAGE_BYTES + LARGE_QUEUE_MESSAGES * MAX_MESSAGE_BYTES
+PEER_BYTES = QUEUE_MESSAGES * MAX_MESSAGE_BYTES
 """Most bytes the broker queues for one subscriber with the default high-water mark."""
 
 WIRE_OVERHEAD_BYTES = 1024

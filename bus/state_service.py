@@ -13,10 +13,11 @@ of a second old, but the service costs the broker almost nothing even at 100k
 events/s. Run, stage, eval, checkpoint and hook events are rare and read in
 larger batches.
 
-A request is the one frame ``snapshot`` (a REQ socket adds its empty delimiter);
-anything else is counted and not answered. A reply is ``[b"snapshot", event,
-event...]``: the header frame makes even an empty state a valid reply (REQ
-sockets discard a reply without a body).
+A request is one frame (a REQ socket adds its empty delimiter): ``snapshot``
+is answered ``[b"snapshot", event, event...]`` (the header frame makes even an
+empty state a valid reply; REQ sockets discard a reply without a body), and
+``stats`` is answered ``[b"stats", JSON]`` with the broker's counters (see
+`evtrain.bus.broker.fetch_stats`). Anything else is counted and not answered.
 
 Memory stays bounded whatever a client does. The state holds one entry per stage
 and hook of the run (see `RunState`), each at most ``MAX_FRAME_BYTES`` (the
@@ -35,6 +36,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +60,8 @@ from evtrain.run_state import MAX_HOOKS, MAX_STAGES, STATE_TOPICS, RunState
 log = structlog.get_logger("evtrain.bus.state")
 
 _REQUEST = b"snapshot"
+_STATS = b"stats"
+_KINDS = (_REQUEST, _STATS)
 _NOBLOCK = int(zmq.NOBLOCK)
 _NOBLOCK_MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
 _STEP_TOPIC = StepEnded.topic
@@ -98,7 +102,11 @@ class StateStats:
 
 
 class StateService:
-    """Keeps the run state from ``events_source`` and serves it on ``bind_endpoint``."""
+    """Keeps the run state from ``events_source`` and serves it on ``bind_endpoint``.
+
+    ``stats`` encodes the answer to a ``stats`` request; it runs in the service's
+    thread.
+    """
 
     def __init__(
         self,
@@ -106,6 +114,7 @@ class StateService:
         events_source: str,
         bind_endpoint: str,
         *,
+        stats: Callable[[], bytes],
         curve: CurveServer | None = None,
     ) -> None:
         self.state = RunState()
@@ -116,6 +125,7 @@ class StateService:
         self._steps: dict[int, tuple[bytes, bytes]] = {}  # stage -> latest (topic, payload)
         self._reply: list[zmq.Frame] | None = None  # the encoded state, until it changes
         self._context = context
+        self._stats = stats  # the broker's counters, encoded
         self._stop = threading.Event()
         step_topic = _STEP_TOPIC.decode()
         self._sub = self._subscriber(
@@ -249,17 +259,22 @@ class StateService:
         sock = self._rep
         for _ in range(REQUEST_BUDGET):
             try:
-                envelope = self._request()
+                request = self._request()
             except zmq.Again:
                 return
-            if envelope is None:
+            if request is None:
                 self.malformed_requests += 1
                 continue
+            envelope, kind = request
             self.requests += 1
-            if self._reply is None:
-                state = self.state.snapshot()
-                self._reply = [zmq.Frame(_REQUEST), *(zmq.Frame(encode(m)) for m in state)]
-            *head, last = [*envelope, *self._reply]
+            if kind == _STATS:
+                reply = [zmq.Frame(_STATS), zmq.Frame(self._stats())]
+            else:
+                if self._reply is None:
+                    state = self.state.snapshot()
+                    self._reply = [zmq.Frame(_REQUEST), *(zmq.Frame(encode(m)) for m in state)]
+                reply = self._reply
+            *head, last = [*envelope, *reply]
             try:
                 for frame in head:
                     sock.send(frame, _NOBLOCK_MORE, copy=False)
@@ -267,8 +282,8 @@ class StateService:
             except zmq.ZMQError:  # EAGAIN: its answers are unread; EHOSTUNREACH: it left
                 self.unanswered += 1
 
-    def _request(self) -> list[bytes] | None:
-        """The routing envelope of the next request, None if it is not a request.
+    def _request(self) -> tuple[list[bytes], bytes] | None:
+        """The routing envelope and kind of the next request; None if it is none.
 
         Reads frame by frame, keeping the first three: a message of many frames
         is discarded as it is read, never collected.
@@ -284,10 +299,10 @@ class StateService:
             if count <= 3:
                 frames.append(frame.bytes)
         # [identity, request] from a DEALER, [identity, b"", request] from a REQ.
-        if count == 2 and frames[1] == _REQUEST:
-            return frames[:1]
-        if count == 3 and frames[1] == b"" and frames[2] == _REQUEST:
-            return frames[:2]
+        if count == 2 and frames[1] in _KINDS:
+            return frames[:1], frames[1]
+        if count == 3 and frames[1] == b"" and frames[2] in _KINDS:
+            return frames[:2], frames[2]
         return None
 
     @property
@@ -312,7 +327,7 @@ def fetch_snapshot(
     curve: CurveConfig | None = None,
 ) -> list[Message]:
     """Ask the broker at ``address`` for the run state; empty if it does not answer."""
-    frames = _request(address, timeout, context, curve)
+    frames = request(address, _REQUEST, timeout, context, curve)
     if frames is None:
         log.warning("no state from broker", address=str(address))
         return []
@@ -333,15 +348,17 @@ def ping_broker(
     curve: CurveConfig | None = None,
 ) -> bool:
     """Whether a broker answers at ``address`` within ``timeout`` seconds."""
-    return _request(address, timeout, context, curve) is not None
+    return request(address, _REQUEST, timeout, context, curve) is not None
 
 
-def _request(
+def request(
     address: BusAddress,
+    kind: bytes,
     timeout: float,
-    context: zmq.Context | None,
-    curve: CurveConfig | None,
+    context: zmq.Context | None = None,
+    curve: CurveConfig | None = None,
 ) -> list[Any] | None:
+    """Send the request ``kind`` to the state endpoint; its reply frames, None on timeout."""
     ctx = context or zmq.Context.instance()
     sock = ctx.socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
@@ -349,7 +366,7 @@ def _request(
         curve.apply(sock)
     try:
         sock.connect(address.endpoint("state"))
-        sock.send(_REQUEST)
+        sock.send(kind)
         if not sock.poll(int(timeout * 1000), zmq.POLLIN):
             return None
         frames: list[Any] = sock.recv_multipart()

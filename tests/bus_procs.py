@@ -126,6 +126,15 @@ def step_event(step: int, stage: int = 0) -> StepEnded:
     )
 
 
+def rss_bytes(pid: int | None = None) -> int:
+    """Resident memory of process ``pid`` (this one by default), from /proc."""
+    with open(f"/proc/{pid or os.getpid()}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for process {pid}")
+
+
 class Recorder(Hook):
     """Records every StepEnded as (source, seq, step); writes them as JSON to ``path``.
 
