@@ -24,7 +24,8 @@ outside them makes the whole message malformed:
   ``0..MAX_INT``: exact as floats, so JSON readers and Prometheus see them
   unchanged, and the sum of two never overflows an int64;
 * stage indices lie in ``0..MAX_STAGES-1``, ``num_stages`` in
-  ``1..MAX_STAGES``; ``num_microbatches`` is at least 1;
+  ``1..MAX_STAGES``; ``num_microbatches`` is at least 1; a span's
+  ``microbatch`` is -1 for a wait outside any microbatch;
 * durations (``*_s``) are finite seconds in ``0..MAX_SECONDS``;
 * wall-clock times (``ts``, span ``start``/``end``) are finite seconds since
   the epoch in ``0..MAX_TIMESTAMP``;
@@ -200,7 +201,8 @@ class MicrobatchSpan(Event, kw_only=True):
 
     step: Count
     stage: StageIndex
-    microbatch: Count
+    microbatch: Annotated[int, msgspec.Meta(ge=-1, le=MAX_INT)]
+    """The microbatch, or -1 for a wait outside any microbatch (control at a step end)."""
     start: Timestamp
     end: Timestamp
 
