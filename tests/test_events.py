@@ -321,3 +321,13 @@ def test_publishers_construct_without_validation_and_decode_checks() -> None:
     payload = encode(msg)  # the publisher's work: construct and encode
     with pytest.raises(DecodeError, match="duration_s"):
         decode(payload)
+
+
+def test_a_control_wait_outside_any_microbatch_is_valid() -> None:
+    """Stages publish waits at a step end with microbatch -1; below that is malformed."""
+    span = {"v": SCHEMA_VERSION, "step": 3, "stage": 1, "start": 1.0, "end": 2.0, "op": "control"}
+    ok = msgspec.msgpack.encode({"type": "microbatch.wait", "microbatch": -1, **span})
+    assert decode(ok, b"microbatch.wait").microbatch == -1  # type: ignore[attr-defined]
+    bad = msgspec.msgpack.encode({"type": "microbatch.wait", "microbatch": -2, **span})
+    with pytest.raises(DecodeError):
+        decode(bad, b"microbatch.wait")
