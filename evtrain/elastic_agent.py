@@ -28,20 +28,27 @@ poll it names the lower rank — often a survivor whose gloo receive failed
 because the real culprit was killed. So the agent keeps its own record of
 every worker of every attempt: pid, when it died (watched on each process's
 sentinel, which is only waited on, never read, so elastic's own bookkeeping
-is untouched), its exit status or signal (once elastic has joined it), and
-whether the agent killed it. The record is rewritten whenever a worker dies.
-The processes come from ``torch.multiprocessing.start_processes``, the
-public call elastic starts its workers with, which `WorkerWatch` wraps in
-this process. When a worker dies without its stage report saying it
+is untouched), its exit status or signal (read in elastic's thread, right
+after each of its polls of the workers), and whether the agent killed it.
+The record is rewritten whenever one of these changes. The processes come
+from ``torch.multiprocessing.start_processes``, the public call elastic
+starts its workers with, which `WorkerWatch` wraps in this process (and the
+``join`` of the process context it returns). When a worker dies without its
+stage report saying it
 finished, the survivors get ``failure_grace_s`` to end by themselves (they
 usually fail at once on the dead peer's connections), then SIGKILL: elastic
 itself would wait 30 s for a survivor stuck in a collective.
 
 When the launcher dies (SIGKILL: nothing of it runs any more), the agent
-notices — its parent changes, stdin ends, ``PR_SET_PDEATHSIG`` sends SIGTERM
-— stops the workers through elastic, then does what the launcher would have
-done at the end (`LauncherCleanup`): marks the run record interrupted and
-removes the launcher's private ipc directory.
+notices that its stdin ended — the launcher holds the pipe's only write end
+and never closes it once the config is sent — sends itself one SIGTERM, so
+that elastic stops the workers (SIGTERM, then SIGKILL after
+``shutdown_timeout``), then does what the launcher would have done at the
+end (`LauncherCleanup`): marks the run record interrupted and removes the
+launcher's private ipc directory. Not ``PR_SET_PDEATHSIG``: the launcher is
+multi-threaded, and its death delivers that signal once per thread it goes
+through, and a second SIGTERM breaks elastic's own shutdown, orphaning the
+workers.
 
 Exit status: 0 when every worker returned, 1 when workers failed, 128 + N
 when the agent was stopped by signal N. Elastic's own log of each worker
@@ -65,7 +72,6 @@ from typing import Any
 
 import msgspec
 
-from evtrain.hook_supervisor import set_pdeathsig
 from evtrain.run_record import mark_interrupted
 from evtrain.stages.worker import read_stage_reports
 
@@ -212,6 +218,19 @@ class WorkerWatch:
             self.report.attempts.append(attempt)
             self._contexts.append((context, attempt))
             self._write()
+        join = context.join
+
+        def join_and_record(*args: Any, **kwargs: Any) -> Any:
+            # Elastic's own thread, every monitor interval: the one place where
+            # reading an exit status cannot take it from under elastic.
+            try:
+                return join(*args, **kwargs)
+            finally:
+                with self._lock:
+                    if self._record_exit_codes():
+                        self._write()
+
+        context.join = join_and_record
         thread = threading.Thread(
             target=self._follow, args=(context.processes, attempt), daemon=True
         )
@@ -251,23 +270,26 @@ class WorkerWatch:
         """Whether the worker's own report says it ended the run normally."""
         if self.config.stage_reports is None:
             return True  # no way to tell: leave the survivors to elastic
-        report = read_stage_reports(self.config.stage_reports).get(worker.rank)
+        report = read_stage_reports(self.config.stage_reports, attempt).get(worker.rank)
         return (
-            report is not None
-            and report.attempt == attempt
-            and report.pid == worker.pid
-            and report.status in _FINISHED_STATUSES
+            report is not None and report.pid == worker.pid and report.status in _FINISHED_STATUSES
         )
 
-    def _record_exit_codes(self) -> None:
-        # Only from elastic's own thread, once it joined the processes: reading
-        # an exit status consumes it from the process's pipe.
+    def _record_exit_codes(self) -> bool:
+        """Note the exit status of every worker that has one; whether any was new.
+
+        Only from elastic's own thread: reading an exit status consumes it
+        from the process's pipe, which elastic reads too.
+        """
+        changed = False
         for context, attempt in self._contexts:
             for process, worker in zip(context.processes, attempt.workers, strict=True):
                 if worker.exit_code is None and process.exitcode is not None:
                     worker.exit_code = int(process.exitcode)
                     if worker.died_at is None:
                         worker.died_at = time.time()
+                    changed = True
+        return changed
 
     def finish(self, exit_status: int) -> None:
         """Record every exit status (elastic has joined the processes) and the agent's own."""
@@ -367,6 +389,17 @@ def _clean_up_after(cleanup: LauncherCleanup) -> None:
         shutil.rmtree(directory, ignore_errors=True)
 
 
+def _stop_when_stdin_ends() -> None:
+    """One SIGTERM to this process once stdin ends: the launcher is gone (module docstring)."""
+
+    def watch() -> None:
+        while os.read(sys.stdin.fileno(), 4096):
+            pass
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="evtrain-launcher-watch", daemon=True).start()
+
+
 def _read_cleanup(lines: str) -> LauncherCleanup | None:
     for line in lines.splitlines():
         if line.strip():
@@ -383,8 +416,8 @@ def main(argv: list[str] | None = None) -> int:
     """
     args = sys.argv[1:] if argv is None else argv
     launcher = int(os.environ.get(LAUNCHER_PID_ENV) or os.getppid())
-    # Until elastic installs its own handlers (once workers start), a signal
-    # ends this process, after the cleanup a dead launcher left undone.
+    # Until elastic installs its own handlers (once workers start), SIGTERM or
+    # SIGINT ends this process, after the cleanup a dead launcher left undone.
     signal.signal(signal.SIGINT, _terminated)
     signal.signal(signal.SIGTERM, _terminated)
     cleanup: LauncherCleanup | None = None
@@ -392,9 +425,6 @@ def main(argv: list[str] | None = None) -> int:
     # signal (its death sends SIGTERM) or the end of stdin says otherwise.
     status: int | None = None
     try:
-        set_pdeathsig()()  # the launcher's death is a SIGTERM from now on...
-        if os.getppid() != launcher:
-            return 0  # ...but it may have come first: only the cleanup is left
         if args and args[0] == "forkserver":
             prestart_forkserver()
         # Import torch's launcher while the launcher still starts the hooks.
@@ -413,6 +443,7 @@ def main(argv: list[str] | None = None) -> int:
             if isinstance(message, LauncherCleanup):
                 cleanup = message
                 continue
+            _stop_when_stdin_ends()
             status = run_agent(message)
             return status
         return 0

@@ -71,10 +71,10 @@ normally (``RunEnded(status="stopped")``, exit status 0); if the workers have
 not ended after ``grace_s``, or on a second signal, the agent gets SIGTERM
 and elastic sends SIGTERM to each worker, then SIGKILL after
 ``ELASTIC_SHUTDOWN_S``; after that, or on a third signal, the agent's whole
-process group (the workers are in it) gets SIGKILL. Children also carry
-``PR_SET_PDEATHSIG``: if the launcher itself is killed, the agent and the
-hooks receive SIGTERM and shut down the same way, and the agent marks
-``run.json`` interrupted and removes the launcher's ipc directory.
+process group (the workers are in it) gets SIGKILL. If the launcher itself
+is killed, the hooks receive SIGTERM (``PR_SET_PDEATHSIG``) and the agent
+sees its stdin end: it stops the workers the same way, marks ``run.json``
+interrupted and removes the launcher's ipc directory.
 
 Several machines: run ``evtrain launch`` on each with the same ``--nnodes``,
 ``--rdzv-endpoint HOST0:PORT``, ``--run-id`` and ``--bus tcp://HOST0:PORT2``
@@ -282,11 +282,13 @@ class Launcher:
         self._previous_run: dict[str, Any] | None = None
         self._agent_report: AgentReport | None = None
         self._stage_reports: dict[int, StageReport] = {}
+        """The current attempt's reports, by stage."""
         self._failure_seen_at: float | None = None
         self._run_end_published: RunEnded | None = None
         self._run_end_published_at = 0.0
         self._announced_attempts: set[int] = set()
         self._root: RootCause | None = None
+        self._told_root: RootCause | None = None
         self._last_bus_event = time.monotonic()
         self._bus_loss: BusLoss | None = None
 
@@ -645,8 +647,8 @@ class Launcher:
                 return 128 + self._stop_signal
             return EXIT_FAILED
         log.debug("hooks attached", after_s=round(time.monotonic() - self._started, 2))
+        # stdin stays open from here on: its end tells the agent we are gone.
         self._config_sent = self._send_agent(self.agent_config())
-        self._close_agent_stdin()
         if not self._config_sent:
             self.err.write("evtrain launch: error: the elastic agent process died at startup\n")
             self._supervisor.terminate()
@@ -655,7 +657,7 @@ class Launcher:
         self._refresh_reports()
         seen_on_bus = self.progress.stats.steps_done
         self._settle_progress()
-        self._root = self._find_root_cause(self._current_attempt())
+        self._root = self._final_root_cause()
         if agent_status == 0 and self._ended is None and not self._bus_down():
             await self._wait_run_ended(timeout=1.0)
             if self._ended is None:
@@ -680,9 +682,9 @@ class Launcher:
         # (pytorch/pytorch#135712; seen here with --max-restarts). A fresh
         # store per attempt avoids it.
         env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-        # The agent arms PR_SET_PDEATHSIG itself and then checks that we are
-        # still its parent: armed in a preexec function, our death before its
-        # handlers exist would kill it before it could clean up after us.
+        # The agent learns of our death from the end of its stdin (see
+        # evtrain.elastic_agent), and then tells it from a deliberate close by
+        # whether we are still its parent.
         env[LAUNCHER_PID_ENV] = str(os.getpid())
         return subprocess.Popen(
             [sys.executable, "-m", "evtrain.elastic_agent", self.options.start_method],
@@ -813,7 +815,9 @@ class Launcher:
         report = AgentReport.read(self._agent_report_path())
         if report is not None:
             self._agent_report = report
-        self._stage_reports = read_stage_reports(self.report_dir)
+        attempt = self._current_attempt()
+        number = attempt.attempt if attempt is not None else 0
+        self._stage_reports = read_stage_reports(self.report_dir, number)
 
     def _current_attempt(self) -> AttemptReport | None:
         report = self._agent_report
@@ -823,7 +827,10 @@ class Launcher:
         """Every stage failure of ``attempt`` (None: what the bus said, if anything)."""
         number = attempt.attempt if attempt is not None else 0
         started = attempt.started_at if attempt is not None else 0.0
-        reports = {s: r for s, r in self._stage_reports.items() if r.attempt == number}
+        if attempt is self._current_attempt():
+            reports = self._stage_reports
+        else:
+            reports = read_stage_reports(self.report_dir, number)
         exits = {w.rank: w for w in attempt.workers} if attempt is not None else {}
         published = {}
         for event in sorted(self.progress.stats.failures, key=lambda e: e.ts):
@@ -930,9 +937,7 @@ class Launcher:
 
     def _settle_progress(self) -> None:
         """The stages' own count and last loss, where the bus fell behind."""
-        attempt = self._current_attempt()
-        number = attempt.attempt if attempt is not None else 0
-        reports = [r for r in self._stage_reports.values() if r.attempt == number]
+        reports = list(self._stage_reports.values())
         if not reports:
             return
         last = max(reports, key=lambda r: r.stage)
@@ -1077,7 +1082,23 @@ class Launcher:
         if self._supervisor is not None:
             self._supervisor.mark_run_ended()
 
+    def _final_root_cause(self) -> RootCause | None:
+        """The root cause with all evidence in; what the hooks were told, if it agrees."""
+        root = self._find_root_cause(self._current_attempt())
+        told = self._told_root
+        same = (
+            root is not None
+            and told is not None
+            and (root.first.stage, root.first.what) == (told.first.stage, told.first.what)
+        )
+        if same:
+            # The same failure, maybe a step count later: keep one wording.
+            assert root is not None and told is not None
+            return RootCause(first=told.first, consequences=root.consequences)
+        return root
+
     def _publish_failed(self, root: RootCause) -> None:
+        self._told_root = root
         headline = root.headline()
         self._publish(
             RunEnded(
@@ -1123,10 +1144,8 @@ class Launcher:
         """How a run that did not fail ended: stage 0's word, else the stages' own reports."""
         if self._ended is not None:
             return self._ended.status
-        attempt = self._current_attempt()
-        number = attempt.attempt if attempt is not None else 0
-        reports = [r for r in self._stage_reports.values() if r.attempt == number]
-        return "stopped" if any(r.status == "stopped" for r in reports) else "completed"
+        stopped = any(r.status == "stopped" for r in self._stage_reports.values())
+        return "stopped" if stopped else "completed"
 
     def _exit_status(self, agent_status: int) -> int:
         ended = self._ended

@@ -13,7 +13,7 @@ The contract with the launcher (``evtrain launch``) is three names:
   data parallelism yet).
 
 * `StageReport` — what a worker tells the launcher without the bus: the
-  actor keeps ``WorkerConfig.report_dir/stage-{r}.json`` up to date (at
+  actor keeps ``WorkerConfig.report_dir/attempt-{a}/stage-{r}.json`` up to date (at
   start, about once a second while training, at the end, and when it fails,
   before anything is published), so the launcher knows every stage's steps,
   status and failure even when the bus is lost. A worker killed by a signal
@@ -94,7 +94,11 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
 
 
 class StageReport(msgspec.Struct, kw_only=True):
-    """One stage's own account of itself, kept in ``report_dir/stage-{stage}.json``."""
+    """One stage's own account of itself, in ``report_dir/attempt-{attempt}/stage-{stage}.json``.
+
+    One directory per attempt: the reports of a failed attempt stay readable
+    after elastic restarted the workers.
+    """
 
     stage: int
     pid: int
@@ -122,19 +126,24 @@ class StageReport(msgspec.Struct, kw_only=True):
     """The step that was running when the stage failed (None: between steps)."""
 
     def write(self, directory: str | os.PathLike[str]) -> None:
-        """Replace this stage's report in ``directory`` atomically."""
+        """Replace this stage's report under ``directory`` atomically."""
         self.updated = time.time()
-        path = Path(directory) / f"stage-{self.stage}.json"
+        path = _attempt_dir(directory, self.attempt) / f"stage-{self.stage}.json"
+        path.parent.mkdir(exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         tmp.write_bytes(msgspec.json.encode(self))
         os.replace(tmp, path)
 
 
-def read_stage_reports(directory: str | os.PathLike[str]) -> dict[int, StageReport]:
-    """Every readable stage report in ``directory``, by stage."""
+def _attempt_dir(directory: str | os.PathLike[str], attempt: int) -> Path:
+    return Path(directory) / f"attempt-{attempt}"
+
+
+def read_stage_reports(directory: str | os.PathLike[str], attempt: int) -> dict[int, StageReport]:
+    """Every readable stage report of ``attempt`` under ``directory``, by stage."""
     reports: dict[int, StageReport] = {}
     try:
-        paths = list(Path(directory).glob("stage-*.json"))
+        paths = list(_attempt_dir(directory, attempt).glob("stage-*.json"))
     except OSError:
         return reports
     for path in paths:

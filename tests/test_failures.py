@@ -154,10 +154,12 @@ def test_kill_9_of_a_stage_names_it_and_ends_the_launch_within_seconds(
     info = json.loads((tmp_path / "run" / "run.json").read_text())
     assert info["status"] == "failed" and info["exit_status"] == 1
     assert info["root_cause"].startswith(f"stage {victim} was killed by SIGKILL")
-    # The hooks heard the same from RunEnded, before they were asked to leave.
+    # The hooks heard it from RunEnded, before they were asked to leave.
     end = read_records(steps_file)[-1]
     assert end["end"] == "failed" and end["source"] == "launcher"
-    assert end["root_cause"] == info["root_cause"] == end["reason"]
+    assert end["root_cause"] == end["reason"]
+    # (told before the agent had the exit status when that took over a second)
+    assert end["root_cause"].startswith(f"stage {victim} ")
 
 
 @pytest.mark.slow
