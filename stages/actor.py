@@ -7,7 +7,7 @@ group setup, a training step, an evaluation pass) to one worker thread, so the
 loop stays responsive: heartbeats keep coming during a long step, and
 publishing never waits on the step nor the step on the bus. One thread hop
 per step costs ~0.05-0.2 ms, far less than gloo waits inside the loop would
-(FIELD_NOTES: gloo work cannot be awaited).
+(gloo work cannot be awaited: a wait would block the whole loop).
 
 Step numbering: ``StepStarted.step``/``StepEnded.step`` are 1-based — step k
 is the k-th optimizer step and reads the data of `DataStream` index k-1.

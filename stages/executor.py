@@ -1,7 +1,8 @@
 """Runs one stage's instruction list: a training step or an evaluation pass.
 
 The executor is deliberately synchronous. gloo's point-to-point work can
-only be waited on, not polled or awaited (FIELD_NOTES), so the stage actor
+only be waited on, not polled or awaited (`Work.is_completed()` stays False
+until `wait()`, and `get_future()` is not implemented), so the stage actor
 hands a whole step to one worker thread (one thread hop per step) and keeps
 its event loop free for heartbeats, signals and publishing.
 

@@ -3,9 +3,10 @@
 Stage ``s`` runs on global rank ``s``. Activations flow ``s -> s+1`` on the
 *activation group* (the default process group) and gradients ``s+1 -> s`` on a
 separate *gradient group*, so each direction has its own connections: on gloo
-a second TCP connection measurably helped (see FIELD_NOTES), and on NCCL it
-keeps the two directions on separate communicators/streams, which is what
-lets receives be posted far ahead without blocking sends queued behind them.
+a second TCP connection measurably helped (best median step time on 2 cores),
+and on NCCL it keeps the two directions on separate communicators/streams,
+which is what lets receives be posted far ahead without blocking sends queued
+behind them.
 
 Shapes and dtypes are agreed once, before training, without pickling
 (`exchange_shapes`): every stage knows the few distinct microbatch sizes of
@@ -14,7 +15,7 @@ data, and each stage infers its output shape with a meta-device forward and
 sends it downstream as a small int64 header tensor. After that, every
 microbatch moves as raw data into a buffer of known shape.
 
-Performance rules this module is built for (measured, FIELD_NOTES):
+Performance rules this module is built for (measured on gloo, 2 CPU processes):
 
 * receives are *posted early* (`post_recv`) and waited on only when the data
   is needed: gloo writes a send to the socket only once the peer's receive
