@@ -1,4 +1,4 @@
-"""Resume and fault recovery through real ``evtrain launch`` runs (issue 5, items 3 and 5).
+"""Resume and fault recovery through real ``evtrain launch`` runs.
 
 Every run trains the same tiny MLP on CPU in fp32 with the ``checkpoint`` hook;
 an uninterrupted 8-step run is the reference its final weights are compared to.
