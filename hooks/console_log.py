@@ -35,6 +35,7 @@ from evtrain.events import (
     StageStopped,
     StepEnded,
 )
+from evtrain.failures import is_communication_error, short_error
 from evtrain.hooks.formatting import (
     fmt_bytes,
     fmt_duration,
@@ -135,6 +136,7 @@ class ConsoleLog(Hook):
         self._merger = StepMerger(lambda: self.state)
         self._peak_memory: dict[int, int] = {}
         self._started_at: float | None = None
+        self._failure_logged = False
 
     async def setup(self) -> None:
         """Open the log file, if any, and pick the logger."""
@@ -157,6 +159,7 @@ class ConsoleLog(Hook):
         self._merger.reset()
         self.window.clear()
         self._peak_memory.clear()
+        self._failure_logged = False
         self._started_at = ev.ts or time.time()
         self.log.info(
             "run started",
@@ -286,7 +289,20 @@ class ConsoleLog(Hook):
 
     @on(StageFailed)
     def stage_failed(self, ev: StageFailed) -> None:
-        """A stage raised: its error and the last lines of the traceback."""
+        """A stage raised: its error and the last lines of the traceback.
+
+        A stage that lost its connection to a failed peer is a consequence, not
+        news: one short line, no traceback, so the cause stands out.
+        """
+        if is_communication_error(ev.error):
+            self.log.warning(
+                "stage stopped by a peer's failure",
+                stage=ev.stage,
+                step=ev.step,
+                error=_text(short_error(ev.error)),
+            )
+            return
+        self._failure_logged = True
         tail = safe_lines("\n".join(ev.traceback.strip().splitlines()[-6:]), _TEXT_LIMIT)
         self.log.error(
             "stage failed", stage=ev.stage, step=ev.step, error=_text(ev.error), traceback=tail
@@ -311,10 +327,12 @@ class ConsoleLog(Hook):
             self._account(merged)
         elapsed = (ev.ts - self._started_at) if self._started_at and ev.ts else None
         level = "error" if ev.status == "failed" else "info"
+        # A failure's reason is the stage error logged just before: say it once.
+        reason = None if self._failure_logged else _text(ev.reason) or None
         getattr(self.log, level)(
             "run ended",
             status=ev.status,
-            reason=_text(ev.reason) or None,
+            reason=reason,
             step=ev.step,
             elapsed_s=None if elapsed is None else round(elapsed, 1),
             peak_mem=per_stage({s: fmt_bytes(b) for s, b in self._peak_memory.items()}) or None,

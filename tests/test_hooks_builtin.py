@@ -379,3 +379,31 @@ def test_step_merger_checks_the_run_and_never_freezes() -> None:
 
     count = StepCount()
     assert [count.advance(s) for s in (1, 2, 2, 10**12, 3, 4)] == [1, 1, 0, MAX_STEP_JUMP, 1, 1]
+
+
+def test_logging_hook_says_a_stage_error_once_and_consequences_briefly(tmp_path: Path) -> None:
+    import anyio
+
+    from evtrain.events import RunEnded, RunStarted, StageFailed
+    from evtrain.replay import ReplayRunner
+
+    path = tmp_path / "train.log"
+    hook = ConsoleLog(path=path)
+    cause = "RuntimeError: injected failure at step 3"
+    gloo = "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [::1]:1"
+    events = [
+        RunStarted(
+            name="r", num_stages=2, num_microbatches=2, schedule="1f1b", max_steps=9, batch_size=4
+        ),
+        StageFailed(stage=1, step=3, error=cause, traceback=f"Traceback\n  layer\n{cause}"),
+        StageFailed(stage=0, step=3, error=gloo, traceback=f"Traceback\n  deep in torch\n{gloo}"),
+        RunEnded(status="failed", step=2, reason=f"stage 1 failed at step 3: {cause}"),
+    ]
+    runner = ReplayRunner([hook])
+    anyio.run(runner.replay, events)
+    assert runner.errors == 0
+    lines = path.read_text().splitlines()
+    assert sum("injected failure" in line for line in lines) == 1, lines
+    consequence = next(line for line in lines if "peer's failure" in line)
+    assert "stage=0" in consequence and "deep in torch" not in consequence
+    assert any("run ended" in line and "status=failed" in line for line in lines)
