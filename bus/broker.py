@@ -23,13 +23,18 @@ the counts (`fetch_stats` asks a broker in another process); the proxies log
 them, at most every ``REPORT_INTERVAL`` seconds while hostile input keeps
 coming.
 
+The loops run in Python threads and release the interpreter lock at every
+libzmq call: in a process whose other Python threads mostly wait (``evtrain
+bus``, the launcher) they forward at full speed, but a thread that computes
+without pause would slow them down.
+
 Memory, per peer and whatever the peer does (the sizes are in
 `evtrain.bus.limits`):
 
 * frames: every socket facing outside has ``ZMQ_MAXMSGSIZE``: ``MAX_FRAME_BYTES``
   on the inputs, ``MAX_SUBSCRIPTION_BYTES`` on the outputs (all a subscriber may
   send is a subscription), ``MAX_REQUEST_BYTES`` on the state endpoint, each
-  plus the handshake's ``WIRE_OVERHEAD_BYTES``. libzmq disconnects a peer that
+  plus what the handshake needs (less without CURVE). libzmq disconnects a peer that
   sends a larger frame before queueing any of it, so libzmq 4.3.5's
   subscription tries, which recurse once per topic byte, never see a long topic
   (a 200 KB one crashed the broker when its subscriber left).
@@ -39,7 +44,7 @@ Memory, per peer and whatever the peer does (the sizes are in
   ``INPUT_QUEUE_MESSAGES`` from each publisher and upstream from each
   subscriber, drained as fast as the loop runs.
 * subscriptions: libzmq keeps every distinct subscription a subscriber sent
-  (at most ``MAX_SUBSCRIPTION_BYTES`` plus the overhead each) until it leaves.
+  until it leaves, however many (see `evtrain.bus.limits`); each is short.
 * state requests: see `evtrain.bus.state_service`.
 """
 
@@ -405,7 +410,7 @@ class Broker:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, hwm)
         sock.setsockopt(zmq.RCVHWM, INPUT_QUEUE_MESSAGES)
-        sock.setsockopt(zmq.MAXMSGSIZE, socket_limit(max_frame))
+        sock.setsockopt(zmq.MAXMSGSIZE, socket_limit(max_frame, curve=self.curve is not None))
         if self.curve is not None:
             self.curve.apply(sock)
         endpoint = self.address.endpoint(role, bind=True)

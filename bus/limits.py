@@ -5,12 +5,18 @@ broker enforces them on every socket it binds, publishers keep their messages
 within them, and the state service sizes its replies by them.
 
 * A message is ``[topic, payload]`` with a payload of at most `MAX_FRAME_BYTES`.
-  Sockets admit frames up to such a limit plus `WIRE_OVERHEAD_BYTES` (see
+  Sockets admit frames up to such a limit plus the handshake's overhead (see
   `socket_limit`): libzmq disconnects a peer that sends a longer frame before
   any of it is queued, and the broker drops a payload between the two.
 * A subscription is a one-frame message ``\\x01 PREFIX`` (``\\x00`` cancels it)
   whose ``PREFIX`` is an evtrain topic or a prefix of one (the empty prefix
-  means everything), so at most `MAX_SUBSCRIPTION_BYTES` long.
+  means everything), so at most `MAX_SUBSCRIPTION_BYTES` long. libzmq keeps
+  every distinct subscription a subscriber sent until it leaves, at about 50
+  bytes of trie per byte (measured), and no option bounds how many: the frame
+  limit keeps each one short (~2.7 KiB of trie on a bus without CURVE). Each
+  subscriber that leaves then costs a walk over the whole trie (~60 ms with
+  20,000 distinct subscriptions held), so a bus open to users who are not
+  trusted needs CURVE.
 * libzmq bounds its queues in messages, not bytes: the broker queues at most
   `QUEUE_MESSAGES` messages of at most `MAX_MESSAGE_BYTES` towards each
   subscriber, `PEER_BYTES` (160 MiB) for one that stops reading while the
@@ -62,11 +68,19 @@ PEER_BYTES = QUEUE_MESSAGES * MAX_MESSAGE_BYTES
 """Most bytes the broker queues for one subscriber with the default high-water mark."""
 
 WIRE_OVERHEAD_BYTES = 1024
-"""What ZMTP adds to the frames a socket limit applies to.
+"""What ZMTP adds to the frames a socket limit applies to, with CURVE.
 
 libzmq checks ``ZMQ_MAXMSGSIZE`` on every frame it decodes, handshake commands
 included (a CURVE INITIATE with its metadata is several hundred bytes) and, with
 CURVE, on the encrypted frame (33 bytes longer than the message).
+"""
+
+NULL_WIRE_OVERHEAD_BYTES = 32
+"""The same without CURVE: a subscriber's handshake is a READY of 28 bytes.
+
+The sockets facing publishers admit far longer frames anyway, and the state
+endpoint's clients (whose READY carries their identity) always get the larger
+overhead.
 """
 
 MAX_REQUEST_BYTES = 256
@@ -76,9 +90,9 @@ STATE_REPLIES_QUEUED = 2
 """Snapshot replies the state service queues per client that is not reading them."""
 
 
-def socket_limit(max_frame: int) -> int:
+def socket_limit(max_frame: int, *, curve: bool = True) -> int:
     """The ``ZMQ_MAXMSGSIZE`` that admits frames of ``max_frame`` bytes and the handshake."""
-    return max_frame + WIRE_OVERHEAD_BYTES
+    return max_frame + (WIRE_OVERHEAD_BYTES if curve else NULL_WIRE_OVERHEAD_BYTES)
 
 
 def valid_subscription(frame: bytes) -> bool:

@@ -28,7 +28,8 @@ number of clients cost one copy of the state per version. A client that does
 not read its answers has at most ``STATE_REPLIES_QUEUED`` of them queued (the
 ROUTER reports a full queue, and that request goes unanswered); requests are
 frames of at most ``MAX_REQUEST_BYTES``, and one with more frames than a
-request has is discarded frame by frame.
+request has is discarded frame by frame. Requests are read at ``REQUEST_RATE``
+at most; beyond it they wait in libzmq's small per-client queues.
 """
 
 from __future__ import annotations
@@ -54,8 +55,8 @@ from evtrain.bus.limits import (
 )
 from evtrain.bus.security import CurveConfig, CurveServer
 from evtrain.errors import UsageError
-from evtrain.events import DecodeError, Message, StepEnded, decode, encode
-from evtrain.run_state import MAX_HOOKS, MAX_STAGES, STATE_TOPICS, RunState
+from evtrain.events import MAX_STAGES, DecodeError, Message, StepEnded, decode, encode
+from evtrain.run_state import MAX_HOOKS, STATE_TOPICS, RunState
 
 log = structlog.get_logger("evtrain.bus.state")
 
@@ -72,7 +73,13 @@ MAX_REPLY_BYTES = (2 * MAX_STAGES + MAX_HOOKS + 4) * MAX_FRAME_BYTES
 STEP_PERIOD = 0.02
 STEP_BUDGET = 256
 EVENT_BUDGET = 4096  # rare state events folded per loop turn, so requests are answered too
-REQUEST_BUDGET = 256  # requests answered per loop turn, so events are folded too
+REQUEST_RATE = 1000.0
+"""Requests read per second at most (bursts of ``REQUEST_BURST``); more wait queued.
+
+Every thread of the broker shares one interpreter lock: a flood of requests
+must not take it from the proxies (it did, for seconds, before this limit).
+"""
+REQUEST_BURST = 64
 
 
 class _StepKey(msgspec.Struct):
@@ -177,14 +184,24 @@ class StateService:
         )
 
     def _serve(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._sub, zmq.POLLIN)
-        poller.register(self._rep, zmq.POLLIN)
+        with_requests = zmq.Poller()
+        with_requests.register(self._sub, zmq.POLLIN)
+        with_requests.register(self._rep, zmq.POLLIN)
+        events_only = zmq.Poller()
+        events_only.register(self._sub, zmq.POLLIN)
         next_steps = time.monotonic()
+        tokens, refilled = float(REQUEST_BURST), time.monotonic()
         try:
             while not self._stop.is_set():
+                now = time.monotonic()
+                tokens = min(REQUEST_BURST, tokens + (now - refilled) * REQUEST_RATE)
+                refilled = now
                 # Round up: polling 0 ms until the deadline would spin.
-                wait_ms = max(0, math.ceil((next_steps - time.monotonic()) * 1000))
+                wait_ms = max(0, math.ceil((next_steps - now) * 1000))
+                poller = with_requests
+                if tokens < 1:  # requests wait in their queues until one is due
+                    poller = events_only
+                    wait_ms = min(wait_ms, math.ceil((1 - tokens) / REQUEST_RATE * 1000))
                 ready = dict(poller.poll(min(wait_ms, 100)))
                 if self._sub in ready:
                     self._read(self._sub, budget=EVENT_BUDGET)
@@ -193,7 +210,7 @@ class StateService:
                     next_steps = time.monotonic() + STEP_PERIOD
                 if self._rep in ready:
                     self._read(self._step_sub, budget=STEP_BUDGET)  # as fresh as we can
-                    self._answer()
+                    tokens -= self._answer(int(tokens))
         finally:
             self._close()
 
@@ -255,13 +272,16 @@ class StateService:
         self._steps.clear()
         self._reply = None
 
-    def _answer(self) -> None:
+    def _answer(self, budget: int) -> int:
+        """Answer up to ``budget`` ready requests; returns how many were read."""
         sock = self._rep
-        for _ in range(REQUEST_BUDGET):
+        count = 0
+        while count < budget:
             try:
                 request = self._request()
             except zmq.Again:
-                return
+                break
+            count += 1
             if request is None:
                 self.malformed_requests += 1
                 continue
@@ -281,6 +301,7 @@ class StateService:
                 sock.send(last, _NOBLOCK, copy=False)
             except zmq.ZMQError:  # EAGAIN: its answers are unread; EHOSTUNREACH: it left
                 self.unanswered += 1
+        return count
 
     def _request(self) -> tuple[list[bytes], bytes] | None:
         """The routing envelope and kind of the next request; None if it is none.
