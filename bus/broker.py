@@ -34,15 +34,15 @@ Memory, per peer and whatever the peer does (the sizes are in
 * frames: every socket facing outside has ``ZMQ_MAXMSGSIZE``: ``MAX_FRAME_BYTES``
   on the inputs, ``MAX_SUBSCRIPTION_BYTES`` on the outputs (all a subscriber may
   send is a subscription), ``MAX_REQUEST_BYTES`` on the state endpoint, each
-  plus what the handshake needs (less without CURVE). libzmq disconnects a peer that
-  sends a larger frame before queueing any of it, so libzmq 4.3.5's
+  plus what the handshake needs (less without CURVE). libzmq disconnects a peer
+  that sends a larger frame before queueing any of it, so libzmq 4.3.5's
   subscription tries, which recurse once per topic byte, never see a long topic
   (a 200 KB one crashed the broker when its subscriber left).
 * queues: ``hwm`` messages (default ``QUEUE_MESSAGES``) towards each subscriber,
   so at most ``hwm * MAX_MESSAGE_BYTES`` (``PEER_BYTES``, 160 MiB at the
   default) for one that stops reading, plus the kernel's socket buffer;
-  ``INPUT_QUEUE_MESSAGES`` from each publisher and upstream from each
-  subscriber, drained as fast as the loop runs.
+  as many (``INPUT_QUEUE_MESSAGES``) from each publisher and upstream from
+  each subscriber, which fill only while the loop falls behind.
 * subscriptions: libzmq keeps every distinct subscription a subscriber sent
   until it leaves, however many (see `evtrain.bus.limits`); each is short.
 * state requests: see `evtrain.bus.state_service`.
@@ -91,11 +91,9 @@ _BURST = 1000  # messages one direction forwards before the loop looks at the ot
 _NOBLOCK = int(zmq.NOBLOCK)
 _NOBLOCK_MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
 _POLLIN = int(zmq.POLLIN)
-_SUBSCRIBE = int(zmq.SUBSCRIBE)
 # pyzmq's Python-level Socket.send adds about half a microsecond per frame, a third
 # of the forwarding loop: the loop calls the compiled backend method directly.
 _send = zmq.backend.Socket.send
-_UNSUBSCRIBE = int(zmq.UNSUBSCRIBE)
 
 
 @dataclass(frozen=True)
@@ -105,7 +103,7 @@ class ProxyStats:
     forwarded: int = 0
     """Messages passed downstream."""
     malformed: int = 0
-    """Downstream messages dropped: not two frames, or not an evtrain topic."""
+    """Downstream messages dropped: not two frames, not an evtrain topic, or too long."""
     subscriptions: int = 0
     """Distinct valid subscriptions and cancellations seen."""
     rejected_subscriptions: int = 0

@@ -22,8 +22,8 @@ within them, and the state service sizes its replies by them.
   subscriber, `PEER_BYTES` (160 MiB) for one that stops reading while the
   largest messages flow, plus what the kernel buffers for the connection;
   routine events are ~250 bytes, so a lagging hook costs a few MiB. From each
-  publisher it queues `INPUT_QUEUE_MESSAGES` (it drains them as fast as it
-  runs; a publisher that outpaces it is held back in its own queue).
+  publisher it queues `INPUT_QUEUE_MESSAGES` as well, which fill only while
+  the proxy falls behind.
 """
 
 from __future__ import annotations
@@ -61,8 +61,14 @@ takes messages again once half of it drained, so a mark cannot be changed
 per message without cutting a subscriber off for good.)
 """
 
-INPUT_QUEUE_MESSAGES = 1000
-"""Messages the broker queues from each publisher, and upstream from each subscriber."""
+INPUT_QUEUE_MESSAGES = 10_000
+"""Messages the broker queues from each publisher, and upstream from each subscriber.
+
+As deep as a publisher's own queue: a stage that publishes a burst and exits
+(its last events, ``run.ended``) must find room at once, because what is still
+queued in a process when it exits is lost with it (pyzmq does not wait for a
+socket's linger at interpreter exit); a 1000-message queue lost such tails.
+"""
 
 PEER_BYTES = QUEUE_MESSAGES * MAX_MESSAGE_BYTES
 """Most bytes the broker queues for one subscriber with the default high-water mark."""

@@ -68,7 +68,12 @@ _NOBLOCK_MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
 _STEP_TOPIC = StepEnded.topic
 
 MAX_REPLY_BYTES = (2 * MAX_STAGES + MAX_HOOKS + 4) * MAX_FRAME_BYTES
-"""Largest reply: run, stages, steps, hooks, eval, checkpoint and end, each one frame."""
+"""Largest reply (33 MiB): run, stages, steps, hooks, eval, checkpoint, end, a frame each.
+
+Real ones are a few KiB per stage; a client that stops reading holds at most
+``STATE_REPLIES_QUEUED`` (plus the one being written) of whatever versions it
+asked for.
+"""
 
 STEP_PERIOD = 0.02
 STEP_BUDGET = 256
@@ -76,8 +81,9 @@ EVENT_BUDGET = 4096  # rare state events folded per loop turn, so requests are a
 REQUEST_RATE = 1000.0
 """Requests read per second at most (bursts of ``REQUEST_BURST``); more wait queued.
 
-Every thread of the broker shares one interpreter lock: a flood of requests
-must not take it from the proxies (it did, for seconds, before this limit).
+Every thread of the broker shares one interpreter lock, which the proxies give up
+at each libzmq call: answering a flood as fast as it came kept them waiting for
+seconds.
 """
 REQUEST_BURST = 64
 

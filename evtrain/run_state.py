@@ -5,9 +5,9 @@ runner keep one, fed by the same events.
 
 The state is bounded by the run's shape, whatever arrives: one entry per
 pipeline stage of the run (stage numbers are checked against the run's
-``num_stages``, at most `MAX_STAGES`) and per hook process (the latest
-`MAX_HOOKS`), plus the latest eval, checkpoint and end. Events that name a stage
-the run does not have are ignored and counted in `RunState.ignored`.
+``num_stages``, at most the schema's `MAX_STAGES`) and per hook process (the
+latest `MAX_HOOKS`), plus the latest eval, checkpoint and end. Events that name
+a stage the run does not have are ignored and counted in `RunState.ignored`.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from evtrain.events import (
+    MAX_STAGES,
     CheckpointCommitted,
     EvalEnded,
     HookStarted,
@@ -34,9 +35,6 @@ STATE_TOPICS: tuple[str, ...] = (
     "hook.started",
 )
 """Topics whose latest events make up a run's state."""
-
-MAX_STAGES = 256
-"""Most pipeline stages a run's state holds (a run with more is not tracked)."""
 
 MAX_HOOKS = 64
 """Most hook processes the state remembers; the one attached longest ago goes first."""
@@ -58,7 +56,11 @@ class RunState:
     """Events not folded in: stage numbers or stage counts outside the run's shape."""
 
     def update(self, msg: Message) -> None:
-        """Fold one message into the state (messages of other types are ignored)."""
+        """Fold one message into the state (messages of other types are ignored).
+
+        Decoded messages are in the schema's ranges already; the checks here also
+        hold for messages built in-process.
+        """
         if isinstance(msg, StepEnded):  # by far the most frequent: first
             if self._stage_known(msg.stage):
                 self.last_step[msg.stage] = msg

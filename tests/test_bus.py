@@ -35,7 +35,7 @@ from evtrain.bus.security import (
     load_client,
     load_server,
 )
-from evtrain.bus.state_service import fetch_snapshot, ping_broker
+from evtrain.bus.state_service import MAX_REPLY_BYTES, fetch_snapshot, ping_broker, request
 from evtrain.bus.subscriber import Subscriber
 from evtrain.errors import UsageError
 from evtrain.events import (
@@ -738,8 +738,10 @@ def test_the_state_service_is_bounded_whatever_its_clients_do(ipc_bus: BusAddres
             assert stats.unanswered >= 400 - STATE_REPLIES_QUEUED - 8  # a few in buffers
             # 400 queued answers of ~800 KB would be ~320 MB; shared and capped: ~0.
             assert rss_bytes() - before < 40 * 2**20
-            # A client that reads is still answered in full.
+            # A client that reads is still answered in full, within the bound.
             assert steps() == stages
+            reply = request(ipc_bus, b"snapshot", 5)
+            assert reply is not None and sum(len(frame) for frame in reply) <= MAX_REPLY_BYTES
             assert broker.stats().state.entries == 1 + stages
         finally:
             ctx.destroy(linger=0)
