@@ -14,9 +14,10 @@ its own subscription to everything, once per connection (the broker never
 passes on what subscribers send), so reading it once after connecting suffices.
 
 A message whose payload exceeds the bus's frame limit (``MAX_FRAME_BYTES``) would
-make the broker drop the connection, so it never leaves: its longest texts (a
-traceback, an error) are cut in the middle until it fits, and a message that
-is long for another reason is dropped and counted like a full queue.
+be dropped by the broker, or cost the connection, so it never leaves as it is:
+its longest texts (a traceback, an error) are cut in the middle until it fits,
+and a message that is long for another reason is dropped and counted like a
+full queue.
 
 Not thread-safe: use one Publisher per thread.
 """
