@@ -88,3 +88,15 @@ def procs() -> Iterator[ProcessGroup]:
         yield group
     finally:
         group.kill_all()
+
+
+@pytest.fixture
+def marker() -> Iterator[str]:
+    """A launch marker; whatever still carries it at teardown is killed."""
+    from launch_helpers import kill_marked, new_marker
+
+    token = new_marker()
+    try:
+        yield token
+    finally:
+        kill_marked(token)

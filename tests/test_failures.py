@@ -17,14 +17,11 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from launch_helpers import (
-    kill_marked,
     launch_env,
-    new_marker,
     read_records,
     run_launch,
     start_launch,
@@ -42,16 +39,6 @@ GLOO_CLOSED = (
     "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by "
     "peer [127.0.0.1]:23456. This is typically caused by a remote worker crashing."
 )
-
-
-@pytest.fixture
-def marker() -> Iterator[str]:
-    """A launch marker; whatever still carries it at teardown is killed."""
-    token = new_marker()
-    try:
-        yield token
-    finally:
-        kill_marked(token)
 
 
 def _recorder(path: Path) -> dict[str, str]:

@@ -12,12 +12,10 @@ import json
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from launch_helpers import (
-    kill_marked,
     launch_cmd,
     launch_env,
     new_marker,
@@ -32,16 +30,6 @@ from evtrain.bus.broker import Broker
 from evtrain.events import EvalEnded, RunEnded, RunStarted, StepEnded
 from evtrain.hook_supervisor import HookSupervisor, hook_command
 from evtrain.progress import Progress
-
-
-@pytest.fixture
-def marker() -> Iterator[str]:
-    """A launch marker; whatever still carries it at teardown is killed."""
-    token = new_marker()
-    try:
-        yield token
-    finally:
-        kill_marked(token)
 
 
 def _one_line(text: str) -> str:

@@ -31,7 +31,7 @@ MAIN_COMMAND = (
     "python3 -m venv .venv && . .venv/bin/activate && pip install -q torch==2.13.0 && "
     "pip install -q -e '.[demo]' && evtrain demo"
 )
-"""The README's main command (decided by the lead; kept verbatim)."""
+"""The README's main command, kept verbatim."""
 SHELL_LANGUAGES = {"bash", "sh", "shell", "console"}
 
 
@@ -211,7 +211,7 @@ def test_readme_files_exist() -> None:
     assert "examples/loss_spike_guard.py" in named
     for name in sorted(named):
         if name.startswith("docs/"):
-            continue  # FIGURE: the lead generates the picture
+            continue  # pictures are drawn from real runs, not by the tests
         assert (ROOT / name).exists(), f"README names {name}, which does not exist"
 
 

@@ -11,12 +11,11 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from launch_helpers import kill_marked, launch_cmd, launch_env, new_marker, run_launch
+from launch_helpers import launch_cmd, launch_env, new_marker, run_launch
 from safetensors.torch import load_file
 
 from evtrain.checkpoints import MANIFEST_FILE, latest_committed, list_checkpoints
@@ -204,15 +203,6 @@ def test_load_weights_starts_at_step_zero(tmp_path: Path, stopped_at_4: Path) ->
     got = weights(tmp_path / "w")
     for key, value in saved.items():
         assert (got[key] - value).abs().max() <= 0.0101, key
-
-
-@pytest.fixture
-def marker() -> Iterator[str]:
-    token = new_marker()
-    try:
-        yield token
-    finally:
-        kill_marked(token)
 
 
 def _wait_for(predicate: object, timeout: float, what: str) -> None:
