@@ -100,3 +100,15 @@ def marker() -> Iterator[str]:
         yield token
     finally:
         kill_marked(token)
+
+
+@pytest.fixture
+def buses(procs: ProcessGroup) -> Iterator[object]:
+    """Start ``evtrain bus`` processes; each is stopped (and its directory gone) after."""
+    from bus_procs import Buses
+
+    group = Buses(procs)
+    try:
+        yield group
+    finally:
+        group.stop_all()

@@ -15,7 +15,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import anyio
@@ -57,16 +57,6 @@ from evtrain.events import (
 from evtrain.run_state import MAX_HOOKS, RunState
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture
-def buses(procs: object) -> Iterator[Buses]:
-    """Start ``evtrain bus`` processes; each is stopped (and its directory gone) after."""
-    group = Buses(procs)
-    try:
-        yield group
-    finally:
-        group.stop_all()
 
 
 def start_bus(buses: Buses, *args: str) -> tuple[subprocess.Popen[str], BusAddress]:

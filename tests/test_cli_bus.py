@@ -9,7 +9,6 @@ import stat
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,16 +19,6 @@ from evtrain.bus.publisher import Publisher
 from evtrain.bus.security import load_client
 from evtrain.cli import COMMANDS, main
 from evtrain.events import StepEnded
-
-
-@pytest.fixture
-def buses(procs: object) -> Iterator[Buses]:
-    """Start ``evtrain bus`` processes; each is stopped (and its directory gone) after."""
-    group = Buses(procs)
-    try:
-        yield group
-    finally:
-        group.stop_all()
 
 
 def start_bus(buses: Buses, *args: str, **kwargs: object) -> tuple[subprocess.Popen[str], str]:

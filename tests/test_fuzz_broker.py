@@ -23,12 +23,11 @@ import random
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import msgspec
-import pytest
 import zmq
 from bus_procs import Buses, env_with_tests, rss_bytes
 
@@ -65,15 +64,6 @@ LONG_SUBSCRIBER = (
     "s.setsockopt(zmq.SUBSCRIBE,os.urandom(200000));time.sleep(0.5);os._exit(0)"
 )
 """A subscriber of a 200 KB topic that leaves; in its own process, which it would crash."""
-
-
-@pytest.fixture
-def buses(procs: object) -> Iterator[Buses]:
-    group = Buses(procs)
-    try:
-        yield group
-    finally:
-        group.stop_all()
 
 
 class Sampler:
