@@ -5,7 +5,7 @@
 One stage's worth of state: an MLP of 6 Linear(2048, 2048) + ReLU layers
 (25.2 M fp32 parameters, 101 MB) trained with Adam (two more moments: 302 MB
 of parameters plus optimizer state, plus the scheduler and RNG), saved with
-`evtrain.stages.checkpoint.ShardWriter` in the same format either way:
+`evtrain.checkpoint.writer.ShardWriter` in the same format either way:
 
 * async: `ShardWriter.save` captures the small state (buffers, RNG, scheduler,
   hyperparameters) and returns; a background thread copies parameters and
@@ -45,8 +45,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from evtrain.checkpoints import checkpoint_path_template, step_dir
-from evtrain.stages.checkpoint import ShardWriter
+from evtrain.checkpoint import checkpoint_path_template, step_dir
+from evtrain.checkpoint.writer import ShardWriter
 
 WIDTH = 2048
 LAYERS = 6

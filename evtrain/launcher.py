@@ -352,7 +352,7 @@ class Launcher:
 
     def _resolve_paths(self, job: Any) -> None:
         """``--resume`` and ``--load-weights`` to what the stages will load, or `UsageError`."""
-        from evtrain.checkpoints import CheckpointError, find_resume
+        from evtrain.checkpoint import CheckpointError, find_resume
 
         opts = self.options
         if opts.resume is not None:
@@ -1005,7 +1005,7 @@ class Launcher:
         back = f" (back at step {loss.back_at_step})" if loss.back_at_step is not None else ""
         line = f"the bus was lost at step {loss.step}{back}: hooks got no events after it"
         if self._checkpointing:
-            from evtrain.checkpoints import latest_committed
+            from evtrain.checkpoint import latest_committed
 
             assert self.run_dir is not None
             latest = latest_committed(self.run_dir)

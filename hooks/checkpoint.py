@@ -39,7 +39,7 @@ from typing import Literal
 import anyio
 import msgspec
 
-from evtrain.checkpoints import (
+from evtrain.checkpoint import (
     ON_STOP_REASON,
     CheckpointError,
     ShardRecord,

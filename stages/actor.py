@@ -62,7 +62,7 @@ A second signal more than one second after the first ends the process at
 once (Ctrl-C pressed again; a single Ctrl-C reaches a worker twice, from
 the terminal and forwarded by the elastic agent, within milliseconds).
 
-Checkpoints (`evtrain.stages.checkpoint`): each stage owns a `ShardWriter`.
+Checkpoints (`evtrain.checkpoint.writer`): each stage owns a `ShardWriter`.
 A ``CheckpointNow`` is applied at the boundary where it arrives, after that
 step's optimizer and scheduler steps: an ``on_stop`` request is armed, any
 other saves this stage's shard asynchronously and is acknowledged with
@@ -116,7 +116,9 @@ import torch.distributed as dist
 from evtrain.bus.address import BusAddress
 from evtrain.bus.commands import CommandReceiver
 from evtrain.bus.publisher import Publisher
-from evtrain.checkpoints import CheckpointError
+from evtrain.checkpoint import CheckpointError
+from evtrain.checkpoint.loader import agree_on_resume, load_stage_shard, load_weights
+from evtrain.checkpoint.writer import CompletedShard, ShardWriter, is_on_stop_request
 from evtrain.data import derive_seed, eval_microbatches
 from evtrain.errors import SpecError
 from evtrain.events import (
@@ -145,14 +147,6 @@ from evtrain.failures import frame_location, is_communication_error, user_frames
 from evtrain.job import Job
 from evtrain.reporting import Reporter, reporting
 from evtrain.spec import apply_overrides, load_job
-from evtrain.stages.checkpoint import (
-    CompletedShard,
-    ShardWriter,
-    agree_on_resume,
-    is_on_stop_request,
-    load_stage_shard,
-    load_weights,
-)
 from evtrain.stages.control import ControlResult, StepControl
 from evtrain.stages.executor import Span, StageExecutor, StepStats
 from evtrain.stages.p2p import Mailbox, TensorSpec, exchange_shapes, infer_output_spec

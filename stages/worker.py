@@ -70,7 +70,7 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     resume: str | None = None
     """Checkpoint to resume: a checkpoint directory, a run directory (its latest
     committed checkpoint) or ``"latest"`` (the job's run directory). Rank 0 resolves
-    it and all stages load the same one (`evtrain.stages.checkpoint.agree_on_resume`)."""
+    it and all stages load the same one (`evtrain.checkpoint.loader.agree_on_resume`)."""
 
     load_weights: str | None = None
     """Load model weights only (a committed checkpoint or a safetensors file) and

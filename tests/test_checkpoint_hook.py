@@ -27,7 +27,7 @@ import torch
 from evtrain.bus.address import BusAddress
 from evtrain.bus.publisher import Publisher
 from evtrain.bus.subscriber import Subscriber
-from evtrain.checkpoints import (
+from evtrain.checkpoint import (
     MANIFEST_FILE,
     SHARD_RECORD_FILE,
     latest_committed,
@@ -139,7 +139,7 @@ async def run_with_stages(
 
 def final_weights_equal(ckpt: Path, dumps: list[str]) -> None:
     """The checkpoint holds exactly the weights the stages ended with."""
-    from evtrain.stages.checkpoint import read_model_tensors
+    from evtrain.checkpoint.loader import read_model_tensors
 
     tensors = read_model_tensors(ckpt)
     expected: dict[str, torch.Tensor] = {}
@@ -329,7 +329,7 @@ async def test_restarted_hook_recovers_best_and_sets_aside_an_abandoned_future(
 ) -> None:
     from test_checkpoint_lib import make_job, save_all_stages  # type: ignore[import-not-found]
 
-    from evtrain.checkpoints import commit_checkpoint, set_latest
+    from evtrain.checkpoint import commit_checkpoint, set_latest
 
     job = make_job()
     for step, loss in ((2, 0.3), (4, 0.1), (6, 0.2)):
@@ -386,6 +386,7 @@ def _fake_stage(cfg: dict[str, Any]) -> None:
     from test_checkpoint_lib import build, make_job, train  # type: ignore[import-not-found]
 
     from evtrain.bus.commands import CommandReceiver
+    from evtrain.checkpoint.writer import ShardWriter, is_on_stop_request
     from evtrain.events import (
         CheckpointNow,
         CommandAcked,
@@ -395,7 +396,6 @@ def _fake_stage(cfg: dict[str, Any]) -> None:
         StageStarted,
         StepEnded,
     )
-    from evtrain.stages.checkpoint import ShardWriter, is_on_stop_request
 
     stage, world = cfg["stage"], cfg["world"]
     address = BusAddress.parse(cfg["bus"])

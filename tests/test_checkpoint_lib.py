@@ -27,7 +27,7 @@ import pytest
 import torch
 from torch import nn
 
-from evtrain.checkpoints import (
+from evtrain.checkpoint import (
     LATEST_FILE,
     MANIFEST_FILE,
     SHARD_RECORD_FILE,
@@ -49,17 +49,17 @@ from evtrain.checkpoints import (
     step_dir,
     validate_checkpoint,
 )
-from evtrain.data import derive_seed
-from evtrain.job import Job, layer
-from evtrain.stages.checkpoint import (
+from evtrain.checkpoint.loader import (
     RestrictedUnpickler,
     SafeFileSystemReader,
-    ShardWriter,
     agree_on_resume,
     load_stage_shard,
     load_weights,
     read_model_tensors,
 )
+from evtrain.checkpoint.writer import ShardWriter
+from evtrain.data import derive_seed
+from evtrain.job import Job, layer
 from evtrain.stages.partition import build_full_model, build_stage_module, partition
 
 STEPS = 3
@@ -742,6 +742,22 @@ def test_cli_list_and_export(tmp: Path) -> None:
     nodir = cli("export", str(tmp), "-o", str(tmp / "no" / "x.safetensors"))
     assert nodir.returncode == 2 and "does not exist" in nodir.stderr
     assert read_manifest(ckpt).metric == 0.25
+
+
+def test_the_package_and_its_storage_layer_import_without_torch() -> None:
+    # A fresh interpreter: this one has torch loaded already.
+    code = (
+        "import sys\n"
+        "import evtrain.checkpoint as pkg\n"
+        "from evtrain.checkpoint import storage\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+        "assert sorted(pkg.__all__) == sorted(storage.__all__)\n"
+        "assert all(getattr(pkg, n) is getattr(storage, n) for n in storage.__all__)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
 
 
 if __name__ == "__main__":

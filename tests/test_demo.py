@@ -11,7 +11,7 @@ import pytest
 import torch
 from launch_helpers import kill_marked, launch_env, new_marker, wait_no_marked
 
-from evtrain.checkpoints import latest_committed, list_checkpoints
+from evtrain.checkpoint import latest_committed, list_checkpoints
 from evtrain.data import microbatches
 from evtrain.demo import DEMO_HOOKS, MAX_STEPS, SPEC_PATH, load_digits_split, make_job
 from evtrain.errors import UsageError

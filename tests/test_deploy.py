@@ -41,7 +41,7 @@ from launch_helpers import launch_cmd, write_spec
 
 from evtrain.bus.address import BusAddress
 from evtrain.bus.subscriber import Subscriber
-from evtrain.checkpoints import list_checkpoints
+from evtrain.checkpoint import list_checkpoints
 from evtrain.demo import DEMO_HOOKS, MAX_STEPS
 from evtrain.errors import UsageError
 from evtrain.events import HookStarted

@@ -18,7 +18,7 @@ import torch
 from launch_helpers import launch_cmd, launch_env, new_marker, run_launch
 from safetensors.torch import load_file
 
-from evtrain.checkpoints import MANIFEST_FILE, latest_committed, list_checkpoints
+from evtrain.checkpoint import MANIFEST_FILE, latest_committed, list_checkpoints
 
 STEPS = 8
 
@@ -197,7 +197,7 @@ def test_load_weights_starts_at_step_zero(tmp_path: Path, stopped_at_4: Path) ->
     # One step from the loaded weights with a fresh optimizer: weights differ from
     # the checkpoint's, but by at most one Adam step (lr 0.01).
     launch(spec, "--load-weights", str(ckpt.path), "--dump-weights", str(tmp_path / "w"))
-    from evtrain.stages.checkpoint import read_model_tensors
+    from evtrain.checkpoint.loader import read_model_tensors
 
     saved = read_model_tensors(ckpt.path)
     got = weights(tmp_path / "w")

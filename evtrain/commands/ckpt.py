@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from evtrain.checkpoints import (
+from evtrain.checkpoint import (
     CheckpointCorrupt,
     find_resume,
     latest_committed,
@@ -173,7 +173,7 @@ def run_export(args: argparse.Namespace) -> int:
     # torch only now: mistakes above are reported without the import cost.
     from safetensors.torch import save_file
 
-    from evtrain.stages.checkpoint import read_model_tensors
+    from evtrain.checkpoint.loader import read_model_tensors
 
     tensors = read_model_tensors(path)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")

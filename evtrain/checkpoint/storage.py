@@ -26,7 +26,8 @@ Durability protocol (each step only after the previous one is on disk):
 3. Then ``latest`` moves (atomically), then retention prunes.
 
 This module is torch-free so that ``evtrain ckpt list`` and the hook start fast;
-the stage side (saving and loading tensors) is `evtrain.stages.checkpoint`.
+the stage side (saving and loading tensors) is `evtrain.checkpoint.writer` and
+`evtrain.checkpoint.loader`.
 """
 
 from __future__ import annotations
@@ -67,9 +68,11 @@ __all__ = [
     "StageEntry",
     "TensorInfo",
     "atomic_write_bytes",
+    "best_checkpoint",
     "checkpoint_path_template",
     "checkpoints_root",
     "commit_checkpoint",
+    "committed_shard_record",
     "find_resume",
     "format_checkpoint_path",
     "fsync_dir",
@@ -93,7 +96,7 @@ __all__ = [
     "write_shard_record",
 ]
 
-log = structlog.get_logger("evtrain.checkpoints")
+log = structlog.get_logger("evtrain.checkpoint.storage")
 
 ON_STOP_REASON = "on_stop"
 """``CheckpointNow.reason`` that *arms* a checkpoint for the end of the run instead of
