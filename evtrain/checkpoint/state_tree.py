@@ -199,6 +199,12 @@ def _capture(
         "data_position": data_position,
     }
     if optimizer is not None:
+        # Not torch's get/set_optimizer_state_dict(flatten_optimizer_state_dict=True):
+        # on an optimizer without state they run optimizer.step() to create some (a
+        # checkpoint before the first step would change the live Adam state, and SGD
+        # without momentum would step on every save), flattening rejects state values
+        # other than tensors and numbers, and loading gives a parameter that has no
+        # saved state an empty dict per state entry, which its next step cannot use.
         names = _param_names(module)
         osd = optimizer.state_dict()
         # optimizer.state_dict() numbers parameters in param_groups order.
