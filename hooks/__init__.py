@@ -5,10 +5,10 @@ run it with ``evtrain hook pkg.mod:Class --bus ENDPOINT`` or in-process with
 `HookRunner`.
 """
 
-from evtrain.hooks.hook import Hook, on
+from evtrain.hooks.hook import EventFilter, Hook, on
 from evtrain.hooks.runner import CommandTimeout, HookRunner
 
-__all__ = ["CommandTimeout", "Hook", "HookRunner", "on"]
+__all__ = ["CommandTimeout", "EventFilter", "Hook", "HookRunner", "on"]
 
 # Built-in hooks (the exporters live in evtrain.exporters).
 from evtrain.hooks.console_log import ConsoleLog

@@ -44,7 +44,7 @@ from evtrain.hooks.formatting import (
     safe_text,
     short,
 )
-from evtrain.hooks.hook import Hook, on
+from evtrain.hooks.hook import EventFilter, Hook, on
 from evtrain.hooks.options import choice_option, int_option, path_option
 from evtrain.hooks.step_merge import MergedStep, StepMerger, StepWindow
 
@@ -125,6 +125,7 @@ class ConsoleLog(Hook):
     ) -> None:
         super().__init__(priority=priority)
         self.every = int_option(self.name, "every", every)
+        self._progress_steps = EventFilter(every=self.every)
         self.window = StepWindow(int_option(self.name, "window", window, minimum=2))
         self.log_format = (
             None
@@ -192,7 +193,7 @@ class ConsoleLog(Hook):
         """Merge the stages' events; every ``every`` steps, log the progress line."""
         for merged in self._merger.add(ev):
             self._account(merged)
-            if merged.step % self.every == 0:
+            if self._progress_steps(merged):
                 self._progress(merged)
 
     def _account(self, merged: MergedStep) -> None:

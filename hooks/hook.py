@@ -1,10 +1,23 @@
-"""The `Hook` base class and the `@on` handler decorator.
+"""The `Hook` base class, the `@on` handler decorator and `EventFilter`.
 
 A hook is an event subscriber. It declares handlers with ``@on(EventType)``; a
 `HookRunner` subscribes to exactly those topics and calls the handlers in
 priority order (lower first, ties by registration order). The same class runs
 in its own process (``evtrain hook pkg.mod:Class --bus ENDPOINT``) or inside any
 asyncio program (tests, notebooks) through `HookRunner`.
+
+``@on`` takes filters, as ignite's ``Events.X(every=, once=)`` does:
+``@on(StepEnded, every=10)`` calls the handler for steps 10, 20, ...;
+``once=K`` for step K only; ``stage=S`` (an index or a collection of them)
+for the events of those stages only. They combine (``every`` or ``once``, and
+``stage``); what they mean is `EventFilter`'s to say. A base class
+(``@on(MicrobatchSpan)``, ``@on(Event)``) stands for every concrete event type
+derived from it (`evtrain.events.MESSAGE_TYPES`). A handler registered for one
+type several times (for a base class and a subclass of it, or by two ``@on``)
+is called once per event: when any of its registrations accepts the event.
+Misuse (a filter value that is not a positive step, a filter on a type without
+the field it reads, a type that is not an event) raises at class definition,
+naming the handler.
 
 Hooks act on the run by sending commands (`stop`, `checkpoint`, `evaluate`);
 every stage applies a command at the same step boundary and acknowledges it.
@@ -14,12 +27,14 @@ from __future__ import annotations
 
 import re
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import structlog
 
 from evtrain.events import (
+    MESSAGE_TYPES,
     CheckpointNow,
     Command,
     CommandAcked,
@@ -35,21 +50,139 @@ if TYPE_CHECKING:
 
 E = TypeVar("E", bound=Message)
 Handler = Callable[[Any, Any], Awaitable[None] | None]
+Accepts = Callable[[Any], bool]
+"""Whether a handler wants an event (an `EventFilter`, or several of them)."""
 
 _HANDLER_ATTR = "__evtrain_on__"
 _NO_RUN = RunState()
+_READS = {"every": "step", "once": "step", "stage": "stage"}
 
 
-def on(*event_types: type[Message]) -> Callable[[Handler], Handler]:
-    """Mark a method as the handler of one or more event types."""
+def _is_index(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True, slots=True, init=False)
+class EventFilter:
+    """Which events (or anything with a ``step``, like a merged step) pass.
+
+    * ``every=N``: those whose ``step`` is a multiple of N (steps count from 1,
+      so ``every=10`` passes steps 10, 20, ...);
+    * ``once=K``: those whose ``step`` is K: one per stage that reports step K,
+      unless ``stage`` narrows it down;
+    * ``stage=S``: those whose ``stage`` is S, or one of S.
+
+    ``every`` and ``once`` exclude each other; either combines with ``stage``.
+    An object whose ``step`` (or ``stage``) is None does not pass a filter on
+    it. A filter without conditions passes everything.
+    """
+
+    every: int | None
+    once: int | None
+    stage: frozenset[int] | None
+
+    def __init__(
+        self,
+        *,
+        every: int | None = None,
+        once: int | None = None,
+        stage: int | Collection[int] | None = None,
+    ) -> None:
+        if every is not None:
+            if not _is_index(every):
+                raise TypeError(f"every= must be an int, got {every!r}")
+            if every < 1:
+                raise ValueError(f"every= must be >= 1, got {every}")
+        if once is not None:
+            if not _is_index(once):
+                raise TypeError(f"once= must be an int, got {once!r}")
+            if once < 0:
+                raise ValueError(f"once= must be a step >= 0, got {once}")
+            if every is not None:
+                raise ValueError("once= and every= exclude each other: once= is one step")
+        stages: frozenset[int] | None = None
+        if stage is not None:
+            given = (stage,) if _is_index(stage) else stage
+            if isinstance(given, str | bytes) or not isinstance(given, Collection):
+                raise TypeError(f"stage= must be an int or a collection of ints, got {stage!r}")
+            if not all(_is_index(s) for s in given):
+                raise TypeError(f"stage= must hold ints only, got {stage!r}")
+            stages = frozenset(given)  # type: ignore[arg-type]
+            if not stages:
+                raise ValueError("stage= names no stage: the handler would never be called")
+            if min(stages) < 0:
+                raise ValueError(f"stage= must be stage indices >= 0, got {stage!r}")
+        object.__setattr__(self, "every", every)
+        object.__setattr__(self, "once", once)
+        object.__setattr__(self, "stage", stages)
+
+    @property
+    def reads(self) -> dict[str, str]:
+        """Each condition set (``every``, ``once``, ``stage``) and the field it reads."""
+        options = {"every": self.every, "once": self.once, "stage": self.stage}
+        return {option: _READS[option] for option, value in options.items() if value is not None}
+
+    def __call__(self, msg: Any) -> bool:
+        """Whether ``msg`` passes."""
+        if self.stage is not None and msg.stage not in self.stage:
+            return False
+        if self.every is not None:
+            step = msg.step
+            return step is not None and step % self.every == 0
+        if self.once is not None:
+            return bool(msg.step == self.once)
+        return True
+
+
+def _any_of(filters: tuple[EventFilter, ...]) -> Accepts:
+    if len(filters) == 1:
+        return filters[0]
+    return lambda msg: any(accepts(msg) for accepts in filters)
+
+
+def _concrete(event_type: type[Message]) -> list[type[Message]]:
+    return [t for t in MESSAGE_TYPES if issubclass(t, event_type)]
+
+
+def on(
+    *event_types: type[Message],
+    every: int | None = None,
+    once: int | None = None,
+    stage: int | Collection[int] | None = None,
+) -> Callable[[Handler], Handler]:
+    """Mark a method as the handler of one or more event types, optionally filtered.
+
+    A base class subscribes to each concrete event type derived from it. The
+    filters are those of `EventFilter`; they apply to every type given, so each
+    must have the fields they read.
+    """
     if not event_types:
         raise TypeError("@on needs at least one event type")
-    for event_type in event_types:
-        if not (isinstance(event_type, type) and issubclass(event_type, Message)):
-            raise TypeError(f"@on expects evtrain event types, got {event_type!r}")
 
     def mark(fn: Handler) -> Handler:
-        setattr(fn, _HANDLER_ATTR, (*getattr(fn, _HANDLER_ATTR, ()), *event_types))
+        name = getattr(fn, "__qualname__", repr(fn))
+        where = f"@on({', '.join(getattr(t, '__name__', repr(t)) for t in event_types)}) on {name}"
+        try:
+            accepts = EventFilter(every=every, once=once, stage=stage)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"{where}: {exc}") from None
+        registered: list[tuple[type[Message], EventFilter | None]] = []
+        for event_type in event_types:
+            if not (isinstance(event_type, type) and issubclass(event_type, Message)):
+                raise TypeError(f"{where}: expects evtrain event types, got {event_type!r}")
+            for option, field in accepts.reads.items():
+                if field not in event_type.__struct_fields__:
+                    raise TypeError(
+                        f"{where}: {event_type.__name__} has no {field} field for {option}= to read"
+                    )
+            concrete = _concrete(event_type)
+            if not concrete:
+                raise TypeError(
+                    f"{where}: {event_type.__name__} is not an event type of the bus schema "
+                    "(evtrain.events.MESSAGE_TYPES has no type derived from it)"
+                )
+            registered.extend((t, accepts if accepts.reads else None) for t in concrete)
+        setattr(fn, _HANDLER_ATTR, (*getattr(fn, _HANDLER_ATTR, ()), *registered))
         return fn
 
     return mark
@@ -93,19 +226,35 @@ class Hook:
         return cls.name or _snake(cls.__name__)
 
     @classmethod
-    def handlers(cls) -> list[tuple[type[Message], str]]:
-        """(event type, method name) pairs in definition order, base classes first."""
-        found: list[tuple[type[Message], str]] = []
-        seen: set[str] = set()
+    def handlers(cls) -> list[tuple[type[Message], str, Accepts | None]]:
+        """(concrete event type, method name, filter) in definition order, base classes first.
+
+        A method appears once per event type, however often it was registered
+        for it; its filter is None when some registration has none (it wants
+        every event of that type), else one accepting what any of them accepts.
+        An overriding method keeps the position of the one it overrides and
+        brings its own registrations.
+        """
+        methods: dict[str, tuple[tuple[type[Message], EventFilter | None], ...]] = {}
         for klass in reversed(cls.__mro__):
             for attr, fn in vars(klass).items():
-                types = getattr(fn, _HANDLER_ATTR, None)
-                if types is None:
+                registered = getattr(fn, _HANDLER_ATTR, None)
+                if registered is not None:
+                    methods[attr] = registered
+        found: list[tuple[type[Message], str, Accepts | None]] = []
+        for attr, registered in methods.items():
+            by_type: dict[type[Message], list[EventFilter] | None] = {}
+            for event_type, accepts in registered:
+                filters = by_type.setdefault(event_type, [])
+                if filters is None:
                     continue
-                if attr in seen:  # overridden: keep the first position, latest types
-                    found = [(t, a) for t, a in found if a != attr]
-                seen.add(attr)
-                found.extend((t, attr) for t in types)
+                if accepts is None:
+                    by_type[event_type] = None
+                else:
+                    filters.append(accepts)
+            for event_type, filters in by_type.items():
+                accepts_any = None if filters is None else _any_of(tuple(dict.fromkeys(filters)))
+                found.append((event_type, attr, accepts_any))
         return found
 
     # -- lifecycle, overridable --------------------------------------------------
@@ -153,16 +302,26 @@ class Hook:
         """
         return await self.runner.send_command(command, timeout=timeout, acks=acks)
 
-    async def stop(self, reason: str = "", *, timeout: float = 60.0) -> list[CommandAcked]:
-        """Ask every stage to end the run cleanly at the next step boundary."""
+    async def stop(
+        self, reason: str = "", *, at_step: int | None = None, timeout: float = 60.0
+    ) -> list[CommandAcked]:
+        """Ask every stage to end the run cleanly at boundary ``at_step`` (default: the next)."""
         return await self.send_command(
-            StopRun(command_id=_new_id(), reason=reason or f"stopped by {self.hook_name()}"),
+            StopRun(
+                command_id=_new_id(),
+                at_step=at_step,
+                reason=reason or f"stopped by {self.hook_name()}",
+            ),
             timeout=timeout,
         )
 
-    async def evaluate(self, *, timeout: float = 60.0) -> list[CommandAcked]:
-        """Ask the stages to evaluate at the next step boundary."""
-        return await self.send_command(EvaluateNow(command_id=_new_id()), timeout=timeout)
+    async def evaluate(
+        self, *, at_step: int | None = None, timeout: float = 60.0
+    ) -> list[CommandAcked]:
+        """Ask the stages to evaluate at boundary ``at_step`` (default: the next)."""
+        return await self.send_command(
+            EvaluateNow(command_id=_new_id(), at_step=at_step), timeout=timeout
+        )
 
     async def checkpoint(
         self,
@@ -170,20 +329,21 @@ class Hook:
         path: str,
         *,
         reason: str = "",
-        on_stop: bool = False,
+        at_step: int | None = None,
         timeout: float = 60.0,
     ) -> list[CommandAcked]:
-        """Ask the stages to save a checkpoint into ``path`` at the next step boundary.
+        """Ask the stages to save a checkpoint into ``path`` at boundary ``at_step``.
 
-        ``on_stop`` arms it instead: the stages save when the run ends.
+        ``path`` may hold a ``{step}`` placeholder. A checkpoint coordinator
+        (the ``checkpoint`` hook) commits it; without one it stays uncommitted.
         """
         return await self.send_command(
             CheckpointNow(
                 command_id=_new_id(),
+                at_step=at_step,
                 checkpoint_id=checkpoint_id,
                 path=path,
                 reason=reason,
-                on_stop=on_stop,
             ),
             timeout=timeout,
         )

@@ -4,12 +4,13 @@ One runner serves the hooks of one process. It subscribes to exactly the topics
 the handlers declare, proves its subscription is live before `setup` (it
 publishes `HookStarted` and waits to receive it back through the broker), loads
 the run's state from the broker so a hook that joins mid-run knows the run at
-once, and then dispatches each event to the handlers in priority order. A
-handler that raises is logged and published as `HookError`; the hook keeps
-running. The first `HOOK_TRACEBACKS` raises of one kind (hook, handler, error
-type) are logged and published with their traceback; after that one line and
-one `HookError` (whose ``count`` says how many raises it stands for) per kind
-at most every `ERROR_REPORT_INTERVAL` seconds, and the rest at teardown.
+once, and then dispatches each event to the handlers in priority order and
+through their filters (see `evtrain.hooks.hook`). A handler that raises is
+logged and published as `HookError`; the hook keeps running. The first
+`HOOK_TRACEBACKS` raises of one kind (hook, handler, error type) are logged and
+published with their traceback; after that one line and one `HookError` (whose
+``count`` says how many raises it stands for) per kind at most every
+`ERROR_REPORT_INTERVAL` seconds, and the rest at teardown.
 
 Sequence gaps are published as `BusGaps` at most once a second, for at most
 `MAX_GAP_SOURCES` sources at a time (the ones that lost most).
@@ -45,11 +46,14 @@ from evtrain.events import (
     RunEnded,
 )
 from evtrain.hooks.formatting import safe_text
-from evtrain.hooks.hook import Hook, of_run
+from evtrain.hooks.hook import Accepts, Hook, of_run
 from evtrain.ratelimit import MAX_KINDS, RateLimitedLog
 from evtrain.run_state import RunState
 
 log = structlog.get_logger("evtrain.hooks.runner")
+
+_Bound = Callable[[Message], Any]
+"""A handler bound to its hook."""
 
 
 _YIELD_EVERY = 256
@@ -100,16 +104,20 @@ class HookRunner:
         self._buffer = buffer
         self._curve = curve
         self._stop = anyio.Event()
-        self._dispatch: dict[type[Message], list[tuple[Hook, str]]] = {}
-        for hook in self.hooks:
-            for event_type, method in hook.handlers():
-                self._dispatch.setdefault(event_type, []).append((hook, method))
-        self.topics = sorted({t.topic.decode() for t in self._dispatch})
         # Bound once: a getattr per event and handler shows up at 100k events/s.
-        self._handlers = {
-            event_type: [(hook, method, getattr(hook, method)) for hook, method in handlers]
-            for event_type, handlers in self._dispatch.items()
+        dispatch: dict[type[Message], list[tuple[Hook, str, _Bound, Accepts | None]]] = {}
+        for hook in self.hooks:
+            for event_type, method, accepts in hook.handlers():
+                entry = (hook, method, getattr(hook, method), accepts)
+                dispatch.setdefault(event_type, []).append(entry)
+        self.topics = sorted({t.topic.decode() for t in dispatch})
+        # Types no handler filters keep the lean path: their handlers as they are.
+        self._handlers: dict[type[Message], list[tuple[Hook, str, _Bound]]] = {
+            event_type: [(hook, method, fn) for hook, method, fn, _ in entries]
+            for event_type, entries in dispatch.items()
+            if all(accepts is None for *_, accepts in entries)
         }
+        self._filtered = {t: e for t, e in dispatch.items() if t not in self._handlers}
         if exit_on_run_end and RunEnded.topic.decode() not in self.topics:
             self.topics.append(RunEnded.topic.decode())
         self._publisher: Publisher | None = None
@@ -328,7 +336,7 @@ class HookRunner:
                 BusGaps(from_source=source, missing=missing, total_missing=tracker.total_missing)
             )
 
-    def _prepare(self, msg: Message) -> Sequence[tuple[Hook, str, Callable[[Message], Any]]]:
+    def _prepare(self, msg: Message) -> Sequence[tuple[Hook, str, _Bound]]:
         """Fold ``msg`` into the state; the handlers it goes to (none if replayed)."""
         if self._replayed:
             seen = self._replayed.get((msg.source, msg.topic))
@@ -338,7 +346,18 @@ class HookRunner:
                 # Newer (or a restarted source counting from 0 again): live from here.
                 del self._replayed[(msg.source, msg.topic)]
         self.state.update(msg)
-        return self._handlers.get(type(msg), ())
+        return self._handlers.get(type(msg)) or self._accepting(msg)
+
+    def _accepting(self, msg: Message) -> Sequence[tuple[Hook, str, _Bound]]:
+        """The handlers of a type some handler filters that accept ``msg``."""
+        filtered = self._filtered.get(type(msg))
+        if filtered is None:
+            return ()
+        return [
+            (hook, method, fn)
+            for hook, method, fn, accepts in filtered
+            if accepts is None or accepts(msg)
+        ]
 
     async def _handle(self, msg: Message) -> None:
         for hook, method, fn in self._prepare(msg):

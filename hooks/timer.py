@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from evtrain.events import RunEnded, RunStarted, StepEnded
-from evtrain.hooks.hook import Hook, on
+from evtrain.hooks.hook import EventFilter, Hook, on
 from evtrain.hooks.options import int_option
 from evtrain.hooks.step_merge import MergedStep, StepMerger
 
@@ -62,6 +62,7 @@ class Timer(Hook):
     def __init__(self, *, every: int = 50, priority: int | None = None) -> None:
         super().__init__(priority=priority)
         self.every = int_option(self.name, "every", every)
+        self._summary_steps = EventFilter(every=self.every)
         self._merger = StepMerger(lambda: self.state)
         self.summaries: deque[dict[str, object]] = deque(maxlen=1000)
         self._reset_run()
@@ -100,7 +101,7 @@ class Timer(Hook):
             self._samples += merged.samples
         self._window_steps.append(merged)
         self._last = merged
-        if merged.step % self.every == 0:
+        if self._summary_steps(merged):
             self._summarize("timing", self._window, self._window_start, self._window_steps)
             self._window = {}
             self._window_start = merged
