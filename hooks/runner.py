@@ -5,12 +5,16 @@ the handlers declare, proves its subscription is live before `setup` (it
 publishes `HookStarted` and waits to receive it back through the broker), loads
 the run's state from the broker so a hook that joins mid-run knows the run at
 once, and then dispatches each event to the handlers in priority order and
-through their filters (see `evtrain.hooks.hook`). A handler that raises is
-logged and published as `HookError`; the hook keeps running. The first
-`HOOK_TRACEBACKS` raises of one kind (hook, handler, error type) are logged and
-published with their traceback; after that one line and one `HookError` (whose
-``count`` says how many raises it stands for) per kind at most every
-`ERROR_REPORT_INTERVAL` seconds, and the rest at teardown.
+through their filters (see `evtrain.hooks.hook`). Reading and dispatch are
+separate tasks from `setup` on: the snapshot's events are dispatched first and
+live ones queue behind them, yet acknowledgements of commands reach their
+sender at once, so a handler may send a command and await it while it handles
+the snapshot (a hook restarted mid-run re-arming what it had armed). A
+handler that raises is logged and published as `HookError`; the hook keeps
+running. The first `HOOK_TRACEBACKS` raises of one kind (hook, handler, error
+type) are logged and published with their traceback; after that one line and
+one `HookError` (whose ``count`` says how many raises it stands for) per kind
+at most every `ERROR_REPORT_INTERVAL` seconds, and the rest at teardown.
 
 Sequence gaps are published as `BusGaps` at most once a second, for at most
 `MAX_GAP_SOURCES` sources at a time (the ones that lost most).
@@ -195,6 +199,7 @@ class HookRunner:
             [*self.topics, HookStarted.topic.decode()],
             curve=self._curve,
         )
+        failed: list[Exception] = []
         try:
             # The snapshot comes first: every live event is then as new as it or
             # newer, and `_prepare` drops live copies of what it already held.
@@ -204,20 +209,16 @@ class HookRunner:
             await self._prove_subscription()
             for hook in self.hooks:
                 hook._runner = self
-            for hook in self.hooks:
-                await hook.setup()
-            for msg in snapshot:
-                await self._handle(msg)
-            self._replayed = {(msg.source, msg.topic): (msg.seq, msg.ts) for msg in snapshot}
-            if self._queue:
-                self._queued.set()  # events that arrived while proving the subscription
-            self.ready.set()
-            log.info("hooks attached", hooks=self.name, topics=self.topics, bus=str(self.address))
             async with anyio.create_task_group() as tg:
+                # The reader runs from here on: a handler that sends a command while
+                # it sets up or replays the snapshot gets the acknowledgements it
+                # awaits, and live events queue up behind the snapshot meanwhile.
                 tg.start_soon(self._read)
-                tg.start_soon(self._dispatch_all)
+                tg.start_soon(self._attach, snapshot, failed)
                 await self._stop.wait()
                 tg.cancel_scope.cancel()
+            if failed:
+                raise failed[0]
         finally:
             with anyio.CancelScope(shield=True):
                 for hook in self.hooks:
@@ -228,6 +229,24 @@ class HookRunner:
                 self._errors.flush()
                 self._report_gaps(force=True)
                 self._close()
+
+    async def _attach(self, snapshot: list[Message], failed: list[Exception]) -> None:
+        try:
+            for hook in self.hooks:
+                await hook.setup()
+        except Exception as exc:
+            # Raised by `run` itself, not wrapped in the task group's exception group.
+            failed.append(exc)
+            self._stop.set()
+            return
+        for msg in snapshot:
+            await self._handle(msg)
+        self._replayed = {(msg.source, msg.topic): (msg.seq, msg.ts) for msg in snapshot}
+        if self._queue:
+            self._queued.set()  # events that arrived while proving the subscription
+        self.ready.set()
+        log.info("hooks attached", hooks=self.name, topics=self.topics, bus=str(self.address))
+        await self._dispatch_all()
 
     def _close(self) -> None:
         for closable in (self._publisher, self._command_publisher, self._subscriber):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -21,6 +22,7 @@ from evtrain.bus.state_service import fetch_snapshot
 from evtrain.bus.subscriber import Subscriber
 from evtrain.events import (
     BusGaps,
+    Command,
     CommandAcked,
     EvaluateNow,
     HookError,
@@ -228,6 +230,113 @@ async def test_a_late_joiner_knows_the_run_at_once(bus: BusAddress) -> None:
             await wait_until(lambda: (1, 6) in hook.steps)
             assert hook.state.step == 6
             assert sorted(hook.steps) == [(0, 5), (1, 5), (1, 6)]  # nothing twice
+
+
+COMMAND_TIMEOUT = 30.0
+
+
+class Rearms(Hook):
+    """On the run's start (replayed, for a hook that attaches mid-run) it sends a command
+    and waits for every stage's acknowledgement, as a hook re-arming a save does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+        self.acks: list[CommandAcked] = []
+        self.took: float | None = None
+
+    @on(RunStarted)
+    async def run_started(self, ev: RunStarted) -> None:
+        started = time.monotonic()
+        self.acks = await self.send_command(
+            EvaluateNow(command_id=uuid.uuid4().hex), timeout=COMMAND_TIMEOUT
+        )
+        self.took = time.monotonic() - started
+        self.calls.append("acknowledged")
+
+    @on(StepEnded)
+    def step(self, ev: StepEnded) -> None:
+        self.calls.append(f"{ev.stage}:{ev.step}")
+
+
+async def act_as_stages(bus: BusAddress, pubs: list[Publisher]) -> None:
+    """Acknowledge every command for each stage; before the first acks, end step 6 live."""
+    with Subscriber(bus.endpoint("commands_out"), ["cmd."]) as commands:
+        stepped = False
+        while True:
+            for command in await commands.receive():
+                if not isinstance(command, Command):
+                    continue
+                for stage, pub in enumerate(pubs):
+                    if not stepped:
+                        pub.publish(StepEnded(step=6, stage=stage))
+                    pub.publish(
+                        CommandAcked(
+                            command_id=command.command_id,
+                            command=command.topic.decode(),
+                            stage=stage,
+                            step=5,
+                        )
+                    )
+                stepped = True
+
+
+async def test_a_late_joiner_awaits_acks_while_it_replays_the_snapshot(bus: BusAddress) -> None:
+    with stage_pub(bus, 0) as pub0, stage_pub(bus, 1) as pub1:
+        pub0.publish(
+            RunStarted(
+                name="late",
+                num_stages=2,
+                num_microbatches=4,
+                schedule="1f1b",
+                max_steps=100,
+                batch_size=32,
+            )
+        )
+        for stage, pub in ((0, pub0), (1, pub1)):
+            pub.publish(StepEnded(step=5, stage=stage))
+        with anyio.fail_after(10):
+            while len([m for m in fetch_snapshot(bus) if isinstance(m, StepEnded)]) < 2:
+                await anyio.sleep(0.02)
+        hook = Rearms()
+        async with anyio.create_task_group() as stages:
+            stages.start_soon(act_as_stages, bus, [pub0, pub1])
+            # `attached` waits at most 20 s for the replay: less than the command timeout.
+            async with attached(hook, bus=bus, retry_interval=0.2):
+                assert hook.took is not None and hook.took < COMMAND_TIMEOUT / 3
+                assert sorted(a.stage for a in hook.acks) == [0, 1]  # the run's two stages
+                await wait_until(lambda: len(hook.calls) == 5)
+            stages.cancel_scope.cancel()
+    # The snapshot in full first, then the live events that queued up meanwhile; none twice.
+    assert hook.calls[0] == "acknowledged"
+    assert sorted(hook.calls[1:3]) == ["0:5", "1:5"]
+    assert sorted(hook.calls[3:]) == ["0:6", "1:6"]
+
+
+async def test_stop_ends_a_runner_whose_replay_awaits_acks(bus: BusAddress) -> None:
+    with stage_pub(bus) as pub:
+        pub.publish(
+            RunStarted(
+                name="nobody acks",
+                num_stages=1,
+                num_microbatches=1,
+                schedule="1f1b",
+                max_steps=10,
+                batch_size=1,
+            )
+        )
+        with anyio.fail_after(10):
+            while not any(isinstance(m, RunStarted) for m in fetch_snapshot(bus)):
+                await anyio.sleep(0.02)
+    hook = Rearms()
+    runner = HookRunner([hook], bus, retry_interval=0.2)
+    with Subscriber(bus.endpoint("commands_out"), ["cmd."]) as commands:
+        with anyio.fail_after(COMMAND_TIMEOUT / 3):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(runner.run)
+                await commands.receive()  # the replayed handler now awaits its acks
+                runner.stop()
+    assert hook.took is None and not runner.ready.is_set()
 
 
 class Ender(Hook):
