@@ -2,7 +2,7 @@
 
 from evtrain.bus.address import BusAddress, free_port_block
 from evtrain.bus.broker import Broker
-from evtrain.bus.commands import CommandReceiver
+from evtrain.bus.commands import CommandLedger, CommandReceiver
 from evtrain.bus.publisher import Publisher
 from evtrain.bus.security import (
     CurveConfig,
@@ -19,6 +19,7 @@ from evtrain.bus.subscriber import Subscriber
 __all__ = [
     "Broker",
     "BusAddress",
+    "CommandLedger",
     "CommandReceiver",
     "CurveConfig",
     "CurveServer",

@@ -1,15 +1,43 @@
-"""The stage side of commands: receive them without waiting, apply each id once.
+"""Commands: how a hook's request reaches every stage, when it applies, how it is acknowledged.
 
-Issuers retry a command until it is acknowledged, so a stage sees the same
-``command_id`` several times: either because its acknowledgement was lost, or
-because the retry crossed it. `CommandReceiver.poll` returns each id once; when
-the receiver was given a publisher and the stage acknowledged through
-`CommandReceiver.ack`, a repeated command gets the same acknowledgement again,
-so a lost acknowledgement is healed by the next retry.
+Delivery. A hook publishes a `evtrain.events.Command` on the broker's
+``commands_in``. Stage 0 alone subscribes (`CommandReceiver`) and hands
+whatever arrived to all stages in the control exchange of its next step
+boundary (`evtrain.stages.control`), so every stage sees every command at the
+same boundary ("boundary k" is the point after k optimizer steps).
+
+Boundaries. The boundary where the stages receive a command is where they
+*accept* it, and each stage acknowledges it there at once (`CommandAcked`,
+through its `CommandLedger`), with ``step`` = the boundary it applies at:
+
+* ``at_step=None``: the receiving boundary.
+* ``at_step=k`` ahead of the stages: kept and applied exactly at boundary k,
+  however long before the command came. Hooks that know in advance (every N
+  steps, epoch ends) ask ahead this way, so their work lands on the step
+  they mean without holding training up.
+* ``at_step=k`` already passed (the command was late): applied at the
+  receiving boundary, acknowledged with ``late=True`` and that boundary as
+  ``step``. A late checkpoint holds, and is named for, the later step.
+* ``at_step`` beyond the run's last step, or a command the stage cannot carry
+  out (an evaluation without eval data, an unknown command): refused,
+  ``ok=False`` with a ``detail``; it is never applied.
+
+What the work itself produced is reported by its own events
+(``EvalEnded``, ``CheckpointShardSaved``/``CheckpointFailed``, ``RunEnded``),
+not by the acknowledgement. Commands that arrive after a run's final boundary
+are neither applied nor acknowledged: the issuer's wait times out.
+
+Retries. The issuer (`evtrain.hooks.runner.HookRunner.send_command`)
+publishes the command again every second until every stage acknowledged it.
+Stage 0 hands repeats on like new commands; each stage's `CommandLedger`
+applies one ``command_id`` once and answers a repeat with the acknowledgement
+it already gave, so an acknowledgement lost on the way is healed by the next
+retry.
 """
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from typing import Any
 
@@ -21,17 +49,21 @@ from evtrain.bus.security import CurveConfig
 from evtrain.errors import UsageError
 from evtrain.events import Command, CommandAcked, DecodeError, decode
 
+__all__ = ["DROP_FIRST_ACK_ENV", "CommandLedger", "CommandReceiver"]
+
 log = structlog.get_logger("evtrain.bus.commands")
 
-_SEEN_LIMIT = 4096
+SEEN_LIMIT = 4096
+"""Command ids a ledger remembers (retries come within seconds; ids are never reused)."""
+DROP_FIRST_ACK_ENV = "EVTRAIN_DROP_FIRST_ACK"
+"""Fault injection for tests: a stage index whose first acknowledgement is never published."""
 _NOBLOCK = int(zmq.NOBLOCK)
 
 
 class CommandReceiver:
-    """A SUB socket on the broker's ``commands_out``; `poll` never blocks.
+    """A SUB socket on the broker's ``commands_out`` (stage 0); `poll` never blocks.
 
-    ``publisher`` (the stage's event publisher) lets `ack` publish acknowledgements
-    and re-send them for repeated commands. ``curve`` is needed on a CURVE bus.
+    ``curve`` is needed on a CURVE bus.
     """
 
     def __init__(
@@ -39,13 +71,9 @@ class CommandReceiver:
         endpoint: str,
         *,
         context: zmq.Context | None = None,
-        publisher: Publisher | None = None,
         curve: CurveConfig | None = None,
     ) -> None:
         self.malformed = 0
-        self.duplicates = 0
-        self.publisher = publisher
-        self._seen: OrderedDict[str, CommandAcked | None] = OrderedDict()
         self._context = context or zmq.Context.instance()
         self._sock = self._context.socket(zmq.SUB)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -59,13 +87,17 @@ class CommandReceiver:
             raise UsageError(f"cannot connect to the bus at {endpoint}: {exc}") from None
 
     def poll(self) -> list[Command]:
-        """New commands that arrived since the last call (possibly none)."""
-        out: list[Command] = []
+        """Valid commands that arrived since the last call, repeats included (possibly none).
+
+        Copies of one id within one call count once: a burst of retries costs
+        the control exchange one command.
+        """
+        out: dict[str, Command] = {}
         while True:
             try:
                 frames: list[Any] = self._sock.recv_multipart(_NOBLOCK)
             except zmq.Again:
-                return out
+                return list(out.values())
             if len(frames) != 2:
                 self.malformed += 1
                 continue
@@ -77,41 +109,10 @@ class CommandReceiver:
             if not isinstance(msg, Command):
                 self.malformed += 1
                 continue
-            if msg.command_id in self._seen:
-                self._repeat(msg.command_id)
-                continue
-            self._seen[msg.command_id] = None
-            if len(self._seen) > _SEEN_LIMIT:
-                self._seen.popitem(last=False)
-            out.append(msg)
-
-    def ack(
-        self, command: Command, *, stage: int, step: int, ok: bool = True, detail: str = ""
-    ) -> CommandAcked:
-        """Acknowledge ``command`` through the publisher; repeats of it get this ack again."""
-        if self.publisher is None:
-            raise RuntimeError("CommandReceiver.ack needs the receiver to have a publisher")
-        acked = CommandAcked(
-            command_id=command.command_id,
-            command=command.topic.decode(),
-            stage=stage,
-            step=step,
-            ok=ok,
-            detail=detail,
-        )
-        self._seen[command.command_id] = acked
-        self.publisher.publish(acked)
-        return acked
-
-    def _repeat(self, command_id: str) -> None:
-        self.duplicates += 1
-        acked = self._seen.get(command_id)
-        if acked is not None and self.publisher is not None:
-            # The issuer retried, so it has not seen our acknowledgement: send it again.
-            self.publisher.publish(acked)
+            out.setdefault(msg.command_id, msg)
 
     def close(self) -> None:
-        """Close the socket (not the publisher)."""
+        """Close the socket."""
         self._sock.close(linger=0)
 
     def __enter__(self) -> CommandReceiver:
@@ -119,3 +120,64 @@ class CommandReceiver:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class CommandLedger:
+    """One stage's record of the commands it accepted and the acknowledgements it gave.
+
+    `admit` says whether a command is new; a repeat is answered with its
+    earlier acknowledgement (republished) and must not be applied again.
+    ``publisher`` is the stage's event publisher (None: acknowledgements are
+    only recorded, as in a run without a bus).
+    """
+
+    def __init__(self, stage: int, publisher: Publisher | None) -> None:
+        self.stage = stage
+        self.publisher = publisher
+        self.repeats = 0
+        self._acks: OrderedDict[str, CommandAcked | None] = OrderedDict()
+        self._drop_next = os.environ.get(DROP_FIRST_ACK_ENV, "") == str(stage)
+
+    def admit(self, command: Command) -> bool:
+        """True for a command seen for the first time; False (and the old ack again) otherwise."""
+        if command.command_id in self._acks:
+            self.repeats += 1
+            acked = self._acks[command.command_id]
+            if acked is not None:
+                self._publish(acked)
+            return False
+        self._acks[command.command_id] = None
+        if len(self._acks) > SEEN_LIMIT:
+            self._acks.popitem(last=False)
+        return True
+
+    def ack(
+        self,
+        command: Command,
+        *,
+        step: int,
+        ok: bool = True,
+        detail: str = "",
+        late: bool = False,
+    ) -> CommandAcked:
+        """Acknowledge ``command`` for boundary ``step``; repeats of it get this ack again."""
+        acked = CommandAcked(
+            command_id=command.command_id,
+            command=command.topic.decode(),
+            stage=self.stage,
+            step=step,
+            ok=ok,
+            detail=detail,
+            late=late,
+        )
+        self._acks[command.command_id] = acked
+        if self._drop_next:
+            self._drop_next = False
+            log.warning("acknowledgement dropped (fault injection)", command_id=command.command_id)
+        else:
+            self._publish(acked)
+        return acked
+
+    def _publish(self, acked: CommandAcked) -> None:
+        if self.publisher is not None:
+            self.publisher.publish(acked)

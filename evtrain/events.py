@@ -91,12 +91,15 @@ class Event(Message, kw_only=True):
 
 
 class Command(Message, kw_only=True):
-    """A request a hook sends to the stages; the stages acknowledge it with `CommandAcked`.
+    """A request a hook sends to the stages (delivery, boundaries, acks: `evtrain.bus.commands`).
 
     ``command_id`` makes retries idempotent: stages apply one id once.
+    ``at_step`` names the boundary to apply at (steps completed there); None
+    means the next boundary the stages reach.
     """
 
     command_id: str
+    at_step: Count | None = None
 
 
 # --- run and stage lifecycle -------------------------------------------------------
@@ -173,6 +176,17 @@ class StepStarted(Event, kw_only=True, tag="step.started"):
     stage: StageIndex
 
 
+class EpochEnded(Event, kw_only=True, tag="epoch.ended"):
+    """Training finished the last batch of ``epoch`` (from 0) within ``step`` (stage 0).
+
+    ``step`` is the boundary right after it, where an epoch-end evaluation or
+    checkpoint applies.
+    """
+
+    epoch: Count
+    step: Count
+
+
 class StepEnded(Event, kw_only=True, tag="step.ended"):
     """A stage finished an optimizer step.
 
@@ -246,12 +260,19 @@ class EvalEnded(Event, kw_only=True, tag="eval.ended"):
 
 
 class CheckpointRequested(Event, kw_only=True, tag="checkpoint.requested"):
-    """The checkpoint coordinator asked all stages to save at ``step``."""
+    """The stages began saving checkpoint ``checkpoint_id`` of ``step`` (stage 0 publishes it).
+
+    ``metric`` is the evaluated value a best checkpoint was taken for;
+    ``fulfils`` lists other requested checkpoint ids this one stands for (two
+    requests that land on one boundary share one checkpoint).
+    """
 
     checkpoint_id: str
     step: Count
     path: str
     reason: str = ""
+    metric: float | None = None
+    fulfils: list[str] = msgspec.field(default_factory=list)
 
 
 class CheckpointShardSaved(Event, kw_only=True, tag="checkpoint.shard_saved"):
@@ -330,7 +351,11 @@ class BusGaps(Event, kw_only=True, tag="bus.gaps"):
 
 
 class CommandAcked(Event, kw_only=True, tag="command.acked"):
-    """A stage applied (``ok``) or refused a command at the boundary after ``step``."""
+    """A stage accepted (``ok``) or refused a command; it applies at boundary ``step``.
+
+    ``late``: the command named an earlier boundary, which had passed when it
+    arrived; it applies at ``step`` instead (see `evtrain.bus.commands`).
+    """
 
     command_id: str
     command: str
@@ -338,27 +363,52 @@ class CommandAcked(Event, kw_only=True, tag="command.acked"):
     step: Count
     ok: bool = True
     detail: str = ""
+    late: bool = False
 
 
 # --- commands (hooks -> stages) --------------------------------------------------
 
 
 class CheckpointNow(Command, kw_only=True, tag="cmd.checkpoint"):
-    """Save a checkpoint; ``path`` is the checkpoint directory the stages write into.
+    """Save one checkpoint at the command's boundary into ``path``.
 
-    With ``on_stop`` the stages do not save now: they keep the request armed and
-    save when the run ends (stop command, signal, last step).
+    ``path`` may hold a ``{step}`` placeholder (``.../step-{step:08d}``).
     """
 
     checkpoint_id: str
     path: str
-    step: Count | None = None
     reason: str = ""
+
+
+class CheckpointPlan(Command, kw_only=True, tag="cmd.plan_checkpoints"):
+    """Standing checkpoint orders the stages carry out themselves, exactly on their boundaries.
+
+    It replaces any earlier plan. The stages save into ``path`` (with a
+    ``{step}`` placeholder) at every boundary that is a multiple of
+    ``every_steps``; after every evaluation whose ``best_metric`` beats
+    ``best`` (and every better one since) in direction ``mode``; and with
+    ``on_stop`` once when the run ends without failure. One boundary saves at
+    most one checkpoint, whatever number of reasons it has. The protocol is in
+    `evtrain.checkpoint`.
+    """
+
+    path: str
+    every_steps: Annotated[int, msgspec.Meta(ge=1, le=MAX_INT)] | None = None
+    best_metric: str | None = None
+    mode: Literal["min", "max"] = "min"
+    best: float | None = None
     on_stop: bool = False
 
 
 class EvaluateNow(Command, kw_only=True, tag="cmd.evaluate"):
-    """Run evaluation at the next step boundary."""
+    """Evaluate at the command's boundary; with ``every``/``every_epochs``, also from then on.
+
+    ``every``: at every boundary that is a multiple of it; ``every_epochs``: at
+    the boundary after every ``every_epochs``-th epoch ends (`EpochEnded`).
+    """
+
+    every: Annotated[int, msgspec.Meta(ge=1, le=MAX_INT)] | None = None
+    every_epochs: Annotated[int, msgspec.Meta(ge=1, le=MAX_INT)] | None = None
 
 
 class StopRun(Command, kw_only=True, tag="cmd.stop"):

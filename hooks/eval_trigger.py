@@ -1,76 +1,71 @@
-"""Evaluation every N steps (short name ``eval_every``): sends `EvaluateNow`.
+"""Evaluation every N steps or epochs (short name ``eval_every``).
 
-When the last stage reports the end of a step that completes a multiple of
-``every`` steps, the hook asks the stages to evaluate at the next step boundary
-and waits for their acknowledgements (bounded by ``timeout``; the runner keeps
-reading events meanwhile). No trigger after the final step: there is no step
-boundary left to evaluate at, and the engine's own end-of-run evaluation covers
-it when configured.
+When the run starts, the hook sends the stages one standing `EvaluateNow`
+(``every`` steps, or ``every_epochs``): they evaluate exactly at each of
+those boundaries, however late the hook hears of the steps. A hook that
+restarts, or attaches to a running run, sends it again; the stages evaluate
+once per boundary whatever number of orders name it.
 """
 
 from __future__ import annotations
 
-from evtrain.events import RunStarted, StepEnded
+import uuid
+
+from evtrain.errors import UsageError
+from evtrain.events import EvaluateNow, RunStarted
 from evtrain.hooks.hook import Hook, on
 from evtrain.hooks.options import float_option, int_option
 from evtrain.hooks.runner import CommandTimeout
-from evtrain.hooks.step_merge import step_problem
 
 
 class EvalTrigger(Hook):
-    """Ask for an evaluation every ``every`` steps.
+    """Evaluate every ``every`` steps, or after every ``every_epochs`` epochs.
 
-    Options: ``every`` (steps, required), ``timeout`` (seconds to wait for the
-    stages' acknowledgements, default 30).
+    Options: ``every`` (steps) or ``every_epochs`` (one of them is required),
+    ``timeout`` (seconds to wait for the stages' acknowledgements, default 30).
     """
 
     name = "eval_every"
     default_priority = 50
 
-    def __init__(self, *, every: int, timeout: float = 30.0, priority: int | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        every: int | None = None,
+        every_epochs: int | None = None,
+        timeout: float = 30.0,
+        priority: int | None = None,
+    ) -> None:
         super().__init__(priority=priority)
-        self.every = int_option(self.name, "every", every)
+        if (every is None) == (every_epochs is None):
+            raise UsageError(f"hook {self.name}: give exactly one of 'every' or 'every_epochs'")
+        self.every = None if every is None else int_option(self.name, "every", every)
+        self.every_epochs = (
+            None if every_epochs is None else int_option(self.name, "every_epochs", every_epochs)
+        )
         self.timeout = float_option(self.name, "timeout", timeout, strict=True)
-        self.requested: list[int] = []
-        self._last_requested = -1
 
     @on(RunStarted)
-    def run_started(self, ev: RunStarted) -> None:
-        """A new run counts from its own start."""
-        self._last_requested = -1
-
-    @on(StepEnded)
-    async def step_ended(self, ev: StepEnded) -> None:
-        """On the last stage's event of every ``every``-th step, request an evaluation."""
-        if step_problem(ev, self.state) is not None or not self._from_last_stage(ev):
-            return
-        done = ev.step  # steps are 1-based: step k ends with k steps done
-        if done % self.every or done <= self._last_requested:
-            return
-        run = self.state.run
-        if run is not None and run.max_steps and done >= run.max_steps:
-            return
-        if self.state.ended is not None:
-            return
-        self._last_requested = ev.step
+    async def run_started(self, ev: RunStarted) -> None:
+        """Give the stages the standing order."""
+        order = EvaluateNow(
+            command_id=uuid.uuid4().hex, every=self.every, every_epochs=self.every_epochs
+        )
         try:
-            acks = await self.evaluate(timeout=self.timeout)
+            acks = await self.send_command(order, timeout=self.timeout)
         except CommandTimeout as exc:
-            self.log.warning("evaluation request not acknowledged", step=done, error=str(exc))
+            self.log.warning("evaluation order not acknowledged", error=str(exc))
             return
-        self.requested.append(ev.step)
         refused = [a for a in acks if not a.ok]
         if refused:
             self.log.warning(
-                "evaluation request refused",
-                step=done,
+                "evaluation order refused",
                 detail="; ".join(f"stage {a.stage}: {a.detail}" for a in refused),
             )
         else:
-            self.log.info("evaluation requested", step=done, acks=len(acks))
-
-    def _from_last_stage(self, ev: StepEnded) -> bool:
-        num_stages = self.state.num_stages
-        if num_stages is None:
-            return ev.loss is not None
-        return ev.stage == num_stages - 1
+            self.log.info(
+                "evaluation ordered",
+                every=self.every,
+                every_epochs=self.every_epochs,
+                from_step=acks[0].step if acks else None,
+            )

@@ -302,16 +302,26 @@ class Hook:
         """
         return await self.runner.send_command(command, timeout=timeout, acks=acks)
 
-    async def stop(self, reason: str = "", *, timeout: float = 60.0) -> list[CommandAcked]:
-        """Ask every stage to end the run cleanly at the next step boundary."""
+    async def stop(
+        self, reason: str = "", *, at_step: int | None = None, timeout: float = 60.0
+    ) -> list[CommandAcked]:
+        """Ask every stage to end the run cleanly at boundary ``at_step`` (default: the next)."""
         return await self.send_command(
-            StopRun(command_id=_new_id(), reason=reason or f"stopped by {self.hook_name()}"),
+            StopRun(
+                command_id=_new_id(),
+                at_step=at_step,
+                reason=reason or f"stopped by {self.hook_name()}",
+            ),
             timeout=timeout,
         )
 
-    async def evaluate(self, *, timeout: float = 60.0) -> list[CommandAcked]:
-        """Ask the stages to evaluate at the next step boundary."""
-        return await self.send_command(EvaluateNow(command_id=_new_id()), timeout=timeout)
+    async def evaluate(
+        self, *, at_step: int | None = None, timeout: float = 60.0
+    ) -> list[CommandAcked]:
+        """Ask the stages to evaluate at boundary ``at_step`` (default: the next)."""
+        return await self.send_command(
+            EvaluateNow(command_id=_new_id(), at_step=at_step), timeout=timeout
+        )
 
     async def checkpoint(
         self,
@@ -319,20 +329,21 @@ class Hook:
         path: str,
         *,
         reason: str = "",
-        on_stop: bool = False,
+        at_step: int | None = None,
         timeout: float = 60.0,
     ) -> list[CommandAcked]:
-        """Ask the stages to save a checkpoint into ``path`` at the next step boundary.
+        """Ask the stages to save a checkpoint into ``path`` at boundary ``at_step``.
 
-        ``on_stop`` arms it instead: the stages save when the run ends.
+        ``path`` may hold a ``{step}`` placeholder. A checkpoint coordinator
+        (the ``checkpoint`` hook) commits it; without one it stays uncommitted.
         """
         return await self.send_command(
             CheckpointNow(
                 command_id=_new_id(),
+                at_step=at_step,
                 checkpoint_id=checkpoint_id,
                 path=path,
                 reason=reason,
-                on_stop=on_stop,
             ),
             timeout=timeout,
         )

@@ -62,21 +62,24 @@ A second signal more than one second after the first ends the process at
 once (Ctrl-C pressed again; a single Ctrl-C reaches a worker twice, from
 the terminal and forwarded by the elastic agent, within milliseconds).
 
-Checkpoints (`evtrain.checkpoint.writer`): each stage owns a `ShardWriter`.
-A ``CheckpointNow`` is applied at the boundary where it arrives, after that
-step's optimizer and scheduler steps: an ``on_stop`` request is armed, any
-other saves this stage's shard asynchronously and is acknowledged with
-``CommandAcked.step`` = steps completed. Finished writes are published
-(``CheckpointShardSaved``/``CheckpointFailed``) at every boundary and with
-the heartbeats. When the run ends without failure the armed on-stop
-checkpoint is saved, every shard is waited for and reported, and only then
-do the stages meet at the final barrier and stage 0 publishes ``RunEnded``.
-Before that, one *final boundary* after the last step applies the commands
-that the last step's own events triggered (a checkpoint every N steps that
-falls on the last step, a best-metric checkpoint of the final evaluation):
-stage 0 waits ``EVTRAIN_FINAL_COMMAND_GRACE_S`` (default 0.5 s) for them.
-When that boundary saved a checkpoint of the last step, the armed on-stop
-one is skipped (it would share its directory; the hook drops it).
+Commands (the rules: `evtrain.bus.commands`): at every boundary each stage
+admits the new commands through its `CommandLedger`, accepts each for a
+boundary in its `evtrain.stages.orders.Orders` and acknowledges it, then
+applies what is due there through one table from command type to handler
+(``COMMAND_HANDLERS``), in this order: evaluation (commanded, standing or
+the job's ``eval_every``), then at most one checkpoint per directory, then
+the stop. One more *final boundary* after the last step applies what
+arrived meanwhile.
+
+Checkpoints (the protocol: `evtrain.checkpoint`): each stage owns a
+`ShardWriter` and saves after that boundary's optimizer step, scheduler step
+and evaluation, so the shard holds the weights just evaluated. Finished
+writes are published at every boundary and with the heartbeats. When the
+run ends without failure, the plan's on-stop checkpoint is saved, every
+shard is waited for and reported, the stages meet at the final barrier,
+and stage 0 waits for the coordinator's verdict on every checkpoint of the
+run (``EVTRAIN_VERDICT_TIMEOUT_S``, default 30) before it publishes
+``RunEnded``.
 
 Resume: ``WorkerConfig.resume`` (a checkpoint, a run directory, or
 ``"latest"`` = the job's run directory) is resolved by rank 0 and agreed on
@@ -97,6 +100,7 @@ communication error) before `StageFailed` is published.
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import resource
 import signal
@@ -104,8 +108,10 @@ import socket
 import threading
 import time
 import traceback
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import anyio
 import anyio.to_thread
@@ -114,18 +120,23 @@ import torch
 import torch.distributed as dist
 
 from evtrain.bus.address import BusAddress
-from evtrain.bus.commands import CommandReceiver
+from evtrain.bus.commands import CommandLedger, CommandReceiver
 from evtrain.bus.publisher import Publisher
-from evtrain.checkpoint import CheckpointError
+from evtrain.bus.subscriber import Subscriber
+from evtrain.checkpoint import CheckpointError, format_checkpoint_path
 from evtrain.checkpoint.loader import agree_on_resume, load_stage_shard, load_weights
-from evtrain.checkpoint.writer import CompletedShard, ShardWriter, is_on_stop_request
+from evtrain.checkpoint.plan import ON_STOP
+from evtrain.checkpoint.writer import ShardWriter
 from evtrain.data import derive_seed, eval_microbatches
 from evtrain.errors import SpecError
 from evtrain.events import (
+    CheckpointCommitted,
     CheckpointFailed,
     CheckpointNow,
+    CheckpointPlan,
+    CheckpointRequested,
     Command,
-    CommandAcked,
+    EpochEnded,
     EvalEnded,
     EvalStarted,
     EvaluateNow,
@@ -149,6 +160,7 @@ from evtrain.reporting import Reporter, reporting
 from evtrain.spec import apply_overrides, load_job
 from evtrain.stages.control import ControlResult, StepControl
 from evtrain.stages.executor import Span, StageExecutor, StepStats
+from evtrain.stages.orders import Orders
 from evtrain.stages.p2p import Mailbox, TensorSpec, exchange_shapes, infer_output_spec
 from evtrain.stages.partition import StageModule, build_stage_module, partition
 from evtrain.stages.worker import ReportStatus, StageReport, WorkerConfig
@@ -160,8 +172,8 @@ log = structlog.get_logger("evtrain.stages.actor")
 HEARTBEAT_INTERVAL_S = 1.0
 PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=30)
 _FORCE_EXIT_AFTER_S = 1.0
-FINAL_GRACE_ENV = "EVTRAIN_FINAL_COMMAND_GRACE_S"
-"""Seconds stage 0 waits after the last step for commands its events trigger (default 0.5)."""
+VERDICT_TIMEOUT_ENV = "EVTRAIN_VERDICT_TIMEOUT_S"
+"""Seconds stage 0 waits at the end for the coordinator's verdicts on the run's checkpoints."""
 
 
 @dataclass(frozen=True)
@@ -221,12 +233,18 @@ class StageActor:
         self.module: StageModule | None = None
         self.device = torch.device("cpu")
         self._receiver: CommandReceiver | None = None
+        self._verdicts: Subscriber | None = None
+        self.ledger = CommandLedger(self.stage, None)
+        self.orders: Orders | None = None
+        self._saves: dict[tuple[int, str], str] = {}
+        """(step, checkpoint directory) -> checkpoint id of every save this run started."""
+        self._awaiting: set[str] = set()
+        """Checkpoint ids stage 0 still needs the coordinator's verdict on."""
         self._stop_requested = False
         self._first_signal: float | None = None
         self._in_step = False
         self.writer: ShardWriter | None = None
         self.start_step = 0
-        self._saved_step: int | None = None
         self._last_loss: float | None = None
         self.report: StageReport | None = None
         if config.report_dir is not None:
@@ -262,8 +280,13 @@ class StageActor:
                 source=f"stage/{self.stage}",
                 run_id=self.config.run_id,
             )
+            self.ledger = CommandLedger(self.stage, self.publisher)
             if self.stage == 0:
                 self._receiver = CommandReceiver(address.endpoint("commands_out"))
+                self._verdicts = Subscriber(
+                    address.endpoint("events_out"),
+                    [CheckpointCommitted.topic.decode(), CheckpointFailed.topic.decode()],
+                )
         failure: BaseException | None = None
         try:
             async with anyio.create_task_group() as tg:
@@ -279,6 +302,8 @@ class StageActor:
                 self._report_failure(failure)
             if self._receiver is not None:
                 self._receiver.close()
+            if self._verdicts is not None:
+                self._verdicts.close()
             if self.publisher is not None:
                 self.publisher.close()
         if failure is not None:
@@ -402,23 +427,20 @@ class StageActor:
                     stats.control,
                     scheduled_eval=job.eval_every is not None and step % job.eval_every == 0,
                 )
-        # The final boundary: commands triggered by the last step's events (a
-        # periodic or best-metric checkpoint of the last step) arrive after
-        # its control exchange; give them a moment and apply them too. Shards
-        # still in flight are reported first: the hook issues its next request
-        # only once the previous checkpoint is committed.
-        if self.writer is not None:
-            for done in await anyio.to_thread.run_sync(self.writer.wait):
-                self.publish(done.to_event())
-        final = await anyio.to_thread.run_sync(self._final_exchange)
-        await self._boundary(step, final, scheduled_eval=False)
+        # The final boundary: what arrived since the last one (a checkpoint
+        # that a hook asked for on the last step's events) applies too.
+        final = await anyio.to_thread.run_sync(control.exchange, 0.0, self._stop_requested)
+        await self._boundary(step, final, scheduled_eval=False, final=True)
         status = "completed" if stop_reason is None else "stopped"
         self.state = "stopping"
         # The on-stop checkpoint and every shard still in flight are reported
         # before the final barrier, so RunEnded (after it) comes last.
-        for done in await anyio.to_thread.run_sync(self._save_on_stop):
-            self.publish(done.to_event())
+        await self._save_on_stop()
+        if self.writer is not None:
+            for done in await anyio.to_thread.run_sync(self.writer.wait):
+                self.publish(done.to_event())
         await anyio.to_thread.run_sync(self._finish)
+        await self._await_verdicts()
         self._write_report(status)
         if self.stage == 0:
             self.publish(RunEnded(status=status, reason=stop_reason or "", step=self.completed))
@@ -543,6 +565,11 @@ class StageActor:
             eval_num_samples=evaluation.num_samples if evaluation is not None else 0,
         )
         self.writer = ShardWriter(self.stage, self.num_stages, device=self.device)
+        self.orders = Orders(
+            last_step=total,
+            batches_per_step=stream.grad_accum,
+            batches_per_epoch=stream.batches_per_epoch,
+        )
         self._restore(optimizer, scheduler)
         return total
 
@@ -567,36 +594,6 @@ class StageActor:
         elif config.load_weights is not None:
             load_weights(config.load_weights, module)
             log.info("weights loaded", stage=self.stage, path=config.load_weights)
-
-    def _final_exchange(self) -> ControlResult:
-        """One more control exchange after the last step (blocking, collective)."""
-        assert self.control is not None
-        if self._receiver is not None:
-            time.sleep(_final_command_grace_s())
-        return self.control.exchange(0.0, self._stop_requested)
-
-    def _save_on_stop(self) -> list[CompletedShard]:
-        """Save the armed on-stop checkpoint (if any) and wait for every write (blocking)."""
-        writer, executor, module = self.writer, self.executor, self.module
-        if writer is None or executor is None or module is None:
-            return []
-        if self._saved_step == self.completed:
-            # A checkpoint of this very step is already saved (the final
-            # boundary's): a second one would share its directory. The hook
-            # drops the on-stop request when no shard of it appears.
-            log.info("on-stop checkpoint skipped: this step is saved", step=self.completed)
-            return writer.wait()
-        try:
-            writer.save_on_stop(
-                step=self.completed,
-                module=module,
-                optimizer=executor.optimizer,
-                scheduler=executor.lr_scheduler,
-                data_position=executor.stream.batch_index(self.completed),
-            )
-        except CheckpointError as exc:
-            log.error("on-stop checkpoint failed", stage=self.stage, error=str(exc))
-        return writer.wait()
 
     def _finish(self) -> None:
         """Final barrier, optional weight dump, leave the process groups (blocking)."""
@@ -673,50 +670,181 @@ class StageActor:
     # -------------------------------------------------------------- boundaries
 
     async def _boundary(
-        self, step: int, control: ControlResult, *, scheduled_eval: bool
+        self, step: int, control: ControlResult, *, scheduled_eval: bool, final: bool = False
     ) -> str | None:
         """Apply what every stage agreed on at this boundary; return a stop reason or None."""
-        want_eval = scheduled_eval
-        eval_commands: list[Command] = []
-        stop_commands: list[StopRun] = []
+        orders, job = self.orders, self.job
+        assert orders is not None and job is not None
+        fresh = step > self.start_step and not final
+        if self.stage == 0 and fresh:
+            for epoch in orders.epochs_ended(step):
+                self.publish(EpochEnded(epoch=epoch, step=step))
+        work = _Work(step=step, evaluate=scheduled_eval or (fresh and orders.evaluation_due(step)))
+        accepted: list[Command] = []
         for command in control.commands:
-            if isinstance(command, EvaluateNow):
-                want_eval = True
-                eval_commands.append(command)
-            elif isinstance(command, StopRun):
-                stop_commands.append(command)
-            elif isinstance(command, CheckpointNow):
-                ok, detail = await anyio.to_thread.run_sync(self._checkpoint, command, step)
-                self._ack(command, step, ok=ok, detail=detail)
-                if not ok:
-                    self.publish(
-                        CheckpointFailed(
-                            checkpoint_id=command.checkpoint_id,
-                            step=step,
-                            stage=self.stage,
-                            error=detail,
-                        )
-                    )
-            else:
-                self._ack(command, step, ok=False, detail="unknown command")
-        job = self.job
-        assert job is not None
-        has_eval_data = job.eval_data is not None
-        if want_eval and has_eval_data:
-            await self._evaluate(step)
-        for command in eval_commands:
-            if has_eval_data:
-                self._ack(command, step)
-            else:
-                self._ack(command, step, ok=False, detail="the job has no eval_data")
-        stop_reason: str | None = None
-        for command in stop_commands:
-            stop_reason = stop_reason or command.reason or "stop command"
-            self._ack(command, step)
-        if stop_reason is None and control.signalled:
-            stop_reason = "signal"
+            if not self.ledger.admit(command):
+                continue  # a retry: the ledger answered it with the earlier acknowledgement
+            refusal = self._refusal(command)
+            if refusal is not None:
+                self.ledger.ack(command, step=step, ok=False, detail=refusal)
+                continue
+            taken = orders.accept(command, step)
+            self.ledger.ack(
+                command, step=taken.step, ok=taken.ok, detail=taken.detail, late=taken.late
+            )
+            if taken.ok and taken.step == step:
+                accepted.append(command)
+        for command in orders.due(step, accepted):
+            COMMAND_HANDLERS[type(command)](self, command, work)  # type: ignore[arg-type]
+        metric: float | None = None
+        if work.evaluate:
+            metrics = await self._evaluate(step)
+            plan = orders.plan
+            if plan is not None and plan.best_metric is not None:
+                metric = await anyio.to_thread.run_sync(
+                    self._share_metric, metrics.get(plan.best_metric, math.nan)
+                )
+        await self._save_due(work, metric, periodic=fresh)
         self._publish_shards()
-        return stop_reason
+        if work.stop_reason is None and control.signalled:
+            return "signal"
+        return work.stop_reason
+
+    def _refusal(self, command: Command) -> str | None:
+        """Why this stage cannot carry ``command`` out at all (None: it can)."""
+        if type(command) not in COMMAND_HANDLERS:
+            return f"unknown command {command.topic.decode()!r}"
+        if isinstance(command, EvaluateNow) and (self.job is None or self.job.eval_data is None):
+            return "the job has no eval_data"
+        return None
+
+    def _on_checkpoint(self, command: CheckpointNow, work: _Work) -> None:
+        work.checkpoints.append(command)
+
+    def _on_plan(self, command: CheckpointPlan, work: _Work) -> None:
+        assert self.orders is not None
+        self.orders.set_plan(command)
+
+    def _on_evaluate(self, command: EvaluateNow, work: _Work) -> None:
+        assert self.orders is not None
+        if self.orders.add_evaluation(command, work.step):
+            work.evaluate = True
+
+    def _on_stop_run(self, command: StopRun, work: _Work) -> None:
+        work.stop_reason = work.stop_reason or command.reason or "stop command"
+
+    def _share_metric(self, value: float) -> float:
+        """The last stage's ``value`` on every stage (blocking, collective)."""
+        assert self.control is not None
+        return self.control.share(value, src=self.num_stages - 1)
+
+    async def _save_due(self, work: _Work, metric: float | None, *, periodic: bool) -> None:
+        """Save what this boundary owes: the plan's reasons and the commanded checkpoints.
+
+        Requests for one directory share one save (one checkpoint id, the
+        others listed as fulfilled by it); a directory already saved at this
+        step is not saved again.
+        """
+        assert self.orders is not None
+        step, plan = work.step, self.orders.plan
+        saves: dict[Path, _Save] = {}
+        if plan is not None:
+            reasons = [r for r in (periodic and plan.periodic(step), plan.evaluated(metric)) if r]
+            if reasons:
+                path = format_checkpoint_path(plan.plan.path, step)
+                saves[path] = _Save(plan.checkpoint_id(step), path, reasons, metric)
+        for command in work.checkpoints:
+            path = format_checkpoint_path(command.path, step)
+            save = saves.get(path)
+            if save is None:
+                saves[path] = _Save(command.checkpoint_id, path, [command.reason], None)
+            else:
+                save.fulfils.append(command.checkpoint_id)
+                save.reasons.append(command.reason)
+        for save in saves.values():
+            await self._save(step, save)
+
+    async def _save_on_stop(self) -> None:
+        """Save the plan's on-stop checkpoint, unless nothing changed since the last save."""
+        plan = self.orders.plan if self.orders is not None else None
+        if plan is None or not plan.plan.on_stop or self.completed <= self.start_step:
+            return
+        path = format_checkpoint_path(plan.plan.path, self.completed)
+        await self._save(
+            self.completed, _Save(plan.checkpoint_id(self.completed), path, [ON_STOP], None)
+        )
+
+    async def _save(self, step: int, save: _Save) -> None:
+        """Start (or, when this directory holds this step already, re-announce) one save."""
+        key = (step, str(save.path))
+        done = self._saves.get(key)
+        if done is not None:
+            if self.stage == 0 and (save.fulfils or save.checkpoint_id != done):
+                self.publish(save.requested(step, done, [save.checkpoint_id, *save.fulfils]))
+            return
+        self._saves[key] = save.checkpoint_id
+        if self.stage == 0:
+            self.publish(save.requested(step, save.checkpoint_id, save.fulfils))
+            if self.orders is not None and self.orders.plan is not None:
+                self._awaiting.add(save.checkpoint_id)
+        error = await anyio.to_thread.run_sync(self._write_shard, step, save)
+        if error is not None:
+            for cid in (save.checkpoint_id, *save.fulfils):
+                self.publish(
+                    CheckpointFailed(checkpoint_id=cid, step=step, stage=self.stage, error=error)
+                )
+
+    def _write_shard(self, step: int, save: _Save) -> str | None:
+        """Capture this stage's shard of ``save`` and hand it to the writer (blocking, short).
+
+        The write itself continues in the writer's thread; returns the error
+        of a refused save (already committed, unusable path, unsupported state).
+        """
+        writer, executor, module = self.writer, self.executor, self.module
+        if writer is None or executor is None or module is None:
+            return "the stage is not ready to checkpoint"
+        try:
+            writer.save(
+                save.path,
+                checkpoint_id=save.checkpoint_id,
+                step=step,
+                module=module,
+                optimizer=executor.optimizer,
+                scheduler=executor.lr_scheduler,
+                data_position=executor.stream.batch_index(step),
+                reason=save.reason,
+                metric=save.metric,
+            )
+        except CheckpointError as exc:
+            log.error("checkpoint refused", stage=self.stage, error=str(exc))
+            return str(exc)
+        return None
+
+    async def _await_verdicts(self) -> None:
+        """Stage 0: wait until the coordinator committed or failed every checkpoint of the run.
+
+        Only with a checkpoint plan: that a coordinator sends one is how the
+        stages know there is a coordinator to wait for. A verdict that arrives
+        after this wait is still a verdict, but hooks that exit on `RunEnded`
+        would not see it.
+        """
+        subscriber = self._verdicts
+        if subscriber is None or not self._awaiting:
+            return
+        deadline = time.monotonic() + _verdict_timeout_s()
+        while self._awaiting and time.monotonic() < deadline:
+            for msg in await subscriber.receive(timeout=0.2):
+                if isinstance(msg, CheckpointCommitted) or (
+                    isinstance(msg, CheckpointFailed) and msg.stage is None
+                ):
+                    self._awaiting.discard(msg.checkpoint_id)
+
+        if self._awaiting:
+            log.warning(
+                "no verdict on checkpoints at the end of the run",
+                checkpoint_ids=sorted(self._awaiting),
+                waited_s=_verdict_timeout_s(),
+            )
 
     def _publish_shards(self) -> None:
         """Publish the shard writes that finished since the last call (never blocks)."""
@@ -724,50 +852,8 @@ class StageActor:
             for done in self.writer.poll():
                 self.publish(done.to_event())
 
-    def _ack(self, command: Command, step: int, *, ok: bool = True, detail: str = "") -> None:
-        self.publish(
-            CommandAcked(
-                command_id=command.command_id,
-                command=command.topic.decode(),
-                stage=self.stage,
-                step=step,
-                ok=ok,
-                detail=detail,
-            )
-        )
-
-    def _checkpoint(self, command: CheckpointNow, step: int) -> tuple[bool, str]:
-        """Save this stage's shard for ``command`` at boundary ``step`` (blocking, short).
-
-        ``step`` optimizer and scheduler steps are done; the write itself
-        continues in the writer's thread. A refused save (already committed,
-        unusable path, unsupported state) is acknowledged with ``ok=False``
-        and published as ``CheckpointFailed``.
-        """
-        writer, executor, module = self.writer, self.executor, self.module
-        if writer is None or executor is None or module is None:
-            return False, "the stage is not ready to checkpoint"
-        if is_on_stop_request(command):
-            writer.arm_on_stop(command)
-            return True, "armed for the end of the run"
-        try:
-            writer.save(
-                command.path,
-                checkpoint_id=command.checkpoint_id,
-                step=step,
-                module=module,
-                optimizer=executor.optimizer,
-                scheduler=executor.lr_scheduler,
-                data_position=executor.stream.batch_index(step),
-                reason=command.reason,
-            )
-        except CheckpointError as exc:
-            log.error("checkpoint refused", stage=self.stage, error=str(exc))
-            return False, str(exc)
-        self._saved_step = step
-        return True, ""
-
-    async def _evaluate(self, step: int) -> None:
+    async def _evaluate(self, step: int) -> dict[str, float]:
+        """Evaluate the weights after ``step`` steps; the metrics on the last stage, else {}."""
         executor = self.executor
         assert executor is not None
         last = self.stage == self.num_stages - 1
@@ -780,17 +866,63 @@ class StageActor:
         stats = await anyio.to_thread.run_sync(executor.evaluate)
         reported = self.reporter.collect()
         self.state = previous
-        if last:
-            metrics = {**reported, **stats.metrics}
-            self.publish(
-                EvalEnded(
-                    step=step,
-                    stage=self.stage,
-                    metrics=metrics,
-                    samples=stats.samples,
-                    duration_s=stats.duration_s,
-                )
+        if not last:
+            return {}
+        metrics = {**reported, **stats.metrics}
+        self.publish(
+            EvalEnded(
+                step=step,
+                stage=self.stage,
+                metrics=metrics,
+                samples=stats.samples,
+                duration_s=stats.duration_s,
             )
+        )
+        return metrics
+
+
+@dataclass
+class _Work:
+    """What one boundary owes, gathered from the commands due there."""
+
+    step: int
+    evaluate: bool = False
+    checkpoints: list[CheckpointNow] = field(default_factory=list)
+    stop_reason: str | None = None
+
+
+@dataclass
+class _Save:
+    """One checkpoint directory to save at a boundary, and every request it answers."""
+
+    checkpoint_id: str
+    path: Path
+    reasons: list[str]
+    metric: float | None
+    fulfils: list[str] = field(default_factory=list)
+
+    @property
+    def reason(self) -> str:
+        return ", ".join(dict.fromkeys(r for r in self.reasons if r))
+
+    def requested(self, step: int, checkpoint_id: str, fulfils: list[str]) -> CheckpointRequested:
+        return CheckpointRequested(
+            checkpoint_id=checkpoint_id,
+            step=step,
+            path=str(self.path),
+            reason=self.reason,
+            metric=self.metric,
+            fulfils=fulfils,
+        )
+
+
+COMMAND_HANDLERS: dict[type[Command], Callable[[StageActor, Any, _Work], None]] = {
+    CheckpointNow: StageActor._on_checkpoint,
+    CheckpointPlan: StageActor._on_plan,
+    EvaluateNow: StageActor._on_evaluate,
+    StopRun: StageActor._on_stop_run,
+}
+"""What each command does at the boundary it applies at (the stage's command table)."""
 
 
 def _eval_batches(job: Job | None) -> int:
@@ -817,5 +949,5 @@ def _restart_pending() -> bool:
     return _restart_count() < max_restarts
 
 
-def _final_command_grace_s() -> float:
-    return float(os.environ.get(FINAL_GRACE_ENV, "0.5") or 0)
+def _verdict_timeout_s() -> float:
+    return float(os.environ.get(VERDICT_TIMEOUT_ENV, "30") or 0)

@@ -6,8 +6,10 @@ three numbers:
 
 * the squared L2 norm of their gradients — the sum is the squared *global*
   gradient norm, used for clipping and reported as ``grad_norm``;
-* the byte length of the commands stage 0 has pending (only stage 0 polls the
-  bus, so only it contributes);
+* the byte length of the commands stage 0 received since the last boundary
+  (only stage 0 polls the bus, so only it contributes; repeats of earlier
+  commands too, so that every stage can answer a retry — see
+  `evtrain.bus.commands`);
 * whether a stage got SIGTERM/SIGINT — any stage's signal stops all of them
   at the same boundary, which a per-process flag alone could not guarantee.
 
@@ -179,6 +181,14 @@ class StepControl:
             if isinstance(msg, Command):
                 commands.append(msg)
         return commands
+
+    def share(self, value: float, src: int) -> float:
+        """Stage ``src``'s ``value`` on every stage (collective: every stage calls it)."""
+        if self.world_size == 1:
+            return value
+        buffer = torch.tensor([value], dtype=torch.float64)
+        dist.broadcast(buffer, src=src, group=self.group)
+        return float(buffer.item())
 
     def barrier(self) -> None:
         """Wait until every stage got here (on the control group)."""

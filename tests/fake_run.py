@@ -4,9 +4,11 @@
 run publish (stage.started, run.started, step.started/ended with realistic
 loss, lr, timings and memory, heartbeats, eval results, run.ended,
 stage.stopped) and, like the stages, receives commands at every step boundary
-on one `CommandReceiver` per stage and acknowledges each: ``cmd.evaluate``
-runs an "evaluation" (the last stage publishes eval.ended with the next value
-of ``--eval-losses``), ``cmd.stop`` ends the run with the command's reason.
+on one `CommandReceiver` per stage and takes them as the stages do: each
+stage's `CommandLedger` and `Orders` accept and acknowledge them for their
+boundary; ``cmd.evaluate`` (a standing one too) runs an "evaluation" (the last
+stage publishes eval.ended with the next value of ``--eval-losses``),
+``cmd.stop`` ends the run with the command's reason.
 
 The built-in hook tests drive hooks with it where a real ``evtrain launch``
 would cost 10+ s per test; stdout's last line is a JSON summary (commands
@@ -26,12 +28,11 @@ import uuid
 import anyio
 
 from evtrain.bus.address import BusAddress
-from evtrain.bus.commands import CommandReceiver
+from evtrain.bus.commands import CommandLedger, CommandReceiver
 from evtrain.bus.publisher import Publisher
 from evtrain.events import (
     BusDrops,
     BusGaps,
-    CommandAcked,
     EvalEnded,
     EvalStarted,
     EvaluateNow,
@@ -44,6 +45,7 @@ from evtrain.events import (
     StepStarted,
     StopRun,
 )
+from evtrain.stages.orders import Orders
 
 MIB = 1024 * 1024
 
@@ -84,6 +86,8 @@ class FakeRun:
         self.receivers = [
             CommandReceiver(self.address.endpoint("commands_out")) for _ in range(args.stages)
         ]
+        self.ledgers = [CommandLedger(s, self.pubs[s]) for s in range(args.stages)]
+        self.orders = [Orders(last_step=args.steps) for _ in range(args.stages)]
         self.eval_losses = [float(x) for x in args.eval_losses.split(",") if x.strip()]
         self.evals = 0
         self.commands: list[dict[str, object]] = []
@@ -147,26 +151,28 @@ class FakeRun:
 
     async def boundary(self, step: int) -> tuple[bool, str | None]:
         """Commands of every stage at this boundary: (evaluate?, stop reason)."""
-        evaluate, stop = False, None
-        # Every stage acknowledges what it received; stage 0's commands decide what
+        evaluate, stop = self.orders[0].evaluation_due(step), None
+        # Every stage takes what it received; stage 0's commands decide what
         # happens (the real stages agree on them in a control collective).
         for s, receiver in enumerate(self.receivers):
+            accepted = []
             for command in receiver.poll():
-                self.pubs[s].publish(
-                    CommandAcked(
-                        command_id=command.command_id,
-                        command=command.topic.decode(),
-                        stage=s,
-                        step=step,
-                    )
+                if not self.ledgers[s].admit(command):
+                    continue
+                taken = self.orders[s].accept(command, step)
+                self.ledgers[s].ack(
+                    command, step=taken.step, ok=taken.ok, detail=taken.detail, late=taken.late
                 )
+                if taken.ok and taken.step == step:
+                    accepted.append(command)
+            for command in self.orders[s].due(step, accepted):
                 if s != 0:
                     continue
                 self.commands.append(
                     {"type": command.topic.decode(), "step": step, "source": command.source}
                 )
                 if isinstance(command, EvaluateNow):
-                    evaluate = True
+                    evaluate = self.orders[0].add_evaluation(command, step) or evaluate
                 elif isinstance(command, StopRun):
                     stop = command.reason or "stopped"
         return evaluate, stop

@@ -9,8 +9,12 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
+
+import anyio
 
 from evtrain.events import RunEnded, RunStarted, StageStarted, StepEnded
+from evtrain.hooks.checkpoint import CheckpointHook
 from evtrain.hooks.hook import Hook, on
 
 
@@ -89,3 +93,22 @@ class CrashAtSetup(Hook):
 
     async def setup(self) -> None:
         raise SystemExit(3)
+
+
+class LaggingCheckpoint(CheckpointHook):
+    """The checkpoint hook, reacting to every `StepEnded` ``lag_s`` late.
+
+    Its runner dispatches one event at a time, so it falls further behind the
+    stages with every step: whatever it would ask for on a step arrives late.
+    """
+
+    name = "checkpoint"
+
+    def __init__(self, *, lag_s: float, **options: Any) -> None:
+        super().__init__(**options)
+        self.lag_s = float(lag_s)
+
+    @on(StepEnded)
+    async def step_ended(self, ev: StepEnded) -> None:
+        await anyio.sleep(self.lag_s)
+        await super().step_ended(ev)

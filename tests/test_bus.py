@@ -26,7 +26,7 @@ from bus_procs import SCRIPT, Buses, Lines, env_with_tests, rss_bytes, step_even
 
 from evtrain.bus.address import BusAddress
 from evtrain.bus.broker import Broker, fetch_stats
-from evtrain.bus.commands import CommandReceiver
+from evtrain.bus.commands import CommandLedger, CommandReceiver
 from evtrain.bus.limits import MAX_FRAME_BYTES, STATE_REPLIES_QUEUED, TOPICS, socket_limit
 from evtrain.bus.publisher import Publisher
 from evtrain.bus.security import (
@@ -767,12 +767,11 @@ async def test_a_message_too_long_for_a_frame_is_shortened_or_dropped(ipc_bus: B
 # --- commands ---------------------------------------------------------------------------
 
 
-async def test_command_receiver_applies_once_and_acknowledges_repeats(
-    ipc_bus: BusAddress,
-) -> None:
+async def test_ledger_applies_once_and_acknowledges_repeats(ipc_bus: BusAddress) -> None:
     with Broker(ipc_bus):
         stage_pub = Publisher(ipc_bus.endpoint("events_in"), source="stage/0")
-        receiver = CommandReceiver(ipc_bus.endpoint("commands_out"), publisher=stage_pub)
+        receiver = CommandReceiver(ipc_bus.endpoint("commands_out"))
+        ledger = CommandLedger(0, stage_pub)
         acks = Subscriber(ipc_bus.endpoint("events_out"), ["command.acked"])
         await connect(acks, ipc_bus)
         issuer = Publisher(ipc_bus.endpoint("commands_in"), source="hook/test")
@@ -784,17 +783,19 @@ async def test_command_receiver_applies_once_and_acknowledges_repeats(
                 await anyio.sleep(0.05)
                 got = receiver.poll()
         assert [c.command_id for c in got] == ["c-1"]
-        receiver.ack(got[0], stage=0, step=4)
+        assert ledger.admit(got[0])
+        ledger.ack(got[0], step=4)
         first = await collect(acks, lambda m: True)
         assert first[0].command_id == "c-1" and first[0].step == 4
         # The issuer did not see it and retries: no second application, the same ack again.
         issuer.publish(command)
         with anyio.fail_after(5):
-            while receiver.duplicates == 0 or receiver.poll():
-                assert receiver.poll() == []
+            while not (repeat := receiver.poll()):
                 await anyio.sleep(0.02)
+        assert not ledger.admit(repeat[0]) and ledger.repeats == 1
         again = await collect(acks, lambda m: True)
-        assert again[0].command_id == "c-1" and again[0].seq > first[0].seq
+        assert again[0].command_id == "c-1" and again[0].step == 4
+        assert again[0].seq > first[0].seq
         for closable in (issuer, acks, receiver, stage_pub):
             closable.close()
 

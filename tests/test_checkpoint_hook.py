@@ -1,519 +1,313 @@
-"""The checkpoint coordinator hook against a real broker and real stage processes.
+"""Checkpoints and evaluations land where asked, with real launches.
 
-The stages are this file run as a script (``__main__``): two processes in a
-gloo group that train a small split model with synthetic gradients, receive
-commands with `CommandReceiver` (agreeing through an all-reduce which commands
-to apply at each step boundary, as the real actor does), save REAL shards with
-`ShardWriter`, acknowledge, and publish ``checkpoint.shard_saved`` from
-`ShardWriter.poll` — the contract the stage actor implements.
+Real `evtrain launch` runs (broker, stage workers, launcher-managed hooks):
+periodic checkpoints on exact steps although the coordinator lags far
+behind, evaluations on exact steps and epoch ends, best checkpoints that
+re-evaluate to their recorded metric, the final commit seen by every hook,
+a dropped acknowledgement healed, and a coordinator killed mid-run and at
+the last steps that still commits everything.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import sys
-import tempfile
+import signal
+import subprocess
 import time
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import anyio
 import pytest
 import torch
+from launch_helpers import launch_cmd, launch_env, marked_pids, run_launch
 
-from evtrain.bus.address import BusAddress
-from evtrain.bus.publisher import Publisher
-from evtrain.bus.subscriber import Subscriber
-from evtrain.checkpoint import (
-    MANIFEST_FILE,
-    SHARD_RECORD_FILE,
-    latest_committed,
-    list_checkpoints,
-    read_manifest,
-    stage_dir,
+from evtrain.checkpoint import latest_committed, list_checkpoints, read_manifest
+from evtrain.checkpoint.loader import read_model_tensors
+from evtrain.data import eval_microbatches
+from evtrain.errors import UsageError
+from evtrain.hooks.checkpoint import CheckpointHook
+from evtrain.hooks.loader import build_hook_from_spec as build_hook
+from evtrain.spec import load_job
+from evtrain.stages.partition import build_full_model
+
+pytestmark = pytest.mark.slow
+
+SPEC = '''\
+"""A small MLP with eval data for the checkpoint tests (generated)."""
+
+import functools
+import time
+
+import torch
+from torch import nn
+
+from evtrain.job import Job, layer
+
+
+def make_data(num_samples, offset):
+    gen = torch.Generator().manual_seed(4321 + offset)
+    x = torch.randn(num_samples, 8, generator=gen)
+    y = 0.5 * x[:, :1] + torch.sin(x[:, 1:2]) - 0.25 * x[:, 2:3] * x[:, 3:4]
+    return x, y
+
+
+class Slow(nn.Module):
+    def __init__(self, delay):
+        super().__init__()
+        self.delay = delay
+
+    def forward(self, x):
+        if self.training and self.delay:
+            time.sleep(self.delay)
+        return x
+
+
+def mae(output, target):
+    return (output - target).abs().mean()
+
+
+job = Job(
+    name="ckpttest",
+    layers=[
+        layer(nn.Linear, 8, 32),
+        layer(Slow, {delay!r}),
+        layer(nn.Tanh),
+        layer(nn.Linear, 32, 16),
+        layer(nn.Tanh),
+        layer(nn.Linear, 16, 1),
+    ],
+    loss_fn=nn.functional.mse_loss,
+    metrics={{"mae": mae}},
+    optimizer=functools.partial(torch.optim.Adam, lr=0.02),
+    train_data=functools.partial(make_data, 256, 1),
+    eval_data=functools.partial(make_data, 96, 2),
+    batch_size=32,
+    num_microbatches=4,
+    max_steps={steps!r},
+    seed=7,
+    stages=2,
+    run_dir={run_dir!r},
+    hooks={hooks!r},
+    microbatch_spans="off",
+    threads=1,
 )
-from evtrain.events import (
-    CheckpointCommitted,
-    CheckpointFailed,
-    CheckpointRequested,
-    CheckpointShardSaved,
-    Message,
-    RunEnded,
-    RunStarted,
-    StopRun,
-)
-from evtrain.hooks.checkpoint import COORDINATOR_FILE, CheckpointHook
-from evtrain.hooks.hook import Hook
-from evtrain.hooks.loader import build_hook
-from evtrain.hooks.runner import HookRunner
-
-HERE = Path(__file__).resolve()
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+'''
 
 
-# ------------------------------------------------------------------------ fixtures
+def write_spec(
+    directory: Path, *, steps: int, hooks: list[dict[str, Any]], delay: float = 0.0
+) -> Path:
+    path = directory / "spec.py"
+    path.write_text(
+        SPEC.format(steps=steps, hooks=hooks, delay=delay, run_dir=str(directory / "run"))
+    )
+    return path
 
 
-@pytest.fixture
-def run_dir() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="evt-ckh-", dir="/tmp"))
-    yield path
-    import shutil
-
-    shutil.rmtree(path, ignore_errors=True)
+def events(run: Path) -> list[dict[str, Any]]:
+    """What the launcher-managed recorder hook saw, in order."""
+    lines = (run / "events.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
 
 
-def start_stages(procs: Any, bus: BusAddress, run_dir: Path, **options: Any) -> list[Any]:
-    """The two fake stage processes (killed by the ``procs`` fixture at teardown)."""
-    init = run_dir / f"init-{uuid.uuid4().hex[:6]}"
-    started = []
-    for stage in range(2):
-        cfg = {
-            "bus": str(bus),
-            "run_dir": str(run_dir),
-            "stage": stage,
-            "world": 2,
-            "init": str(init),
-            **options,
-        }
-        started.append(procs.python(str(HERE), json.dumps(cfg)))
-    return started
+def of_type(recorded: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [e for e in recorded if e.get("type") == kind]
 
 
-def wait_stages(stages: list[Any], timeout: float = 60.0) -> list[dict[str, Any]]:
-    """Wait for the stage processes; their last stdout line is a JSON summary."""
-    out = []
-    for proc in stages:
-        stdout, stderr = proc.communicate(timeout=timeout)
-        assert proc.returncode == 0, stderr[-4000:]
-        out.append(json.loads(stdout.strip().splitlines()[-1]))
-    return out
+def reevaluate(spec: Path, ckpt: Path) -> dict[str, float]:
+    """The job's eval metrics of a checkpoint's weights, computed in this process.
+
+    The same microbatches in the same order and the same float64 sums as the
+    pipeline's evaluation, so the result is the same to the last bit.
+    """
+    job = load_job(spec)
+    model = build_full_model(job)
+    state = read_model_tensors(ckpt)
+    model.load_state_dict({k: state[k] for k in model.state_dict()})
+    model.eval()
+    data = job.eval_tensors()
+    assert data is not None
+    sums: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        plan = eval_microbatches(data.num_samples, job.effective_eval_batch_size, 4)
+        for batch in plan:
+            for r in batch:
+                out = model(data.inputs[r.start : r.stop])
+                target = data.targets[r.start : r.stop]
+                values = {"loss": job.loss_fn(out, target)}
+                values.update({name: fn(out, target) for name, fn in job.metrics.items()})
+                for name, value in values.items():
+                    weighted = torch.as_tensor(value).double() * len(r)
+                    sums[name] = weighted if name not in sums else sums[name] + weighted
+    return {k: float(v) / data.num_samples for k, v in sums.items()}
 
 
-class Recorder:
-    """Every checkpoint event on the bus, read by its own subscriber (not a hook: a hook
-    in the coordinator's runner stops at run.ended, before the last commit comes back)."""
-
-    def __init__(self, bus: BusAddress) -> None:
-        self.events: list[Message] = []
-        self._sub = Subscriber(bus.endpoint("events_out"), ["checkpoint."])
-
-    async def read(self, stop: anyio.Event) -> None:
-        while not stop.is_set():
-            self.events.extend(await self._sub.receive(timeout=0.2))
-        self.events.extend(await self._sub.receive(timeout=1.0))
-        self._sub.close()
-
-    def of(self, kind: type[Message]) -> list[Any]:
-        return [e for e in self.events if isinstance(e, kind)]
-
-
-async def run_with_stages(
-    hook: Hook,
-    bus: BusAddress,
-    procs: Any,
-    run_dir: Path,
-    timeout: float = 90.0,
-    **stage_options: Any,
-) -> tuple[Recorder, list[dict[str, Any]]]:
-    """Run ``hook`` in this process against the two fake stages until the run ends."""
-    runner = HookRunner([hook], bus, exit_on_run_end=True)
-    recorder = Recorder(bus)
-    stop = anyio.Event()
-    with anyio.fail_after(timeout):
-        async with anyio.create_task_group() as outer:
-            outer.start_soon(recorder.read, stop)
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(runner.run)
-                await runner.ready.wait()
-                stages = start_stages(procs, bus, run_dir, **stage_options)
-                summaries = await anyio.to_thread.run_sync(wait_stages, stages, timeout)
-                # Leaving this group waits for the runner: it ends after run.ended,
-                # once the coordinator committed what was pending.
-            stop.set()
-    return recorder, summaries
-
-
-def final_weights_equal(ckpt: Path, dumps: list[str]) -> None:
-    """The checkpoint holds exactly the weights the stages ended with."""
-    from evtrain.checkpoint.loader import read_model_tensors
-
-    tensors = read_model_tensors(ckpt)
-    expected: dict[str, torch.Tensor] = {}
-    for path in dumps:
-        expected.update(torch.load(path, weights_only=True))
-    assert set(tensors) == set(expected)
-    for key, value in expected.items():
-        assert torch.equal(tensors[key], value), key
-
-
-# ----------------------------------------------------------------------------- tests
+def no_error_lines(output: str) -> None:
+    markers = ("[error", "[critical", "Traceback")
+    bad = [line for line in output.splitlines() if any(m in line for m in markers)]
+    assert not bad, "\n".join(bad)
 
 
 def test_options_are_validated() -> None:
-    hook = build_hook("checkpoint", {"every_steps": "5", "mode": "MAX", "keep_last": 2})
-    assert isinstance(hook, CheckpointHook)
-    assert (hook.every_steps, hook.mode, hook.keep_last) == (5, "max", 2)
-    from evtrain.errors import UsageError
-
-    for bad in (
-        {"every_steps": 0},
-        {"mode": "up"},
-        {"keep_last": -1},
-        {"every_seconds": 0},
-        {"on_stop": "maybe"},
-        {"nope": 1},
-    ):
-        with pytest.raises(UsageError):
-            build_hook("checkpoint", bad)
+    with pytest.raises(UsageError, match="mode"):
+        CheckpointHook(best_metric="loss", mode="sideways")  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match="every_steps"):
+        CheckpointHook(every_steps=0)
+    with pytest.raises(UsageError, match="on_stop"):
+        build_hook({"type": "checkpoint", "on_stop": "maybe"})
+    hook = build_hook({"type": "checkpoint", "every_steps": "7", "on_stop": "true"})
+    assert isinstance(hook, CheckpointHook) and hook.every_steps == 7 and hook.on_stop
 
 
-@pytest.mark.anyio
-async def test_hook_commits_periodic_best_and_on_stop(
-    bus: BusAddress, procs: Any, run_dir: Path
+def test_exact_steps_best_weights_and_closed_books_with_a_lagging_coordinator(
+    tmp_path: Path, marker: str
 ) -> None:
-    hook = CheckpointHook(
-        every_steps=5, best_metric="loss", mode="min", on_stop=True, keep_last=2, timeout=30
-    )
-    recorder, summaries = await run_with_stages(
-        hook,
-        bus,
-        procs,
-        run_dir,
-        steps=16,
-        step_s=0.06,
-        eval_every=4,
-        eval_losses=[0.5, 0.2, 0.4, 0.3],
-    )
-    assert recorder.of(CheckpointFailed) == []
-    commits = recorder.of(CheckpointCommitted)
-    reasons = [c.reason for c in commits]
-    assert any("every 5 steps" in r for r in reasons), reasons
-    assert any("best loss" in r for r in reasons), reasons
-    assert commits[-1].reason == "on_stop" and commits[-1].step == 16
-    for commit in commits:
-        shards = [
-            e for e in recorder.of(CheckpointShardSaved) if e.checkpoint_id == commit.checkpoint_id
-        ]
-        assert sorted(e.stage for e in shards) == [0, 1]  # every stage reported
-        assert all(e.path == commit.path for e in shards)
-    requested = {e.checkpoint_id: e for e in recorder.of(CheckpointRequested)}
-    for commit in commits[:-1]:
-        assert requested[commit.checkpoint_id].step == commit.step
-    best = [c for c in commits if c.metric is not None]
-    assert [c.metric for c in best][:2] == [0.5, 0.2]
-
-    # Retention: the last 2 committed plus the best (loss 0.2); the rest deleted.
-    committed = [i for i in list_checkpoints(run_dir) if i.committed]
-    kept_steps = sorted(i.step for i in committed)
-    best_step = next(c.step for c in commits if c.metric == 0.2)
-    assert best_step in kept_steps
-    last_two = sorted(c.step for c in commits)[-2:]
-    assert set(last_two) <= set(kept_steps)
-    assert len(kept_steps) <= 3
-    latest = latest_committed(run_dir)
-    assert latest is not None and latest.step == 16
-    assert read_manifest(latest.path).reason == "on_stop"
-    final_weights_equal(latest.path, [s["dump"] for s in summaries])
-    state = json.loads((run_dir / "checkpoints" / COORDINATOR_FILE).read_text())
-    assert state["pending"] == []
-
-
-@pytest.mark.anyio
-async def test_failed_or_timed_out_checkpoints_are_never_committed(
-    bus: BusAddress, procs: Any, run_dir: Path
-) -> None:
-    hook = CheckpointHook(every_steps=3, keep_last=5, timeout=1.5)
-    # Stage 1 fails the 1st request, ignores the 2nd, saves the rest.
-    recorder, _ = await run_with_stages(
-        hook,
-        bus,
-        procs,
-        run_dir,
-        steps=40,
-        step_s=0.06,
-        stage1_behaviour=["fail", "silent"],
-    )
-    failed = recorder.of(CheckpointFailed)
-    by_stage = [f for f in failed if f.stage == 1]
-    by_hook = [f for f in failed if f.stage is None]
-    assert by_stage and "disk on fire" in by_stage[0].error
-    assert by_hook and "timed out" in by_hook[0].error
-    bad_ids = {by_stage[0].checkpoint_id, by_hook[0].checkpoint_id}
-    commits = recorder.of(CheckpointCommitted)
-    assert commits and not bad_ids & {c.checkpoint_id for c in commits}
-    for info in list_checkpoints(run_dir):
-        if info.checkpoint_id in bad_ids:
-            assert not info.committed
-    # The abandoned shards (older than the latest commit) were pruned.
-    latest = latest_committed(run_dir)
-    assert latest is not None
-    assert all(i.committed for i in list_checkpoints(run_dir) if i.step < latest.step)
-
-
-@pytest.mark.anyio
-async def test_killed_hook_recovers_pending_checkpoint_from_disk(
-    bus: BusAddress, procs: Any, run_dir: Path
-) -> None:
-    events = Subscriber(bus.endpoint("events_out"), ["checkpoint.", "run.ended"])
-    hook_args = [
-        "hook",
-        "checkpoint",
-        "--bus",
-        str(bus),
-        "-o",
-        f"run_dir={run_dir}",
-        "--exit-on-run-end",
+    """The coordinator reacts to each step 50 ms late (200+ steps behind by the end)."""
+    hooks = [
+        {
+            "type": "launch_hooks:LaggingCheckpoint",
+            "lag_s": 0.05,
+            "every_steps": 7,
+            "best_metric": "loss",
+            "on_stop": True,
+        },
+        {"type": "eval_every", "every": 5},
+        {"type": "recorder"},
     ]
-    try:
-        first = procs.evtrain(*hook_args, "-o", "every_steps=3")
-        await anyio.sleep(0.5)
-        stages = start_stages(procs, bus, run_dir, steps=10_000, step_s=0.05, write_delay_s=2.5)
-        requested: CheckpointRequested | None = None
-        with anyio.fail_after(60):
-            while requested is None:
-                for msg in await events.receive(timeout=1.0):
-                    if isinstance(msg, CheckpointRequested):
-                        requested = msg
-                assert first.poll() is None, first.communicate()[1][-3000:]
-        first.kill()  # kill -9 while the stages are still writing
-        first.wait(10)
-        ckpt = Path(requested.path)
-        assert not (ckpt / MANIFEST_FILE).exists()
-        # The stages finish their shards; nobody is there to hear about it.
-        with anyio.fail_after(60):
-            while not all((stage_dir(ckpt, k) / SHARD_RECORD_FILE).exists() for k in (0, 1)):
-                await anyio.sleep(0.1)
-        await anyio.sleep(0.3)
-        assert not (ckpt / MANIFEST_FILE).exists()
-        pending = json.loads((run_dir / "checkpoints" / COORDINATOR_FILE).read_text())
-        assert [p["checkpoint_id"] for p in pending["pending"]] == [requested.checkpoint_id]
-
-        # A new hook process recovers from disk and commits it.
-        second = procs.evtrain(*hook_args, "-o", "every_steps=100000")
-        committed: CheckpointCommitted | None = None
-        with anyio.fail_after(60):
-            while committed is None:
-                for msg in await events.receive(timeout=1.0):
-                    if isinstance(msg, CheckpointCommitted):
-                        committed = msg
-                assert second.poll() is None, second.communicate()[1][-3000:]
-        assert committed.checkpoint_id == requested.checkpoint_id
-        assert committed.source.startswith("hook/")
-        assert read_manifest(ckpt).checkpoint_id == requested.checkpoint_id
-        assert latest_committed(run_dir).path == ckpt  # type: ignore[union-attr]
-
-        # End the run: the stages stop, the hook exits on run.ended.
-        with Publisher(bus.endpoint("commands_in"), source="test") as commands:
-            stop = StopRun(command_id=uuid.uuid4().hex, reason="test over")
-            ended = False
-            with anyio.fail_after(60):
-                while not ended:
-                    commands.publish(stop)
-                    for msg in await events.receive(timeout=0.5):
-                        ended = ended or isinstance(msg, RunEnded)
-        await anyio.to_thread.run_sync(wait_stages, stages)
-        assert second.wait(30) == 0
-        state = json.loads((run_dir / "checkpoints" / COORDINATOR_FILE).read_text())
-        assert state["pending"] == []
-    finally:
-        events.close()
+    spec = write_spec(tmp_path, steps=30, hooks=hooks)
+    proc, leftovers = run_launch(spec, marker=marker, timeout=120)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output
+    assert leftovers == []
+    no_error_lines(output)
+    run = tmp_path / "run"
+    recorded = events(run)
+    # Evaluations on exactly the steps asked for, the last step's included.
+    assert [e["step"] for e in of_type(recorded, "eval.ended")] == [5, 10, 15, 20, 25, 30]
+    committed = [i for i in list_checkpoints(run) if i.committed]
+    steps = [i.step for i in committed]
+    assert {7, 14, 21, 28, 30} <= set(steps), steps
+    for info in committed:
+        assert read_manifest(info.path).step == info.step
+    # Best means best: each best checkpoint holds exactly the weights evaluated.
+    losses = {e["step"]: e["metrics"]["loss"] for e in of_type(recorded, "eval.ended")}
+    best = [i for i in committed if i.metric is not None]
+    assert best, [i.reason for i in committed]
+    for info in best:
+        assert info.metric == losses[info.step]
+        assert reevaluate(spec, info.path)["loss"] == info.metric, info.path.name
+    final = min(losses.values())
+    assert any(i.metric == final for i in best), "the best evaluation has no checkpoint"
+    # The books are closed before the run ends: the recorder (which exits on
+    # run.ended) saw the commit of the last step, and no checkpoint failed.
+    kinds = [e["type"] for e in recorded]
+    last_commit = max(i for i, k in enumerate(kinds) if k == "checkpoint.committed")
+    assert recorded[last_commit]["step"] == 30
+    assert last_commit < kinds.index("run.ended")
+    assert of_type(recorded, "checkpoint.failed") == []
+    latest = latest_committed(run)
+    assert latest is not None and latest.step == 30
 
 
-@pytest.mark.anyio
-async def test_restarted_hook_recovers_best_and_sets_aside_an_abandoned_future(
-    bus: BusAddress, run_dir: Path
+def test_epoch_end_evaluations_and_a_dropped_acknowledgement_healed(
+    tmp_path: Path, marker: str
 ) -> None:
-    from test_checkpoint_lib import make_job, save_all_stages  # type: ignore[import-not-found]
-
-    from evtrain.checkpoint import commit_checkpoint, set_latest
-
-    job = make_job()
-    for step, loss in ((2, 0.3), (4, 0.1), (6, 0.2)):
-        ckpt = save_all_stages(run_dir, job, 1, step=step, cid=f"c{step}", asynchronous=False)
-        commit_checkpoint(
-            ckpt,
-            checkpoint_id=f"c{step}",
-            num_stages=1,
-            metric_name="loss",
-            metric=loss,
-            metric_mode="min",
-        )
-        set_latest(run_dir, ckpt)
-    save_all_stages(run_dir, job, 1, step=8, cid="c8", asynchronous=False)  # never committed
-    await anyio.sleep(0.05)
-
-    hook = CheckpointHook(run_dir=str(run_dir), best_metric="loss", mode="min")
-    runner = HookRunner([hook], bus)
-    with anyio.fail_after(30):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(runner.run)
-            await runner.ready.wait()
-            assert (hook.best, hook.last_committed_step) == (0.1, 6)
-            # The run resumes from step 4: step 6 and 8 belong to an abandoned future.
-            with Publisher(bus.endpoint("events_in"), source="stage/0") as pub:
-                pub.publish(
-                    RunStarted(
-                        name="ckpt",
-                        num_stages=1,
-                        num_microbatches=1,
-                        schedule="gpipe",
-                        max_steps=10,
-                        batch_size=1,
-                        start_step=4,
-                        run_dir=str(run_dir),
-                    )
-                )
-                while (run_dir / "checkpoints" / "step-00000006").exists():
-                    await anyio.sleep(0.05)
-            runner.stop()
-    names = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
-    assert [n for n in names if n.startswith("step-")][:2] == ["step-00000002", "step-00000004"]
-    assert any(n.startswith("step-00000006.superseded-") for n in names)
-    assert "step-00000008" not in names
-    assert [(i.step, i.committed) for i in list_checkpoints(run_dir)] == [(2, True), (4, True)]
-    assert latest_committed(run_dir).step == 4  # type: ignore[union-attr]
+    """256 samples in batches of 32: an epoch ends with every 8th step."""
+    hooks = [{"type": "eval_every", "every_epochs": 1}, {"type": "recorder"}]
+    # Long enough (about 2 s) for the issuer's retry, a second after the order.
+    spec = write_spec(tmp_path, steps=24, hooks=hooks, delay=0.02)
+    proc, leftovers = run_launch(spec, marker=marker, timeout=120, EVTRAIN_DROP_FIRST_ACK="1")
+    assert leftovers == []
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output
+    recorded = events(tmp_path / "run")
+    epochs = [(e["epoch"], e["step"]) for e in of_type(recorded, "epoch.ended")]
+    assert epochs == [(0, 8), (1, 16), (2, 24)]
+    assert [e["step"] for e in of_type(recorded, "eval.ended")] == [8, 16, 24]
+    # Stage 1 never published its first acknowledgement; the issuer's retry got it again.
+    assert "acknowledgement dropped" in output
+    acks = of_type(recorded, "command.acked")
+    order = [a for a in acks if a["command"] == "cmd.evaluate"]
+    assert {a["stage"] for a in order} == {0, 1}
+    assert "not acknowledged" not in output
 
 
-# ------------------------------------------------------------------ the fake stage
+def _checkpoint_hook_pid(marker: str) -> int | None:
+    for pid in marked_pids(marker):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"hook" in cmdline and b"checkpoint" in cmdline:
+            return pid
+    return None
 
 
-def _fake_stage(cfg: dict[str, Any]) -> None:
-    import torch.distributed as dist
-    from test_checkpoint_lib import build, make_job, train  # type: ignore[import-not-found]
+def _step_reached(run: Path) -> int:
+    """The highest step any stage reported so far (from the stage status files)."""
+    best = 0
+    for report in run.glob("launches/*/attempt-*/stage-*.json"):
+        try:
+            best = max(best, int(json.loads(report.read_text()).get("step", 0)))
+        except (OSError, ValueError):
+            continue
+    return best
 
-    from evtrain.bus.commands import CommandReceiver
-    from evtrain.checkpoint.writer import ShardWriter, is_on_stop_request
-    from evtrain.events import (
-        CheckpointNow,
-        CommandAcked,
-        EvalEnded,
-        Heartbeat,
-        RunStarted,
-        StageStarted,
-        StepEnded,
-    )
 
-    stage, world = cfg["stage"], cfg["world"]
-    address = BusAddress.parse(cfg["bus"])
-    dist.init_process_group(
-        "gloo", init_method=f"file://{cfg['init']}", rank=stage, world_size=world
-    )
-    job = make_job()
-    module, opt, sched = build(job, world, stage)
-    pub = Publisher(address.endpoint("events_in"), source=f"stage/{stage}", run_id="run-1")
-    rx = CommandReceiver(address.endpoint("commands_out"))
-    writer = ShardWriter(stage, world, write_delay_s=float(cfg.get("write_delay_s", 0.0)))
-    behaviour = list(cfg.get("stage1_behaviour", [])) if stage == 1 else []
-    pub.publish(
-        StageStarted(
-            stage=stage,
-            num_stages=world,
-            rank=stage,
-            host="localhost",
-            pid=os.getpid(),
-            device="cpu",
-            layers=[],
-            num_params=0,
-        )
-    )
-    dist.barrier()
-    if stage == 0:
-        pub.publish(
-            RunStarted(
-                name="ckpt",
-                num_stages=world,
-                num_microbatches=1,
-                schedule="gpipe",
-                max_steps=cfg["steps"],
-                batch_size=1,
-                run_dir=cfg["run_dir"],
-            )
-        )
-    buffered: list[Any] = []
-    step = 0
-    evals = list(cfg.get("eval_losses", []))
-    stop = False
+def _wait(predicate: Any, proc: Any, what: str, timeout: float = 60.0) -> Any:
+    deadline = time.monotonic() + timeout
     while True:
-        # Boundary `step`: apply the commands every stage has received.
-        buffered += rx.poll()
-        count = torch.tensor([len(buffered)])
-        dist.all_reduce(count, op=dist.ReduceOp.MIN)
-        applied, buffered = buffered[: int(count)], buffered[int(count) :]
-        for cmd in applied:
-            ok, detail = True, ""
-            if isinstance(cmd, CheckpointNow):
-                if is_on_stop_request(cmd):
-                    writer.arm_on_stop(cmd)
-                elif behaviour and behaviour[0] == "fail":
-                    behaviour.pop(0)
-                    pub.publish(
-                        CheckpointFailed(
-                            checkpoint_id=cmd.checkpoint_id,
-                            step=step,
-                            stage=stage,
-                            error="disk on fire",
-                        )
-                    )
-                elif behaviour and behaviour[0] == "silent":
-                    behaviour.pop(0)
-                else:
-                    writer.save(
-                        cmd.path,
-                        checkpoint_id=cmd.checkpoint_id,
-                        step=step,
-                        module=module,
-                        optimizer=opt,
-                        scheduler=sched,
-                        reason=cmd.reason,
-                    )
-            elif isinstance(cmd, StopRun):
-                stop = True
-            else:
-                ok, detail = False, "unknown"
-            pub.publish(
-                CommandAcked(
-                    command_id=cmd.command_id,
-                    command=cmd.topic.decode(),
-                    stage=stage,
-                    step=step,
-                    ok=ok,
-                    detail=detail,
-                )
+        value = predicate()
+        if value:
+            return value
+        if proc.poll() is not None:
+            raise AssertionError(f"the launch ended while waiting for {what}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def test_coordinator_killed_mid_run_and_at_the_last_steps_commits_everything(
+    tmp_path: Path, marker: str
+) -> None:
+    steps = 60
+    hooks = [{"type": "checkpoint", "every_steps": 10, "on_stop": True}, {"type": "recorder"}]
+    spec = write_spec(tmp_path, steps=steps, hooks=hooks, delay=0.03)
+    run = tmp_path / "run"
+    proc = subprocess.Popen(
+        launch_cmd(spec),
+        env=launch_env(marker),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    killed: list[int] = []
+    try:
+        for at in (15, steps - 2):
+            _wait(lambda at=at: _step_reached(run) >= at, proc, f"step {at}")
+            # After the first kill, the launcher's restart of the hook must be up first.
+            pid = _wait(
+                lambda: (p := _checkpoint_hook_pid(marker)) not in (None, *killed) and p,
+                proc,
+                "the checkpoint hook",
             )
-        for done in writer.poll():
-            pub.publish(done.to_event())
-        flag = torch.tensor([1 if stop else 0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() or step >= cfg["steps"]:
-            break
-        train(module, opt, sched, 1, start=step)
-        step += 1
-        pub.publish(StepEnded(step=step, stage=stage))
-        pub.publish(Heartbeat(stage=stage, step=step))
-        every = cfg.get("eval_every")
-        if every and step % every == 0 and stage == world - 1 and evals:
-            pub.publish(EvalEnded(step=step, stage=stage, metrics={"loss": evals.pop(0)}))
-        time.sleep(cfg["step_s"])
-    # The end of the run: the armed on-stop save, flushed before run.ended.
-    writer.save_on_stop(step=step, module=module, optimizer=opt, scheduler=sched)
-    for done in writer.wait():
-        pub.publish(done.to_event())
-    writer.close()
-    dist.barrier()
-    dump = Path(cfg["run_dir"]) / f"final-{stage}.pt"
-    torch.save(module.state_dict(), dump)
-    if stage == 0:
-        pub.publish(RunEnded(status="stopped" if stop else "completed", step=step))
-    pub.close()
-    rx.close()
-    dist.destroy_process_group()
-    print(json.dumps({"stage": stage, "step": step, "dump": str(dump)}))
-
-
-if __name__ == "__main__":
-    sys.path.insert(0, str(HERE.parent))  # for test_checkpoint_lib's helpers
-    _fake_stage(json.loads(sys.argv[1]))
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    assert "completed" in out
+    committed = sorted(i.step for i in list_checkpoints(run) if i.committed)
+    assert committed == [10, 20, 30, 40, 50, 60], out
+    recorded = events(run)
+    kinds = [e["type"] for e in recorded]
+    assert any(e["type"] == "checkpoint.committed" and e["step"] == steps for e in recorded), (
+        "the last step's commit never reached the recorder"
+    )
+    assert kinds.index("run.ended") > max(
+        i for i, k in enumerate(kinds) if k == "checkpoint.committed"
+    )

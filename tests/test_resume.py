@@ -154,7 +154,7 @@ def stopped_at_4(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("stopped")
     launch(write_spec(d, hooks=ckpt_hook()), "--steps", "4")
     latest = latest_committed(d / "run")
-    assert latest is not None and latest.step == 4 and latest.reason == "on_stop"
+    assert latest is not None and latest.step == 4 and latest.reason == "on stop"
     return d
 
 
@@ -312,7 +312,7 @@ def test_sigterm_commits_a_final_checkpoint_and_exits_0(tmp_path: Path, marker: 
     assert proc.returncode == 0, out
     latest = latest_committed(tmp_path / "run")
     assert latest is not None, out
-    assert latest.reason == "on_stop" and 0 < latest.step < 10_000
+    assert latest.reason == "on stop" and 0 < latest.step < 10_000
 
 
 def test_corrupted_shard_is_named_on_resume(tmp_path: Path, stopped_at_4: Path) -> None:

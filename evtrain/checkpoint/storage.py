@@ -54,7 +54,6 @@ __all__ = [
     "CHECKPOINTS_DIR",
     "LATEST_FILE",
     "MANIFEST_FILE",
-    "ON_STOP_REASON",
     "SHARD_RECORD_FILE",
     "STATE_FILE",
     "CheckpointCorrupt",
@@ -76,6 +75,7 @@ __all__ = [
     "find_resume",
     "format_checkpoint_path",
     "fsync_dir",
+    "is_better",
     "is_committed",
     "latest_committed",
     "list_checkpoints",
@@ -98,9 +98,6 @@ __all__ = [
 
 log = structlog.get_logger("evtrain.checkpoint.storage")
 
-ON_STOP_REASON = "on_stop"
-"""``CheckpointNow.reason`` that *arms* a checkpoint for the end of the run instead of
-saving now (sent by the checkpoint hook with ``on_stop=True``)."""
 
 CHECKPOINTS_DIR = "checkpoints"
 MANIFEST_FILE = "MANIFEST.json"
@@ -157,6 +154,8 @@ class ShardRecord(msgspec.Struct, kw_only=True):
     layers: list[int]
     """``[start, stop)`` global layer indices this stage held."""
     reason: str = ""
+    metric: float | None = None
+    """The evaluated metric value a best checkpoint was saved for."""
     created: float
     """Wall-clock time the state was captured."""
     bytes: int
@@ -735,7 +734,8 @@ def resolve_resume(path: str | os.PathLike[str]) -> Path:
 # ---------------------------------------------------------------------- retention
 
 
-def _is_better(value: float, best: float | None, mode: str) -> bool:
+def is_better(value: float, best: float | None, mode: str) -> bool:
+    """Whether ``value`` improves on ``best`` in direction ``mode`` (NaN never does)."""
     if math.isnan(value):
         return False
     if best is None:
@@ -753,7 +753,7 @@ def best_checkpoint(
             continue
         if metric_name is not None and info.metric_name != metric_name:
             continue
-        if _is_better(info.metric, best.metric if best else None, mode):
+        if is_better(info.metric, best.metric if best else None, mode):
             best = info
     return best
 

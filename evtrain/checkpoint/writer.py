@@ -56,14 +56,13 @@ from evtrain.checkpoint.storage import (
     stage_dir,
     write_shard_record,
 )
-from evtrain.events import CheckpointFailed, CheckpointNow, CheckpointShardSaved, Event
+from evtrain.events import CheckpointFailed, CheckpointShardSaved, Event
 
 __all__ = [
     "RECORD_DELAY_ENV",
     "WRITE_DELAY_ENV",
     "CompletedShard",
     "ShardWriter",
-    "is_on_stop_request",
 ]
 
 log = structlog.get_logger("evtrain.checkpoint.writer")
@@ -75,15 +74,6 @@ WRITE_DELAY_ENV = "EVTRAIN_CKPT_WRITE_DELAY_S"
 RECORD_DELAY_ENV = "EVTRAIN_CKPT_RECORD_DELAY_S"
 """Fault injection for tests: seconds between the data files and the shard record
 (a kill then leaves a shard with data but no record: never committed)."""
-
-
-def is_on_stop_request(cmd: CheckpointNow) -> bool:
-    """Whether ``cmd`` arms a checkpoint for when the run stops instead of saving now.
-
-    The checkpoint hook (``on_stop=True``) sends such a command once per run;
-    the actor acknowledges it and calls `ShardWriter.arm_on_stop`.
-    """
-    return cmd.on_stop
 
 
 @dataclass
@@ -131,6 +121,7 @@ class _Job:
     ckpt_dir: Path
     step: int
     reason: str
+    metric: float | None
     tensors: dict[str, torch.Tensor]
     state_json: bytes
     model_keys: list[str]
@@ -144,13 +135,6 @@ class _Job:
     copied: threading.Event = field(default_factory=threading.Event)
     fence_s: float = 0.0
     """Training time the optimizer-step fence waited for the deferred copies."""
-
-
-@dataclass
-class _Armed:
-    checkpoint_id: str
-    path: str
-    reason: str
 
 
 class ShardWriter:
@@ -207,7 +191,6 @@ class ShardWriter:
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._idle = threading.Event()
         self._idle.set()
-        self._armed: _Armed | None = None
         self._thread: threading.Thread | None = None
         self.overlap_copy = overlap_copy
         self._copy_delay_s = 0.0
@@ -231,6 +214,7 @@ class ShardWriter:
         scheduler: Any | None = None,
         data_position: int | None = None,
         reason: str = "",
+        metric: float | None = None,
         extra: Mapping[str, Any] | None = None,
     ) -> float:
         """Capture this stage's state now and write it to ``path/stage-{k}`` (in the background).
@@ -239,7 +223,9 @@ class ShardWriter:
         ``path`` may hold a ``{step}`` placeholder (``.../step-{step:08d}``),
         filled with ``step`` = optimizer steps completed (the next step to run);
         ``data_position`` is the global batch index the next step reads
-        (default ``step``; ``DataStream.batch_index(step)`` with grad_accum).
+        (default ``step``; ``DataStream.batch_index(step)`` with grad_accum);
+        ``reason`` and ``metric`` (the evaluated value of a best checkpoint)
+        go into the shard record.
         Returns the seconds spent here (capture, plus waiting for a previous
         write still in flight); the reported ``CompletedShard.blocked_s`` adds
         the wait at the next ``optimizer.step()`` fence (see ``overlap_copy``).
@@ -289,6 +275,7 @@ class ShardWriter:
             ckpt_dir=ckpt_dir,
             step=step,
             reason=reason,
+            metric=metric,
             tensors=tensors,
             state_json=state_json,
             model_keys=model_keys,
@@ -357,44 +344,6 @@ class ShardWriter:
         """
         self._idle.wait(timeout)
         return self.poll()
-
-    def arm_on_stop(self, cmd: CheckpointNow) -> None:
-        """Remember an on-stop request (see `is_on_stop_request`); `save_on_stop` uses it."""
-        self._armed = _Armed(checkpoint_id=cmd.checkpoint_id, path=cmd.path, reason=cmd.reason)
-
-    @property
-    def armed(self) -> bool:
-        """Whether a checkpoint is armed for the end of the run."""
-        return self._armed is not None
-
-    def save_on_stop(
-        self,
-        *,
-        step: int,
-        module: nn.Module,
-        optimizer: torch.optim.Optimizer | None = None,
-        scheduler: Any | None = None,
-        data_position: int | None = None,
-    ) -> bool:
-        """Save the armed on-stop checkpoint, if any; returns whether one was started.
-
-        Call once when the run ends without failure (StopRun applied, SIGTERM,
-        last step done), then `wait` and publish what it returns.
-        """
-        armed, self._armed = self._armed, None
-        if armed is None:
-            return False
-        self.save(
-            armed.path,
-            checkpoint_id=armed.checkpoint_id,
-            step=step,
-            module=module,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            data_position=data_position,
-            reason=armed.reason,
-        )
-        return True
 
     def close(self, timeout: float | None = None) -> None:
         """Finish the write in flight and stop the thread."""
@@ -567,6 +516,7 @@ class ShardWriter:
             num_stages=self.num_stages,
             layers=job.layers,
             reason=job.reason,
+            metric=job.metric,
             created=job.created,
             bytes=sum(f.size for f in files.values()),
             duration_s=time.perf_counter() - job.started,
