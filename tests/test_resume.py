@@ -290,8 +290,11 @@ def test_kill_9_during_a_write_never_commits_it(
     assert_bitwise(weights(d / "w"), reference)
 
 
-def test_sigterm_commits_a_final_checkpoint_and_exits_0(tmp_path: Path, marker: str) -> None:
-    spec = write_spec(tmp_path, steps=10_000, delay=0.005, hooks=ckpt_hook())
+def test_sigterm_on_a_checkpoint_step_commits_it_and_exits_0_promptly(
+    tmp_path: Path, marker: str
+) -> None:
+    # Every step is a checkpoint step: the stop lands on one, and on-stop adds nothing.
+    spec = write_spec(tmp_path, steps=10_000, delay=0.005, hooks=ckpt_hook(every_steps=1))
     proc = subprocess.Popen(
         launch_cmd(spec, "--quiet"),
         env=launch_env(marker),
@@ -301,18 +304,24 @@ def test_sigterm_commits_a_final_checkpoint_and_exits_0(tmp_path: Path, marker: 
         start_new_session=True,
     )
     try:
-        events = tmp_path / "run"
-        _wait_for(lambda: (events / "run.json").exists(), 30, "the run to start")
-        time.sleep(6.0)  # workers up, a few steps done
+        run = tmp_path / "run"
+        _wait_for(lambda: run.is_dir() and latest_committed(run) is not None, 60, "a commit")
+        signalled = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
+        exit_s = time.monotonic() - signalled
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, out
+    # No grace period to sit out: the last step's checkpoint commits and everything exits.
+    print(f"exit {exit_s:.2f} s after SIGTERM")
+    assert exit_s < 5.0, (exit_s, out)
     latest = latest_committed(tmp_path / "run")
     assert latest is not None, out
-    assert latest.reason == "on stop" and 0 < latest.step < 10_000
+    assert 0 < latest.step < 10_000
+    assert latest.step == max(i.step for i in list_checkpoints(tmp_path / "run"))
+    assert "[error" not in out
 
 
 def test_corrupted_shard_is_named_on_resume(tmp_path: Path, stopped_at_4: Path) -> None:
