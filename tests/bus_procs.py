@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from evtrain.bus.address import BusAddress
-from evtrain.bus.commands import CommandReceiver
+from evtrain.bus.commands import CommandLedger, CommandReceiver
 from evtrain.bus.publisher import Publisher
 from evtrain.events import RunEnded, StepEnded
 from evtrain.hooks.hook import Hook, on
@@ -205,12 +205,15 @@ def _stage(args: argparse.Namespace) -> None:
     """Acknowledge every command, as a stage does at its step boundaries."""
     address = BusAddress.parse(args.bus)
     pub = Publisher(address.endpoint("events_in"), source=f"stage/{args.stage}")
-    receiver = CommandReceiver(address.endpoint("commands_out"), publisher=pub)
+    receiver = CommandReceiver(address.endpoint("commands_out"))
+    ledger = CommandLedger(args.stage, pub)
     print(json.dumps({"ready": True}), flush=True)
     step = 0
     while True:
         for command in receiver.poll():
-            receiver.ack(command, stage=args.stage, step=step, detail="done")
+            if not ledger.admit(command):
+                continue  # a retry: the ledger acknowledged it again
+            ledger.ack(command, step=step, detail="done")
             print(json.dumps({"command": command.topic.decode(), "id": command.command_id}))
             sys.stdout.flush()
         step += 1
