@@ -11,10 +11,11 @@ per step costs ~0.05-0.2 ms, far less than gloo waits inside the loop would
 
 Step numbering: ``StepStarted.step``/``StepEnded.step`` are 1-based — step k
 is the k-th optimizer step and reads the data of `DataStream` index k-1.
-Every boundary event (``CommandAcked``, ``EvalStarted``/``EvalEnded``,
-``RunEnded``) carries the number of steps completed at that boundary, so
-``EvalEnded(step=k)`` evaluates the weights after k steps and a checkpoint at
-step k resumes with ``start_step=k``. Boundary 0 is the start of the run:
+Every boundary event (``EpochEnded``, ``EvalStarted``/``EvalEnded``,
+``CheckpointRequested``, ``RunEnded``) carries the number of steps completed
+at that boundary, so ``EvalEnded(step=k)`` evaluates the weights after k steps
+and a checkpoint at step k resumes with ``start_step=k``; ``CommandAcked.step``
+is the boundary the command applies at. Boundary 0 is the start of the run:
 commands pending then (a stop, an evaluation) apply before the first step.
 
 Who publishes what:
@@ -24,7 +25,8 @@ Who publishes what:
   also during setup and evaluation), ``CommandAcked`` for every command,
   ``StageStopped`` on a clean exit, ``StageFailed`` (with the traceback) when
   it raises — then it re-raises so the process exits non-zero;
-* stage 0: ``RunStarted`` once all stages joined and ``RunEnded``
+* stage 0: ``RunStarted`` once all stages joined, ``EpochEnded``,
+  ``CheckpointRequested`` for every save the stages begin, and ``RunEnded``
   (``completed``/``stopped``) — stage 0 is the one stage every run has, and
   it is the last to finish a step (it runs the final backward). A failed run
   is ended by the launcher, which knows which stage failed first and why
