@@ -346,10 +346,11 @@ class Broker:
             )
         if self.curve is not None:
             self._auth = self.curve.start_authenticator(self._context)
-        for name, inbound, outbound in (
+        planes: tuple[tuple[str, Role, Role], ...] = (
             ("events", "events_in", "events_out"),
             ("commands", "commands_in", "commands_out"),
-        ):
+        )
+        for name, inbound, outbound in planes:
             xsub = self._bind(
                 zmq.XSUB, inbound, max_frame=MAX_FRAME_BYTES, hwm=INPUT_QUEUE_MESSAGES
             )

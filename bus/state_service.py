@@ -245,14 +245,14 @@ class StateService:
                     continue
                 if topic.bytes == _STEP_TOPIC:
                     try:
-                        stage = _step_key.decode(payload).stage
+                        stage = _step_key.decode(payload.buffer).stage
                     except Exception:  # any garbage: skip it, never die
                         self.malformed += 1
                         continue
                     steps[stage] = (_STEP_TOPIC, payload.bytes)
                     continue
                 try:
-                    msg = decode(payload, topic.bytes)
+                    msg = decode(payload.buffer, topic.bytes)
                 except DecodeError:
                     self.malformed += 1
                     continue
@@ -300,7 +300,8 @@ class StateService:
                     state = self.state.snapshot()
                     self._reply = [zmq.Frame(_REQUEST), *(zmq.Frame(encode(m)) for m in state)]
                 reply = self._reply
-            *head, last = [*envelope, *reply]
+            frames: list[bytes | zmq.Frame] = [*envelope, *reply]
+            *head, last = frames
             try:
                 for frame in head:
                     sock.send(frame, _NOBLOCK_MORE, copy=False)

@@ -251,7 +251,7 @@ class WorkerWatch:
             failed = False
             with self._lock:
                 for sentinel in ready:
-                    _, worker = pending.pop(sentinel)  # type: ignore[call-overload]
+                    _, worker = pending.pop(sentinel)
                     worker.died_at = now
                     failed = failed or not self._finished(worker, attempt.attempt)
                 if kill_at is not None and not killed and time.monotonic() >= kill_at:

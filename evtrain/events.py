@@ -176,17 +176,6 @@ class StepStarted(Event, kw_only=True, tag="step.started"):
     stage: StageIndex
 
 
-class EpochEnded(Event, kw_only=True, tag="epoch.ended"):
-    """Training finished the last batch of ``epoch`` (from 0) within ``step`` (stage 0).
-
-    ``step`` is the boundary right after it, where an epoch-end evaluation or
-    checkpoint applies.
-    """
-
-    epoch: Count
-    step: Count
-
-
 class StepEnded(Event, kw_only=True, tag="step.ended"):
     """A stage finished an optimizer step.
 
@@ -254,6 +243,17 @@ class EvalEnded(Event, kw_only=True, tag="eval.ended"):
     metrics: dict[str, float]
     samples: Count = 0
     duration_s: Seconds = 0.0
+
+
+class EpochEnded(Event, kw_only=True, tag="epoch.ended"):
+    """Training finished the last batch of ``epoch`` (from 0) within ``step`` (stage 0).
+
+    ``step`` is the boundary right after it, where an epoch-end evaluation or
+    checkpoint applies.
+    """
+
+    epoch: Count
+    step: Count
 
 
 # --- checkpoints -----------------------------------------------------------------
@@ -489,7 +489,7 @@ def _invalid_kind(topic: bytes | memoryview | None, exc: Exception) -> str:
 
 def to_builtins(msg: Message) -> dict[str, Any]:
     """A JSON-ready dict of a message, including its ``type`` tag."""
-    return msgspec.to_builtins(msg)  # type: ignore[no-any-return]
+    return msgspec.to_builtins(msg)
 
 
 def from_builtins(data: Any) -> Message:

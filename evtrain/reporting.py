@@ -52,7 +52,7 @@ class Reporter:
         """Add one observation per name."""
         with self._lock:
             for name, value in values.items():
-                if hasattr(value, "detach"):  # a tensor; duck-typed to keep torch out
+                if not isinstance(value, float | int):  # a tensor; no isinstance: keeps torch out
                     if value.numel() != 1:
                         raise ValueError(
                             f"evtrain.report: {name!r} must be a scalar, got shape "

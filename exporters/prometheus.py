@@ -444,7 +444,7 @@ class PrometheusExporter(Hook):
             self._server, _ = start_http_server(
                 self.port,
                 addr=self.addr,
-                registry=self.scrapes,  # type: ignore[arg-type]  # collect() is all it needs
+                registry=self.scrapes,
             )
         except OSError as exc:
             raise UsageError(

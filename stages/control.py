@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from evtrain.bus.commands import CommandReceiver
 from evtrain.events import Command, DecodeError, decode, encode
+from evtrain.stages import p2p
 
 __all__ = ["ControlExchange", "ControlResult", "StepControl"]
 
@@ -133,7 +134,7 @@ class StepControl:
         for peer in range(self.world_size):
             if peer != self.rank:
                 buffer = torch.empty(_FIELDS, dtype=torch.float64)
-                posted[peer] = (buffer, dist.irecv(buffer, src=peer, group=self.group))
+                posted[peer] = (buffer, p2p.posted(dist.irecv(buffer, src=peer, group=self.group)))
         self._posted = posted
 
     def start(self, local_sq_norm: float, signalled: bool) -> ControlExchange:
@@ -153,7 +154,7 @@ class StepControl:
         self.prepare()
         receives, self._posted = self._posted or {}, None
         sends = [
-            dist.isend(own, dst=peer, group=self.group)
+            p2p.posted(dist.isend(own, dst=peer, group=self.group))
             for peer in range(self.world_size)
             if peer != self.rank
         ]

@@ -397,7 +397,9 @@ class StageExecutor:
         out = self.module(x)
         if self.last:
             if self._training:
-                loss = self.job.loss_fn(out, self._targets[m])
+                target = self._targets[m]
+                assert target is not None
+                loss = self.job.loss_fn(out, target)
                 self._losses[m] = loss
                 detached = loss.detach()
                 self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
@@ -519,7 +521,7 @@ class StageExecutor:
 
     def _eval_metrics(self, output: torch.Tensor, target: torch.Tensor | None, n: int) -> None:
         assert target is not None
-        values = {"loss": self.job.loss_fn(output, target)}
+        values: dict[str, float | torch.Tensor] = {"loss": self.job.loss_fn(output, target)}
         for name, fn in self.job.metrics.items():
             values[name] = fn(output, target)
         for name, value in values.items():

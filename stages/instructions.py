@@ -22,6 +22,7 @@ __all__ = [
     "Forward",
     "Instruction",
     "LoadMicrobatch",
+    "MicrobatchInstruction",
     "OptimizerStep",
     "RecvActivation",
     "RecvGrad",
@@ -122,6 +123,11 @@ Instruction = (
     | OptimizerStep
 )
 """Any pipeline instruction (a tagged union, decodable with msgspec)."""
+
+MicrobatchInstruction = (
+    LoadMicrobatch | RecvActivation | Forward | SendActivation | RecvGrad | Backward | SendGrad
+)
+"""The instructions about one microbatch (they have ``microbatch``)."""
 
 
 def format_instructions(instructions: Iterable[Instruction]) -> str:

@@ -48,6 +48,7 @@ __all__ = [
     "encode_header",
     "exchange_shapes",
     "infer_output_spec",
+    "posted",
 ]
 
 # dtype <-> small integer code for headers; the order is part of the wire format.
@@ -86,6 +87,17 @@ class TensorSpec:
     def empty(self, device: torch.device) -> torch.Tensor:
         """An uninitialized buffer of this spec."""
         return torch.empty(self.shape, dtype=self.dtype, device=device)
+
+
+def posted(work: dist.Work | None) -> dist.Work:
+    """The handle of a point-to-point operation just posted.
+
+    torch types it optional: None means this rank is not in the group, which
+    no stage's own groups allow.
+    """
+    if work is None:
+        raise RuntimeError("a point-to-point operation was posted outside its process group")
+    return work
 
 
 def encode_header(spec: TensorSpec) -> torch.Tensor:
@@ -225,13 +237,17 @@ class Mailbox:
         """Post the send of an output to the next stage (waited on in `drain_sends`)."""
         assert self.next is not None
         tensor = tensor.detach().contiguous()
-        self._sends.append((dist.isend(tensor, dst=self.next, group=self.act_group), tensor))
+        self._sends.append(
+            (posted(dist.isend(tensor, dst=self.next, group=self.act_group)), tensor)
+        )
 
     def send_grad(self, tensor: torch.Tensor) -> None:
         """Post the send of an input gradient to the previous stage."""
         assert self.prev is not None
         tensor = tensor.detach().contiguous()
-        self._sends.append((dist.isend(tensor, dst=self.prev, group=self.grad_group), tensor))
+        self._sends.append(
+            (posted(dist.isend(tensor, dst=self.prev, group=self.grad_group)), tensor)
+        )
 
     def drain_sends(self) -> tuple[float, float]:
         """Wait for every posted send; the tensors may be freed afterwards."""

@@ -42,6 +42,7 @@ from evtrain.stages.instructions import (
     Forward,
     Instruction,
     LoadMicrobatch,
+    MicrobatchInstruction,
     OptimizerStep,
     RecvActivation,
     RecvGrad,
@@ -202,7 +203,7 @@ def simulate_programs(
     def fail(s: int, ins: Instruction, why: str) -> ScheduleError:
         return ScheduleError(f"stage {s} at {ins} (instruction {stages[s].pc}): {why}")
 
-    def send(s: int, ins: Instruction, kind: str, dst: int) -> bool:
+    def send(s: int, ins: MicrobatchInstruction, kind: str, dst: int) -> bool:
         st = stages[s]
         if st.pending_send is None:
             msg = _Message(ins.microbatch, st.clock)
@@ -216,7 +217,7 @@ def simulate_programs(
         st.pending_send = None
         return True
 
-    def recv(s: int, ins: Instruction, kind: str, src: int) -> bool:
+    def recv(s: int, ins: MicrobatchInstruction, kind: str, src: int) -> bool:
         st = stages[s]
         queue = channels.get((kind, src, s))
         if not queue:
@@ -228,7 +229,7 @@ def simulate_programs(
         st.received[kind].add(ins.microbatch)
         return True
 
-    def compute(s: int, ins: Instruction, cost: float) -> None:
+    def compute(s: int, ins: MicrobatchInstruction, cost: float) -> None:
         st = stages[s]
         kind: Literal["forward", "backward"] = "forward" if isinstance(ins, Forward) else "backward"
         st.spans.append(Span(st.clock, st.clock + cost, kind, ins.microbatch))

@@ -114,7 +114,7 @@ class SafeFileSystemReader(FileSystemReader):
             raise CheckpointCorrupt(f"{path} cannot be read safely: {exc}") from None
         if not isinstance(metadata, dcp_metadata.Metadata):
             raise CheckpointCorrupt(f"{path} is not DCP metadata")
-        if getattr(metadata, "storage_meta", None) is None:
+        if metadata.storage_meta is None:
             metadata.storage_meta = dcp_metadata.StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata

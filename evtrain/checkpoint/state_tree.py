@@ -209,7 +209,7 @@ def _capture(
         osd = optimizer.state_dict()
         # optimizer.state_dict() numbers parameters in param_groups order.
         index_to_name: dict[int, str] = {}
-        groups = []
+        groups: list[dict[str, Any]] = []
         index = 0
         for group, packed in zip(optimizer.param_groups, osd["param_groups"], strict=True):
             fqns = []

@@ -16,7 +16,7 @@ from evtrain.errors import UsageError
 log = structlog.get_logger("evtrain.commands.bus")
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the ``bus`` subcommand."""
     parser = sub.add_parser(
         "bus",

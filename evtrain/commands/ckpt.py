@@ -36,7 +36,7 @@ from evtrain.errors import UsageError
 from evtrain.run_record import mark_if_stale
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the ``ckpt`` subcommand and its actions."""
     parser = sub.add_parser(
         "ckpt",

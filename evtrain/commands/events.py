@@ -27,7 +27,7 @@ from evtrain.hooks.formatting import safe_text
 _ENVELOPE = ("v", "run_id", "source", "seq", "ts", "type")
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the ``events`` subcommand."""
     parser = sub.add_parser(
         "events",

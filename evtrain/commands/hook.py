@@ -13,7 +13,7 @@ from evtrain.hooks.loader import BUILTIN_HOOKS, build_hook, parse_options
 from evtrain.hooks.runner import HookRunner
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the ``hook`` subcommand."""
     parser = sub.add_parser(
         "hook",

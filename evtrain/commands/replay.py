@@ -9,7 +9,7 @@ import anyio
 from evtrain.hooks.loader import BUILTIN_HOOKS, build_hook, parse_options
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the ``replay`` subcommand."""
     parser = sub.add_parser(
         "replay",

@@ -9,7 +9,7 @@ PNG_DEFAULT_STEPS = 3
 """Steps drawn by ``--png`` when ``--steps`` is not given (the last ones recorded)."""
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the ``timeline`` subcommand."""
     parser = sub.add_parser(
         "timeline",
@@ -60,10 +60,8 @@ def run(args: argparse.Namespace) -> int:
     spans = recorded.spans
     shown = filter_steps(spans, steps)
     if not shown:
-        recorded = sorted({s.step for s in spans})
-        raise UsageError(
-            f"no spans in steps {steps}; recorded steps: {recorded[0]}..{recorded[-1]}"
-        )
+        have = sorted({s.step for s in spans})
+        raise UsageError(f"no spans in steps {steps}; recorded steps: {have[0]}..{have[-1]}")
     base = run_dir.parent if run_dir.is_file() else run_dir
     output = Path(args.output) if args.output else base / "timeline.json"
     title = recorded.title
