@@ -2,8 +2,8 @@
 
 ``python tests/fake_run.py --bus ADDR ...`` publishes the events P stages of a
 run publish (stage.started, run.started, step.started/ended with realistic
-loss, lr, timings and memory, heartbeats, eval results, run.ended,
-stage.stopped) and, like the stages, receives commands at every step boundary
+loss, lr, timings and memory, heartbeats, eval results, stage.stopped,
+run.ended) and, like the stages, receives commands at every step boundary
 on one `CommandReceiver` per stage and takes them as the stages do: each
 stage's `CommandLedger` and `Orders` accept and acknowledge them for their
 boundary; ``cmd.evaluate`` (a standing one too) runs an "evaluation" (the last
@@ -30,6 +30,7 @@ import anyio
 from evtrain.bus.address import BusAddress
 from evtrain.bus.commands import CommandLedger, CommandReceiver
 from evtrain.bus.publisher import Publisher
+from evtrain.bus.subscriber import Subscriber
 from evtrain.events import (
     BusDrops,
     BusGaps,
@@ -86,6 +87,7 @@ class FakeRun:
         self.receivers = [
             CommandReceiver(self.address.endpoint("commands_out")) for _ in range(args.stages)
         ]
+        self.stops = Subscriber(self.address.endpoint("events_out"), [StageStopped.topic.decode()])
         self.ledgers = [CommandLedger(s, self.pubs[s]) for s in range(args.stages)]
         self.orders = [Orders(last_step=args.steps) for _ in range(args.stages)]
         self.eval_losses = [float(x) for x in args.eval_losses.split(",") if x.strip()]
@@ -231,9 +233,17 @@ class FakeRun:
         # Late commands (sent while the last step ran) still get their acknowledgement.
         await anyio.sleep(0.05)
         await self.boundary(step)
-        self.pubs[0].publish(RunEnded(status=status, reason=reason, step=step))
+        # As the real stages do: RunEnded only once every stage's StageStopped came
+        # back through the broker, so no hook exits before a stage's last event.
         for s, pub in enumerate(self.pubs):
             pub.publish(StageStopped(stage=s, status=status, reason=reason))
+        stopped: set[int] = set()
+        with anyio.move_on_after(10):
+            while len(stopped) < args.stages:
+                for msg in await self.stops.receive(timeout=0.2):
+                    if isinstance(msg, StageStopped) and msg.run_id == self.run_id:
+                        stopped.add(msg.stage)
+        self.pubs[0].publish(RunEnded(status=status, reason=reason, step=step))
         return {
             "run_id": self.run_id,
             "status": status,
@@ -244,6 +254,7 @@ class FakeRun:
         }
 
     def close(self) -> None:
+        self.stops.close()
         for pub in self.pubs:
             pub.close()
         for receiver in self.receivers:
