@@ -57,8 +57,11 @@ class Lines:
             self._lines.put(line.rstrip("\n"))
         self._lines.put(None)
 
-    def get(self, timeout: float = 20.0) -> str:
-        """The next line; AssertionError (with stderr) on timeout or end of output."""
+    def get(self, timeout: float = 120.0) -> str:
+        """The next line; AssertionError (with stderr) on timeout or end of output.
+
+        The default timeout is a bound for a failure, generous for a busy machine.
+        """
         try:
             line = self._lines.get(timeout=timeout)
         except queue.Empty:
@@ -68,7 +71,7 @@ class Lines:
             raise AssertionError(f"{self.proc.args!r} ended its output: {self._stderr()}")
         return line
 
-    def json(self, timeout: float = 20.0) -> Any:
+    def json(self, timeout: float = 120.0) -> Any:
         """The next line, parsed as JSON."""
         return json.loads(self.get(timeout))
 

@@ -138,11 +138,12 @@ async def test_two_publisher_processes_and_a_hook_process_lose_nothing(
         )
         for i in range(2)
     ]
+    # Bounds for a failure, not waits: on a busy machine three interpreters start slowly.
     for pub in publishers:
         stats = Lines(pub).json()
         assert stats["dropped"] == 0
-        assert pub.wait(timeout=20) == 0
-    assert hook.wait(timeout=20) == 0, hook.stderr.read()
+        assert pub.wait(timeout=120) == 0
+    assert hook.wait(timeout=120) == 0, hook.stderr.read()
     seen = [tuple(row) for row in json.loads(out.read_text())]
     for i in range(2):
         mine = [(seq, step) for source, seq, step in seen if source == f"stage/{i}"]
