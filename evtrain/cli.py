@@ -23,6 +23,7 @@ COMMANDS: tuple[str, ...] = (
     "launch",
     "replay",
     "timeline",
+    "top",
 )
 """Modules of `evtrain.commands`, each with ``register(subparsers)``."""
 
