@@ -34,6 +34,7 @@ from evtrain.events import (
 from evtrain.exporters.recorder import read_recording
 from evtrain.hooks.hook import Hook
 from evtrain.hooks.runner import HookRunner
+from evtrain.run_record import without_redone
 
 log = structlog.get_logger("evtrain.replay")
 
@@ -55,10 +56,11 @@ def events_file(run: str | Path) -> Path:
 
 def read_events(path: str | Path) -> Iterator[Message]:
     """The events of a recorder file in order; exact duplicates (a restarted recorder
-    records the state snapshot again) and lines that are not valid events are skipped
-    (see `evtrain.exporters.recorder.read_recording`)."""
+    records the state snapshot again), lines that are not valid events (see
+    `evtrain.exporters.recorder.read_recording`) and, of a resumed run, the
+    steps a later launch redid (`evtrain.run_record.without_redone`) are skipped."""
     seen: set[tuple[str, str, int, float, str]] = set()
-    for msg in read_recording(path):
+    for msg in without_redone(path, read_recording(path)):
         key = (msg.run_id, msg.source, msg.seq, msg.ts, msg.topic.decode())
         if key in seen:
             continue

@@ -40,6 +40,7 @@ from evtrain.events import (
     RunStarted,
 )
 from evtrain.exporters.recorder import read_recording
+from evtrain.run_record import without_redone
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -219,6 +220,9 @@ class RecordedRun:
 def load_run(run_dir: str | Path) -> RecordedRun:
     """Read ``RUN_DIR/events.jsonl`` (or a given ``.jsonl`` file) for a timeline.
 
+    Of a resumed run each step's spans come from the launch that went on
+    (`evtrain.run_record.without_redone`).
+
     Raises `UsageError` when the file is missing or holds no microbatch spans.
     """
     path = Path(run_dir).expanduser()
@@ -229,7 +233,8 @@ def load_run(run_dir: str | Path) -> RecordedRun:
         raise UsageError(f"no {EVENTS_FILE} in {path}: {_NO_SPANS_HINT}")
     run: RunStarted | None = None
     span_events = []
-    for ev in read_events(events_path, types=[*_SPAN_TAGS, _RUN_STARTED_TAG]):
+    recorded = read_events(events_path, types=[*_SPAN_TAGS, _RUN_STARTED_TAG])
+    for ev in without_redone(events_path, recorded):
         if isinstance(ev, RunStarted):
             run = ev
         else:
