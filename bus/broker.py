@@ -334,7 +334,7 @@ class Broker:
             self.stop()
             raise
         self._running = True
-        log.info("broker started", address=str(self.address), curve=self.curve is not None)
+        log.debug("broker started", address=str(self.address), curve=self.curve is not None)
 
     def _start(self) -> None:
         if self.address.scheme == "ipc":
@@ -484,7 +484,7 @@ class Broker:
         if self.address.scheme == "ipc" and self._bound_ipc:
             self._remove_ipc_files()
         if self._running:
-            log.info("broker stopped", address=str(self.address))
+            log.debug("broker stopped", address=str(self.address))
 
     def _remove_ipc_files(self) -> None:
         # Our socket files (libzmq leaves them), then the directory if it is ours and

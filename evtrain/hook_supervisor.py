@@ -122,8 +122,11 @@ class HookSupervisor:
         env: Mapping[str, str] | None = None,
         python: str = sys.executable,
         log_args: Sequence[str] = (),
+        output: int | None = None,
     ) -> None:
         self.bus = bus
+        self.output = output
+        """File descriptor for the hooks' stdout and stderr (None: this process's)."""
         self.max_restarts = max_restarts
         self.backoff = backoff
         self.max_backoff = max_backoff
@@ -152,6 +155,8 @@ class HookSupervisor:
             cmd,
             env=self.env,
             stdin=subprocess.DEVNULL,
+            stdout=self.output,
+            stderr=self.output,
             start_new_session=True,
             preexec_fn=set_pdeathsig(),
         )

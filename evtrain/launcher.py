@@ -135,7 +135,7 @@ from evtrain.failures import (
     is_communication_error,
 )
 from evtrain.hook_supervisor import HookSupervisor
-from evtrain.progress import Progress
+from evtrain.progress import RunConsole
 from evtrain.run_record import (
     RUN_RECORD,
     mark_if_stale,
@@ -255,7 +255,8 @@ class Launcher:
         self.run_id = options.run_id or new_run_id()
         self.run_dir: Path | None = None
         self.address: BusAddress | None = None
-        self.progress = Progress(self.out, enabled=not options.quiet)
+        self.console = RunConsole(self.out, self.err, quiet=options.quiet)
+        self.progress = self.console.progress
         self.resume_path: Path | None = None
         """The committed checkpoint ``--resume`` resolved to (before anything started)."""
         self.load_weights_path: Path | None = None
@@ -462,7 +463,8 @@ class Launcher:
         job, address = self.job, self.address
         steps = f"{job.max_steps} steps" if job.max_steps is not None else f"{job.epochs} epochs"
         self._say(
-            f"evtrain launch: run {self.run_id} | {job.name} | {job.stages} stages "
+            f"evtrain launch: run {self.run_id} | {job.name} | {job.stages} "
+            f"stage{'s' if job.stages != 1 else ''} "
             f"({job.schedule}, {job.num_microbatches} microbatches) | {steps}"
         )
         self._say(f"  bus: {address}  (attach: evtrain hook MODULE:CLASS --bus {address})")
@@ -471,14 +473,13 @@ class Launcher:
             self._say(f"  resume: {self.resume_path}")
         for note in self.warnings:
             self._warn(note)
+        self.console.start()
 
     def _say(self, text: str) -> None:
-        self.out.write(text + "\n")
-        self.out.flush()
+        self.console.say(text)
 
     def _warn(self, text: str) -> None:
-        self.err.write(f"evtrain launch: warning: {text}\n")
-        self.err.flush()
+        self.console.warn(text)
 
     async def _main(self) -> int:
         self._ended_event = anyio.Event()
@@ -609,7 +610,7 @@ class Launcher:
         self._last_bus_event = time.monotonic()
         if msg.run_id and msg.run_id != self.run_id:
             return  # another run sharing this bus
-        self.progress.update(msg)
+        self.console.update(msg)
         if isinstance(msg, HookStarted):
             if self._supervisor is not None:
                 self._supervisor.attached(msg.pid)
@@ -634,12 +635,13 @@ class Launcher:
             max_restarts=opts.hook_restarts,
             env=self._hook_env(),
             log_args=("--log-format", opts.log_format, "--log-level", opts.log_level),
+            output=self.console.child_output,
         )
         self._supervisor.start_all()
         problem = await self._wait_hooks_attached()
         if problem is not None or self._stop_signal is not None:
             if problem is not None:
-                self.err.write(f"evtrain launch: error: {problem}\n")
+                self.console.error(problem)
             self._close_agent_stdin()
             await self._wait_agent(timeout=10)
             self._supervisor.terminate()
@@ -650,7 +652,7 @@ class Launcher:
         # stdin stays open from here on: its end tells the agent we are gone.
         self._config_sent = self._send_agent(self.agent_config())
         if not self._config_sent:
-            self.err.write("evtrain launch: error: the elastic agent process died at startup\n")
+            self.console.error("the elastic agent process died at startup")
             self._supervisor.terminate()
             return EXIT_FAILED
         agent_status = await self._follow()
@@ -666,7 +668,7 @@ class Launcher:
         if self._ended is None and self._run_end_published is None and self.is_bus_owner:
             self._publish_run_ended(agent_status)
         await self._finish_hooks()
-        self.progress.close()
+        self.console.close()
         return self._report(agent_status)
 
     # -- the agent --------------------------------------------------------------
@@ -682,6 +684,7 @@ class Launcher:
         # (pytorch/pytorch#135712; seen here with --max-restarts). A fresh
         # store per attempt avoids it.
         env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+        env.update(self.console.child_env())
         # The agent learns of our death from the end of its stdin (see
         # evtrain.elastic_agent), and then tells it from a deliberate close by
         # whether we are still its parent.
@@ -690,6 +693,8 @@ class Launcher:
             [sys.executable, "-m", "evtrain.elastic_agent", self.options.start_method],
             env=env,
             stdin=subprocess.PIPE,
+            stdout=self.console.child_output,
+            stderr=self.console.child_output,
             start_new_session=True,
         )
 
@@ -776,7 +781,7 @@ class Launcher:
             self._supervisor.poll()
             self._refresh_reports()
             self._watch_failure()
-            self.progress.tick()
+            self.console.tick()
             self._stop_tick()
             await anyio.sleep(_POLL_S)
         return code
@@ -1024,6 +1029,7 @@ class Launcher:
         if spec_dir not in paths:
             paths.append(spec_dir)
         env["PYTHONPATH"] = os.pathsep.join(paths)
+        env.update(self.console.child_env())
         return env
 
     async def _wait_hooks_attached(self) -> str | None:
@@ -1128,11 +1134,7 @@ class Launcher:
             word = f"interrupted ({signal.Signals(self._stop_signal).name})"
         else:
             word = "failed"
-        self._say(
-            self.progress.summary(
-                status=word, wall_s=time.monotonic() - self._started, run_dir=str(self.run_dir)
-            )
-        )
+        self._say(self.progress.summary(status=word, wall_s=time.monotonic() - self._started))
         if status == EXIT_FAILED:
             self._print_failure(agent_status)
         loss = self._bus_loss_line()
@@ -1249,3 +1251,4 @@ class Launcher:
             self._broker = None
         if self._owns_ipc_dir and self.address is not None:
             shutil.rmtree(self.address.location, ignore_errors=True)
+        self.console.close()

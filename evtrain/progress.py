@@ -1,33 +1,70 @@
-"""The launcher's progress line and end-of-run summary, computed from bus events.
-
-At the end the launcher settles the count with what the stages themselves
-reported (`Progress.settle`), so the summary is right even when bus events
-were lost.
+"""What the launcher shows of a run: header, progress, evaluations, summary.
 
 `Progress` folds the events the launcher's own subscriber receives
 (`RunStarted`, `StepEnded`, `EvalEnded`, `RunEnded`, `StageFailed`) into a
-few numbers and renders them: steps done / max, loss, samples/s, steps/s and
-an ETA. On a terminal the line is rewritten in place (``\\r``); anywhere else
-(a log file, CI, a pipe) it prints a plain line every ``interval`` seconds so
-logs stay readable. Rates come from the event timestamps over a sliding
-window of the last stage's steps, so they are what the pipeline really did,
-not what the launcher happened to observe.
+few numbers and renders them as text: steps done / max, loss, samples/s,
+steps/s, an ETA, the latest evaluation and the end-of-run summary. Rates
+come from the event timestamps over a sliding window of the last stage's
+steps, so they are what the pipeline really did, not what the launcher
+happened to observe. At the end the launcher settles the count with what
+the stages themselves reported (`Progress.settle`), so the summary is right
+even when bus events were lost.
+
+`RunConsole` is the launcher's terminal, in one of three modes:
+
+* live (stdout is a terminal): one progress bar drawn by rich at the bottom
+  of the screen, with every other line (header, evaluations, warnings, log
+  lines) printed above it. When stderr is the same terminal, log lines get
+  there through the console too: this process's structlog lines through
+  `evtrain.logs.LOG_STREAM`, and the output of every process the launcher
+  starts (hooks, the elastic agent and its workers) through a pipe that
+  the console reads line by line, so no process writes over the bar.
+* plain (stdout is a file or a pipe): no control codes; a progress line at
+  every tenth of the run and at least every `PLAIN_INTERVAL_S` seconds, one
+  line per evaluation. The other processes write to stderr directly.
+* quiet (``-q``): the header and the summary only.
+
+The bar is transient: at the end it gives way to the summary, which says
+everything it said.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import threading
 import time
 from collections import deque
+from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass, field
-from typing import TextIO
+from typing import IO, TextIO
+
+from rich.console import Console
+from rich.progress import BarColumn, SpinnerColumn, TaskID, TextColumn
+from rich.progress import Progress as RichProgress
+from rich.text import Text
 
 from evtrain.events import EvalEnded, Message, RunEnded, RunStarted, StageFailed, StepEnded
+from evtrain.hooks.formatting import fmt_bytes, per_stage, safe_text
+from evtrain.logs import LAUNCHER_CONSOLE_ENV, LOG_STREAM
 
-__all__ = ["Progress", "ProgressStats", "format_duration"]
+__all__ = [
+    "PLAIN_INTERVAL_S",
+    "Progress",
+    "ProgressStats",
+    "RunConsole",
+    "format_duration",
+]
 
 _WINDOW = 20
 """Steps in the sliding window that rates are computed over."""
+PLAIN_INTERVAL_S = 30.0
+"""Longest time between two plain progress lines while steps go on."""
+_PLAIN_MARKS = 10
+"""Plain mode prints a progress line at every 1/_PLAIN_MARKS of the steps."""
+_RELAY_DRAIN_S = 2.0
+_NAME_LIMIT = 64
 
 
 def format_duration(seconds: float) -> str:
@@ -49,8 +86,9 @@ def _rate(value: float) -> str:
 
 
 def _metrics(metrics: dict[str, float]) -> str:
+    # Metric names come from the stages' events: shown, never interpreted.
     ordered = sorted(metrics.items(), key=lambda kv: (kv[0] != "loss", kv[0]))
-    return " ".join(f"{key} {value:.5g}" for key, value in ordered)
+    return " ".join(f"{safe_text(key, _NAME_LIMIT)} {value:.5g}" for key, value in ordered)
 
 
 @dataclass
@@ -74,6 +112,8 @@ class ProgressStats:
     last_step_seen: int = 0
     """The step of the latest `StepEnded` timed (``last_step_ts``)."""
     samples_total: int = 0
+    peak_memory: dict[int, int] = field(default_factory=dict)
+    """Highest ``peak_memory_bytes`` reported, by stage."""
     window: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=_WINDOW))
 
     def steps_per_s(self) -> float | None:
@@ -100,32 +140,10 @@ class ProgressStats:
 
 
 class Progress:
-    """Turns bus events into a progress line on ``stream`` and a final summary.
+    """Bus events folded into `ProgressStats`, and the text that shows them."""
 
-    ``tty`` (default: ``stream.isatty()``) picks the in-place line; otherwise a
-    plain line is printed at most every ``interval`` seconds. ``enabled=False``
-    (``--quiet``) prints nothing while running; `summary` still works.
-    """
-
-    def __init__(
-        self,
-        stream: TextIO,
-        *,
-        tty: bool | None = None,
-        interval: float = 10.0,
-        tty_interval: float = 0.2,
-        enabled: bool = True,
-    ) -> None:
-        self.stream = stream
-        self.tty = stream.isatty() if tty is None else tty
-        self.interval = tty_interval if self.tty else interval
-        self.enabled = enabled
+    def __init__(self) -> None:
         self.stats = ProgressStats()
-        self._last_print = 0.0
-        self._printed_step = -1
-        self._line_width = 0
-
-    # -- folding events ---------------------------------------------------------
 
     def update(self, msg: Message) -> None:
         """Fold one event into the stats (other message types are ignored)."""
@@ -146,7 +164,6 @@ class Progress:
             self._step(msg)
         elif isinstance(msg, EvalEnded):
             stats.last_eval = msg
-            self._eval_line(msg)
         elif isinstance(msg, RunEnded):
             stats.ended = msg
         elif isinstance(msg, StageFailed):
@@ -154,6 +171,10 @@ class Progress:
 
     def _step(self, msg: StepEnded) -> None:
         stats = self.stats
+        if msg.peak_memory_bytes is not None:
+            stats.peak_memory[msg.stage] = max(
+                msg.peak_memory_bytes, stats.peak_memory.get(msg.stage, 0)
+            )
         # Only the last stage knows the loss; it is also the one that finishes a
         # step last, so its events time the pipeline. Before RunStarted told us
         # the stage count, the loss marks the last stage.
@@ -183,13 +204,18 @@ class Progress:
             stats.last_loss = loss if loss is not None else stats.last_loss
         stats.steps_done = steps
 
-    # -- rendering --------------------------------------------------------------
+    # -- text -------------------------------------------------------------------
 
-    def line(self) -> str:
-        """The current progress line (no newline)."""
+    def steps_text(self) -> str:
+        """``"150/300"`` (or ``"150"`` without a known maximum)."""
         stats = self.stats
         total = f"/{stats.max_steps}" if stats.max_steps is not None else ""
-        parts = [f"step {stats.steps_done}{total}"]
+        return f"{stats.steps_done}{total}"
+
+    def rates_text(self) -> str:
+        """Loss, throughput and ETA: ``"loss 0.21  9.1k samples/s  143 steps/s  ETA 0:02"``."""
+        stats = self.stats
+        parts = []
         if stats.last_loss is not None:
             parts.append(f"loss {stats.last_loss:.5g}")
         samples = stats.samples_per_s()
@@ -203,55 +229,28 @@ class Progress:
             parts.append(f"ETA {format_duration(eta)}")
         return "  ".join(parts)
 
-    def tick(self, now: float | None = None) -> None:
-        """Print the line if it is due (and something changed)."""
-        if not self.enabled or self.stats.first_step_ts is None:
-            return
-        now = time.monotonic() if now is None else now
-        if now - self._last_print < self.interval or self._printed_step == self.stats.steps_done:
-            return
-        self._emit()
-        self._last_print = now
+    def line(self) -> str:
+        """The plain progress line: ``"step 150/300  loss ...  ETA 0:02"``."""
+        rates = self.rates_text()
+        return f"step {self.steps_text()}" + (f"  {rates}" if rates else "")
 
-    def _emit(self) -> None:
-        text = self.line()
-        self._printed_step = self.stats.steps_done
-        if self.tty:
-            pad = max(0, self._line_width - len(text))
-            self.stream.write("\r" + text + " " * pad)
-            self._line_width = len(text)
-        else:
-            self.stream.write(text + "\n")
-        self.stream.flush()
+    def eval_text(self) -> str:
+        """The latest evaluation, short: ``"eval@150 loss 0.097 accuracy 0.969"`` (or "")."""
+        last = self.stats.last_eval
+        return "" if last is None else f"eval@{last.step} {_metrics(last.metrics)}"
 
-    def _eval_line(self, msg: EvalEnded) -> None:
-        if not self.enabled:
-            return
-        self._clear()
-        self.stream.write(f"eval at step {msg.step}: {_metrics(msg.metrics)}\n")
-        self.stream.flush()
+    @staticmethod
+    def eval_line(ev: EvalEnded) -> str:
+        """One evaluation's line: ``"eval at step 50: loss 0.2058 accuracy 0.93872"``."""
+        return f"eval at step {ev.step}: {_metrics(ev.metrics)}"
 
-    def _clear(self) -> None:
-        if self.tty and self._line_width:
-            self.stream.write("\r" + " " * self._line_width + "\r")
-            self._line_width = 0
+    def summary(self, *, status: str, wall_s: float) -> str:
+        """The end-of-run summary: status, steps, final loss, last eval, peak memory.
 
-    def close(self) -> None:
-        """Print the final state of the line and end it."""
-        if not self.enabled:
-            return
-        if self.stats.first_step_ts is not None and self._printed_step != self.stats.steps_done:
-            self._emit()
-        if self.tty and self._line_width:
-            self.stream.write("\n")
-            self._line_width = 0
-        self.stream.flush()
-
-    def summary(self, *, status: str, wall_s: float, run_dir: str) -> str:
-        """The end-of-run summary: status, steps, final loss, last eval, wall time, run dir."""
+        The run directory is in the header, once.
+        """
         stats = self.stats
-        total = f"/{stats.max_steps}" if stats.max_steps is not None else ""
-        head = f"run {status}: {stats.steps_done}{total} steps in {format_duration(wall_s)}"
+        head = f"run {status}: {self.steps_text()} steps in {format_duration(wall_s)}"
         if stats.first_step_ts is not None and stats.last_step_ts is not None:
             # Timed by the events seen: a count settled from the stages' reports
             # (events lost) has no timestamps.
@@ -262,12 +261,232 @@ class Progress:
         lines = [head]
         # A failed run's reason is the root cause, which the launcher prints itself.
         if stats.ended is not None and stats.ended.reason and stats.ended.status != "failed":
-            lines.append(f"  reason: {stats.ended.reason}")
+            lines.append(f"  reason: {safe_text(stats.ended.reason, 500)}")
         if stats.last_loss is not None:
             lines.append(f"  final loss: {stats.last_loss:.6g}")
         if stats.last_eval is not None:
             lines.append(
                 f"  last eval (step {stats.last_eval.step}): {_metrics(stats.last_eval.metrics)}"
             )
-        lines.append(f"  run dir: {run_dir}")
+        if stats.peak_memory:
+            memory = per_stage({s: fmt_bytes(b) for s, b in stats.peak_memory.items()})
+            lines.append(f"  peak memory: {memory}")
         return "\n".join(lines)
+
+
+def _is_terminal(stream: IO[str]) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError, OSError):
+        return False
+
+
+class _Relay:
+    """A pipe that child processes write their output to, read here line by line."""
+
+    def __init__(self, sink: Callable[[str], None]) -> None:
+        read_fd, self.write_fd = os.pipe()
+        self._sink = sink
+        self._thread = threading.Thread(
+            target=self._pump, args=(read_fd,), name="evtrain-output-relay", daemon=True
+        )
+        self._thread.start()
+
+    def _pump(self, read_fd: int) -> None:
+        with os.fdopen(read_fd, "rb") as pipe:
+            for raw in pipe:
+                self._sink(raw.decode(errors="replace").rstrip("\r\n"))
+
+    def close(self) -> None:
+        """Stop accepting writers; read what they left (until their copies close too)."""
+        if self.write_fd >= 0:
+            os.close(self.write_fd)
+            self.write_fd = -1
+        # A straggler that still holds the pipe (a worker elastic could not reap)
+        # must not hold the summary back.
+        self._thread.join(_RELAY_DRAIN_S)
+
+
+class RunConsole:
+    """The launcher's terminal: see the module docstring for its three modes.
+
+    ``live`` (default: whether ``out`` is a terminal) picks the live bar;
+    ``quiet`` prints only what `say` and the warnings print. Lines written
+    with `say` go to ``out``; `warn` and `error` lines to ``err``.
+    """
+
+    def __init__(
+        self,
+        out: TextIO,
+        err: TextIO,
+        *,
+        quiet: bool = False,
+        live: bool | None = None,
+        interval: float = PLAIN_INTERVAL_S,
+        prefix: str = "evtrain launch",
+    ) -> None:
+        self.progress = Progress()
+        self.out = out
+        self.err = err
+        self.quiet = quiet
+        self.live = not quiet and (_is_terminal(out) if live is None else live)
+        self.interval = interval
+        self.prefix = prefix
+        # Log lines join the bar's terminal only when stderr is that terminal;
+        # with stderr redirected they stay where the user sent them.
+        self.shares_terminal = self.live and _is_terminal(err)
+        self._lock = threading.RLock()
+        self._bar: RichProgress | None = None
+        self._task: TaskID | None = None
+        self._stack = ExitStack()
+        self._relay: _Relay | None = None
+        self._last_plain = time.monotonic()
+        self._plain_step = -1
+        self._closed = False
+
+    # -- what the launcher's children need ----------------------------------------
+
+    @property
+    def child_output(self) -> int | None:
+        """The file descriptor children write stdout and stderr to (None: inherit ours)."""
+        with self._lock:
+            if self._relay is None and self.shares_terminal and not self._closed:
+                self._relay = _Relay(self._child_line)
+            relay = self._relay
+        return relay.write_fd if relay is not None and relay.write_fd >= 0 else None
+
+    def child_env(self) -> dict[str, str]:
+        """Environment for the launcher's children: who shows what (`evtrain.logs`)."""
+        return {} if self.quiet else {LAUNCHER_CONSOLE_ENV: "1"}
+
+    # -- lines ----------------------------------------------------------------------
+
+    def say(self, text: str) -> None:
+        """Lines of the run's own story (header, summary) on ``out``."""
+        for line in text.splitlines():
+            self._emit(line, self.out)
+
+    def warn(self, text: str) -> None:
+        """``PREFIX: warning: TEXT`` on ``err``."""
+        self._emit(f"{self.prefix}: warning: {text}", self.err)
+
+    def error(self, text: str) -> None:
+        """``PREFIX: error: TEXT`` (more lines may follow) on ``err``."""
+        for line in f"{self.prefix}: error: {text}".splitlines():
+            self._emit(line, self.err)
+
+    def _emit(self, line: str, stream: TextIO) -> None:
+        with self._lock:
+            bar = self._bar
+            if bar is not None and (stream is self.out or self.shares_terminal):
+                bar.console.print(Text(line), soft_wrap=True)
+                return
+            stream.write(line + "\n")
+            stream.flush()
+
+    def _log_line(self, line: str) -> None:
+        self._emit(line, self.err)
+
+    def _child_line(self, line: str) -> None:
+        with self._lock:
+            if self._bar is not None:
+                # Text.from_ansi keeps colours and drops cursor movement.
+                self._bar.console.print(Text.from_ansi(line), soft_wrap=True)
+                return
+        self._emit(line, self.err)
+
+    # -- the run ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """From now on progress is shown (live: the bar appears)."""
+        if not self.live or self._bar is not None or self._closed:
+            return
+        console = Console(file=self.out, highlight=False, soft_wrap=True)
+        bar = RichProgress(
+            SpinnerColumn(),
+            TextColumn("{task.description}", markup=False),
+            BarColumn(bar_width=30),
+            TextColumn("{task.fields[steps]}", markup=False),
+            TextColumn("{task.fields[rates]}", markup=False),
+            TextColumn("{task.fields[eval]}", markup=False, style="cyan"),
+            console=console,
+            transient=True,
+            refresh_per_second=4,
+            redirect_stdout=True,
+            redirect_stderr=self.shares_terminal,
+        )
+        with self._lock:
+            self._task = bar.add_task("starting", total=None, steps="", rates="", eval="")
+            bar.start()
+            self._bar = bar
+        if self.shares_terminal:
+            self._stack.enter_context(LOG_STREAM.redirect(self._log_line))
+
+    def update(self, msg: Message) -> None:
+        """Fold one event in and show what changed."""
+        self.progress.update(msg)
+        if self.quiet:
+            return
+        if isinstance(msg, EvalEnded):
+            self._emit(Progress.eval_line(msg), self.out)
+        elif isinstance(msg, StepEnded) and not self.live:
+            self._plain_at_mark()
+        if self._bar is not None and isinstance(msg, RunStarted | StepEnded | EvalEnded):
+            self._refresh()
+
+    def _refresh(self) -> None:
+        stats = self.progress.stats
+        bar, task = self._bar, self._task
+        if bar is None or task is None:
+            return
+        started = stats.num_stages is not None
+        bar.update(
+            task,
+            description=safe_text(stats.name, _NAME_LIMIT) if started else "starting",
+            total=stats.max_steps if started else None,
+            completed=stats.steps_done,
+            steps=self.progress.steps_text() if started else "",
+            rates=self.progress.rates_text(),
+            eval=self.progress.eval_text(),
+        )
+
+    def _plain_at_mark(self) -> None:
+        stats = self.progress.stats
+        if stats.max_steps is None or stats.first_step_ts is None:
+            return
+        every = max(1, stats.max_steps // _PLAIN_MARKS)
+        if stats.steps_done // every > max(self._plain_step, stats.start_step) // every:
+            self._plain_line()
+
+    def _plain_line(self) -> None:
+        self._plain_step = self.progress.stats.steps_done
+        self._last_plain = time.monotonic()
+        self._emit(self.progress.line(), self.out)
+
+    def tick(self, now: float | None = None) -> None:
+        """Plain mode: a progress line if none was printed for ``interval`` seconds."""
+        if self.quiet or self.live or self.progress.stats.first_step_ts is None:
+            return
+        now = time.monotonic() if now is None else now
+        if now - self._last_plain >= self.interval and (
+            self._plain_step != self.progress.stats.steps_done
+        ):
+            self._plain_line()
+
+    def close(self) -> None:
+        """End the progress display (before the summary); read what children left."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        if self._relay is not None:
+            self._relay.close()
+        self._stack.close()
+        with self._lock:
+            bar, self._bar = self._bar, None
+        if bar is not None:
+            bar.stop()
+        elif not self.quiet and not self.live:
+            stats = self.progress.stats
+            if stats.first_step_ts is not None and self._plain_step != stats.steps_done:
+                self._plain_line()

@@ -5,6 +5,11 @@ line with step/max, loss, learning rate, samples/s, step time (median over a
 window), ETA and peak memory per stage. Eval results, checkpoints, stage
 failures, lost or dropped bus events and the end of the run get their own line.
 
+Started by a launcher whose console shows the run (`evtrain.logs`), the hook
+leaves the run's start, progress, evaluations and end to that console and
+logs the rest on the terminal they share; with ``path`` it logs everything
+to that file.
+
 Lines go through structlog: by default with the process's configuration
 (``evtrain --log-format console|json hook logging``); the ``log_format``
 option renders this hook's lines its own way, and ``path`` sends them to a
@@ -14,10 +19,9 @@ a progress line shows at most `MAX_METRIC_FIELDS` reported values.
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import Any, TextIO
 
 import structlog
 
@@ -47,6 +51,7 @@ from evtrain.hooks.formatting import (
 from evtrain.hooks.hook import EventFilter, Hook, on
 from evtrain.hooks.options import choice_option, int_option, path_option
 from evtrain.hooks.step_merge import MergedStep, StepMerger, StepWindow
+from evtrain.logs import LOG_STREAM, launcher_console
 
 LOG_FORMATS = ("console", "json")
 MAX_METRIC_FIELDS = 64
@@ -80,7 +85,7 @@ def _text(value: str | None) -> str | None:
     return None if value is None else safe_text(value, _TEXT_LIMIT)
 
 
-def make_logger(fmt: str, stream: IO[str], name: str) -> Any:
+def make_logger(fmt: str, stream: TextIO, name: str) -> Any:
     """A structlog logger rendering ``fmt`` to ``stream``, independent of the global setup.
 
     Its lines carry ``hook=name``.
@@ -91,7 +96,7 @@ def make_logger(fmt: str, stream: IO[str], name: str) -> Any:
         else structlog.dev.ConsoleRenderer(colors=False)
     )
     return structlog.wrap_logger(
-        structlog.PrintLogger(file=stream),
+        structlog.WriteLogger(file=stream),
         processors=[
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso" if fmt == "json" else "%H:%M:%S"),
@@ -133,11 +138,13 @@ class ConsoleLog(Hook):
             else choice_option(self.name, "log_format", log_format, LOG_FORMATS)
         )
         self.path = path_option(self.name, "path", path)
-        self._stream: IO[str] | None = None
+        self._stream: TextIO | None = None
         self._merger = StepMerger(lambda: self.state)
         self._peak_memory: dict[int, int] = {}
         self._started_at: float | None = None
         self._failure_logged = False
+        self._console_shows_run = self.path is None and launcher_console()
+        """The launcher's console shows start, progress, evaluations and end: not us."""
 
     async def setup(self) -> None:
         """Open the log file, if any, and pick the logger."""
@@ -146,7 +153,7 @@ class ConsoleLog(Hook):
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 self._stream = self.path.open("a", buffering=1)
             self.log = make_logger(
-                self.log_format or "console", self._stream or sys.stderr, self.name
+                self.log_format or "console", self._stream or LOG_STREAM.as_file(), self.name
             )
 
     async def teardown(self) -> None:
@@ -162,6 +169,8 @@ class ConsoleLog(Hook):
         self._peak_memory.clear()
         self._failure_logged = False
         self._started_at = ev.ts or time.time()
+        if self._console_shows_run:
+            return
         self.log.info(
             "run started",
             run=_text(ev.name),
@@ -193,7 +202,7 @@ class ConsoleLog(Hook):
         """Merge the stages' events; every ``every`` steps, log the progress line."""
         for merged in self._merger.add(ev):
             self._account(merged)
-            if self._progress_steps(merged):
+            if self._progress_steps(merged) and not self._console_shows_run:
                 self._progress(merged)
 
     def _account(self, merged: MergedStep) -> None:
@@ -225,6 +234,8 @@ class ConsoleLog(Hook):
     @on(EvalEnded)
     def eval_ended(self, ev: EvalEnded) -> None:
         """The eval metrics as one line."""
+        if self._console_shows_run:
+            return
         fields: dict[str, Any] = {
             "step": ev.step,
             "duration_s": short(ev.duration_s),
@@ -238,6 +249,7 @@ class ConsoleLog(Hook):
         self.log.info(
             "checkpoint committed",
             step=ev.step,
+            reason=_text(ev.reason) or None,
             path=_text(ev.path),
             size=fmt_bytes(ev.bytes),
             duration_s=short(ev.duration_s),
@@ -311,8 +323,9 @@ class ConsoleLog(Hook):
 
     @on(StageStopped)
     def stage_stopped(self, ev: StageStopped) -> None:
-        """A stage left the run."""
-        self.log.info(
+        """A stage left the run (a stage that simply completed is no news: debug)."""
+        level = self.log.debug if ev.status == "completed" else self.log.info
+        level(
             "stage stopped",
             stage=ev.stage,
             status=_text(ev.status),
@@ -326,6 +339,8 @@ class ConsoleLog(Hook):
             return
         for merged in self._merger.flush():
             self._account(merged)
+        if self._console_shows_run:
+            return
         elapsed = (ev.ts - self._started_at) if self._started_at and ev.ts else None
         level = "error" if ev.status == "failed" else "info"
         # A failure's reason is the stage error logged just before: say it once.

@@ -56,7 +56,7 @@ class RunOutput:
             return Path(run.run_dir) / self.filename
         if not self._warned:
             self._warned = True
-            log.info(
+            log.debug(
                 "no run directory known yet: output waits for run.started "
                 "(or pass the hook a 'dir' or 'path' option)",
                 hook=self.hook,

@@ -51,6 +51,7 @@ from evtrain.events import (
 )
 from evtrain.hooks.formatting import safe_text
 from evtrain.hooks.hook import Accepts, Hook, of_run
+from evtrain.logs import launcher_console
 from evtrain.ratelimit import MAX_KINDS, RateLimitedLog
 from evtrain.run_state import RunState
 
@@ -245,7 +246,11 @@ class HookRunner:
         if self._queue:
             self._queued.set()  # events that arrived while proving the subscription
         self.ready.set()
-        log.info("hooks attached", hooks=self.name, topics=self.topics, bus=str(self.address))
+        # Under a launcher, which shows the run itself, attaching is a detail;
+        # for a hook attached by hand it is the line that says it works.
+        attached = log.debug if launcher_console() else log.info
+        attached("hooks attached", hooks=self.name, bus=str(self.address))
+        log.debug("subscribed", hooks=self.name, topics=self.topics)
         await self._dispatch_all()
 
     def _close(self) -> None:

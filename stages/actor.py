@@ -417,7 +417,7 @@ class StageActor:
                 )
             )
         self.state = "running"
-        log.info("stage running", stage=self.stage, steps=total, device=str(self.device))
+        log.debug("stage running", stage=self.stage, steps=total, device=str(self.device))
         step = start_step
         stop_reason = await self._boundary(step, first, scheduled_eval=False)
         with reporting(self.reporter):
@@ -449,7 +449,7 @@ class StageActor:
         self.publish(StageStopped(stage=self.stage, status=status, reason=stop_reason or ""))
         if self.writer is not None:
             self.writer.close()
-        log.info("stage finished", stage=self.stage, status=status, steps=self.completed)
+        log.debug("stage finished", stage=self.stage, status=status, steps=self.completed)
 
     # ------------------------------------------------------------------- setup
 

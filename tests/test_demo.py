@@ -3,17 +3,29 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import ProcessGroup
+from console_helpers import LOG_LINE, PROGRESS_TEXT, Terminal, run_in_pty
 from launch_helpers import kill_marked, launch_env, new_marker, wait_no_marked
 
 from evtrain.checkpoint import latest_committed, list_checkpoints
 from evtrain.data import microbatches
-from evtrain.demo import DEMO_HOOKS, MAX_STEPS, SPEC_PATH, load_digits_split, make_job
+from evtrain.demo import (
+    DEMO_HOOKS,
+    EVAL_EVERY,
+    MAX_STEPS,
+    SPEC_PATH,
+    load_digits_split,
+    make_job,
+)
 from evtrain.errors import UsageError
 from evtrain.hooks.loader import build_hook_from_spec
 from evtrain.job import Job
@@ -92,21 +104,50 @@ def test_demo_quality_single_process() -> None:
     assert accuracy >= MIN_ACCURACY
 
 
-@pytest.mark.slow
-def test_demo_quality_through_evtrain_launch(tmp_path: Path) -> None:
+@dataclass
+class DemoRun:
+    """One finished ``evtrain demo`` run without a terminal (stdout and stderr are pipes)."""
+
+    done: subprocess.CompletedProcess[str]
+    run_dir: Path
+    tmp: Path
+
+
+def demo_env(marker: str, **extra: str) -> dict[str, str]:
+    """Environment for ``evtrain demo`` in a test: any free Prometheus port, no size hints."""
+    env = launch_env(marker, EVTRAIN_DEMO_PROMETHEUS_PORT="0", **extra)
+    for name in ("COLUMNS", "LINES", "NO_COLOR", "FORCE_COLOR"):
+        env.pop(name, None)  # the terminal's own size and capabilities decide
+    return env
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory: pytest.TempPathFactory) -> DemoRun:
+    """``evtrain demo`` once, to the end (shared by the tests that read its outcome)."""
+    tmp = tmp_path_factory.mktemp("demo")
     marker = new_marker()
-    run_dir = tmp_path / "digits"
-    cmd = [sys.executable, "-m", "evtrain", "launch", SPEC_PATH, "--run-dir", str(run_dir)]
-    env = launch_env(marker, EVTRAIN_DEMO_PROMETHEUS_PORT="0")
+    run_dir = tmp / "digits"
+    cmd = [sys.executable, "-m", "evtrain", "demo", "--run-dir", str(run_dir)]
     try:
         done = subprocess.run(
-            cmd, env=env, capture_output=True, text=True, timeout=180, start_new_session=True
+            cmd,
+            env=demo_env(marker),
+            capture_output=True,
+            text=True,
+            timeout=180,
+            start_new_session=True,
         )
     finally:
         left = wait_no_marked(marker, timeout=5.0)
         kill_marked(marker)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert not left, f"processes left behind: {left}"
+    return DemoRun(done=done, run_dir=run_dir, tmp=tmp)
+
+
+@pytest.mark.slow
+def test_demo_quality_through_evtrain_launch(demo_run: DemoRun) -> None:
+    run_dir, done = demo_run.run_dir, demo_run.done
     assert str(run_dir) in done.stdout  # it says where the run's files are
 
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -120,7 +161,7 @@ def test_demo_quality_through_evtrain_launch(tmp_path: Path) -> None:
     assert final["metrics"]["accuracy"] == pytest.approx(reference, abs=2 / 359)
 
     # The recorded run renders as a timeline.
-    trace = tmp_path / "trace.json"
+    trace = demo_run.tmp / "trace.json"
     shown = subprocess.run(
         [sys.executable, "-m", "evtrain", "timeline", str(run_dir), "-o", str(trace)],
         capture_output=True,
@@ -136,3 +177,59 @@ def test_demo_quality_through_evtrain_launch(tmp_path: Path) -> None:
     assert latest is not None and latest.step == MAX_STEPS
     committed = [c for c in list_checkpoints(run_dir) if c.committed]
     assert 1 <= len(committed) <= 3
+
+
+EVAL_STEPS = list(range(EVAL_EVERY, MAX_STEPS + 1, EVAL_EVERY))
+CHATTER = ("hooks attached", "broker started", "broker stopped", "topics=", "shard saved")
+"""Details that belong to debug level."""
+
+
+def assert_console(lines: list[str], finished: list[str]) -> None:
+    """What the demo's console must look like: ``lines`` as shown, ``finished`` as written.
+
+    Each fact once, no line that holds both progress and log text, each
+    evaluation shown once, the summary with the last evaluation, no chatter.
+    """
+    text = "\n".join(lines)
+    twice = [line for line, n in Counter(lines).items() if n > 1]
+    assert not twice, f"lines shown more than once: {twice}\n{text}"
+    mixed = [x for x in finished if LOG_LINE.search(x) and PROGRESS_TEXT.search(x)]
+    assert not mixed, f"progress and log text on one line: {mixed}"
+    evals = [int(m.group(1)) for x in lines if (m := re.match(r"eval at step (\d+): ", x))]
+    assert evals == EVAL_STEPS, text
+    assert not [x for x in lines if re.search(r"\beval\b.*val_accuracy", x)], text  # only once
+    commits = Counter(m.group(1) for x in lines if (m := re.search(r"committed .*step=(\d+)", x)))
+    assert commits and max(commits.values()) == 1, commits
+    for word in CHATTER:
+        assert word not in text, f"{word!r} at the default level:\n{text}"
+    head = next(i for i, x in enumerate(lines) if x.startswith("run completed: "))
+    assert lines[head].startswith(f"run completed: {MAX_STEPS}/{MAX_STEPS} steps in "), text
+    summary = lines[head:]
+    last_eval = [x for x in summary if x.startswith(f"  last eval (step {MAX_STEPS}): loss ")]
+    assert last_eval and " accuracy 0.9" in last_eval[0], text
+
+
+@pytest.mark.slow
+def test_demo_console_without_a_terminal(demo_run: DemoRun) -> None:
+    out, err = demo_run.done.stdout, demo_run.done.stderr
+    for stream in (out, err):
+        assert "\x1b" not in stream and "\r" not in stream  # plain lines: no control codes
+    progress = [x for x in out.splitlines() if x.startswith("step ")]
+    assert len(progress) >= 2 and progress[-1].startswith(f"step {MAX_STEPS}/{MAX_STEPS}  loss ")
+    lines = [x for x in (out + err).splitlines() if x.strip()]
+    assert_console(lines, lines)
+
+
+@pytest.mark.slow
+def test_demo_console_on_a_terminal(tmp_path: Path, marker: str, procs: ProcessGroup) -> None:
+    cmd = [sys.executable, "-m", "evtrain", "demo", "--run-dir", str(tmp_path / "digits")]
+    env = demo_env(marker, TERM="xterm-256color")
+    status, raw = run_in_pty(procs, cmd, env=env, timeout=180)
+    assert status == 0, raw[-3000:]
+    assert "━" in raw  # rich drew its bar
+    screen = Terminal(raw)
+    lines = screen.lines()
+    assert_console(lines, screen.finished)
+    assert any(f"{MAX_STEPS}/{MAX_STEPS}" in x and "ETA" in x for x in screen.finished)
+    assert not [x for x in lines if PROGRESS_TEXT.search(x)]  # the summary replaced the bar
+    assert not wait_no_marked(marker, timeout=5.0)

@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import signal
 import subprocess
 import time
 from pathlib import Path
 
+import anyio
 import pytest
+import structlog
+from console_helpers import LOG_LINE, PROGRESS_TEXT, Terminal
 from launch_helpers import (
     launch_cmd,
     launch_env,
@@ -27,9 +31,19 @@ from launch_helpers import (
 
 from evtrain.bus.address import BusAddress
 from evtrain.bus.broker import Broker
-from evtrain.events import EvalEnded, RunEnded, RunStarted, StepEnded
+from evtrain.cli import build_parser, main, resolve_log_level
+from evtrain.events import (
+    CheckpointCommitted,
+    EvalEnded,
+    Message,
+    RunEnded,
+    RunStarted,
+    StageStopped,
+    StepEnded,
+)
 from evtrain.hook_supervisor import HookSupervisor, hook_command
-from evtrain.progress import Progress
+from evtrain.logs import LAUNCHER_CONSOLE_ENV, LOG_STREAM, configure_logging
+from evtrain.progress import Progress, RunConsole
 
 
 def _one_line(text: str) -> str:
@@ -50,8 +64,10 @@ class _Stream(io.StringIO):
         return self._tty
 
 
-def _step(step: int, ts: float, loss: float | None = 0.5, stage: int = 1) -> StepEnded:
-    return StepEnded(step=step, stage=stage, loss=loss, samples=32, ts=ts)
+def _step(
+    step: int, ts: float, loss: float | None = 0.5, stage: int = 1, memory: int | None = None
+) -> StepEnded:
+    return StepEnded(step=step, stage=stage, loss=loss, samples=32, ts=ts, peak_memory_bytes=memory)
 
 
 def _started(max_steps: int = 10) -> RunStarted:
@@ -66,45 +82,121 @@ def _started(max_steps: int = 10) -> RunStarted:
 
 
 def test_progress_line_rates_eta_and_summary() -> None:
-    progress = Progress(_Stream(tty=False), interval=0.0)
+    progress = Progress()
     progress.update(_started())
     for i in range(1, 5):
-        progress.update(_step(i, ts=100.0 + 0.5 * i, loss=1.0 / i))
-        progress.update(_step(i, ts=100.0 + 0.5 * i, loss=None, stage=0))  # ignored
+        progress.update(_step(i, ts=100.0 + 0.5 * i, loss=1.0 / i, memory=3 << 20))
+        progress.update(_step(i, ts=100.0 + 0.5 * i, loss=None, stage=0, memory=i << 20))
     line = progress.line()
     assert line.startswith("step 4/10  loss 0.25  ")
     assert "64.0 samples/s" in line and "2.0 steps/s" in line and "ETA 0:03" in line
     progress.update(EvalEnded(step=4, stage=1, metrics={"loss": 0.3, "acc": 0.9}))
+    assert progress.eval_text() == "eval@4 loss 0.3 acc 0.9"
     progress.update(RunEnded(status="completed", step=4))
-    summary = progress.summary(status="completed", wall_s=75, run_dir="/r")
+    summary = progress.summary(status="completed", wall_s=75)
     assert summary.splitlines()[0] == "run completed: 4/10 steps in 1:15 (2.0 steps/s)"
     assert "final loss: 0.25" in summary
     assert "last eval (step 4): loss 0.3 acc 0.9" in summary
-    assert summary.endswith("run dir: /r")
+    assert summary.endswith("peak memory: s0=4.0MiB s1=3.0MiB")
 
 
-def test_progress_tty_rewrites_one_line_and_plain_output_prints_lines() -> None:
-    tty, plain = _Stream(tty=True), _Stream(tty=False)
-    for stream in (tty, plain):
-        progress = Progress(stream, interval=0.0, tty_interval=0.0)
-        progress.update(_started())
-        for i in range(1, 4):
-            progress.update(_step(i, ts=float(i)))
-            progress.tick(now=float(i))
-        progress.close()
-    assert tty.getvalue().count("\r") == 3 and tty.getvalue().count("\n") == 1
-    assert plain.getvalue().count("\n") == 3 and "\r" not in plain.getvalue()
-    quiet = _Stream(tty=False)
-    progress = Progress(quiet, enabled=False)
-    progress.update(_started())
-    progress.update(_step(1, ts=1.0))
-    progress.tick()
-    progress.close()
-    assert quiet.getvalue() == ""
+def test_plain_console_a_line_per_tenth_and_per_eval_no_control_codes() -> None:
+    out, err = _Stream(tty=False), _Stream(tty=False)
+    console = RunConsole(out, err, interval=1000.0)
+    assert not console.live and console.child_output is None
+    console.start()
+    console.update(_started(max_steps=20))
+    for i in range(1, 21):
+        console.update(_step(i, ts=float(i)))
+        if i == 10:
+            console.update(EvalEnded(step=10, stage=1, metrics={"loss": 0.3, "acc": 0.9}))
+    console.close()
+    lines = out.getvalue().splitlines()
+    assert [line.split()[1] for line in lines if line.startswith("step ")] == [
+        f"{i}/20" for i in range(2, 21, 2)
+    ]
+    assert lines[5] == "eval at step 10: loss 0.3 acc 0.9"  # right after step 10's line
+    assert "\r" not in out.getvalue() and "\x1b" not in out.getvalue()
+    assert err.getvalue() == ""
+
+
+def test_plain_console_a_line_at_least_every_interval() -> None:
+    out = _Stream(tty=False)
+    console = RunConsole(out, _Stream(tty=False), interval=5.0)
+    console.update(_started(max_steps=1000))
+    for i in range(1, 4):
+        console.update(_step(i, ts=float(i)))
+    now = time.monotonic()
+    console.tick(now=now)
+    assert out.getvalue() == ""
+    console.tick(now=now + 6)
+    assert out.getvalue().startswith("step 3/1000  loss 0.5")
+    console.tick(now=now + 12)  # no step since: nothing new to say
+    console.close()
+    assert len(out.getvalue().splitlines()) == 1
+
+
+def test_quiet_console_shows_only_the_story_and_warnings() -> None:
+    out, err = _Stream(tty=True), _Stream(tty=True)
+    console = RunConsole(out, err, quiet=True)
+    assert not console.live and console.child_output is None and console.child_env() == {}
+    console.start()
+    console.update(_started())
+    console.update(_step(1, ts=1.0))
+    console.update(EvalEnded(step=1, stage=1, metrics={"loss": 0.3}))
+    console.say("run completed")
+    console.warn("careful")
+    console.close()
+    assert out.getvalue() == "run completed\n"
+    assert err.getvalue() == "evtrain launch: warning: careful\n"
+
+
+def test_live_console_prints_log_lines_and_child_output_above_the_bar() -> None:
+    terminal = _Stream(tty=True)
+    console = RunConsole(terminal, terminal)
+    assert console.live and console.shares_terminal
+    assert console.child_env() == {LAUNCHER_CONSOLE_ENV: "1"}
+    fd = console.child_output
+    assert fd is not None
+    console.say("header")
+    console.start()
+    console.update(_started(max_steps=4))
+    console.update(_step(1, ts=1.0))
+    console.update(_step(2, ts=2.0))
+    LOG_STREAM.write("12:00:00 [info     ] from the launcher\n")
+    os.write(fd, b"12:00:01 [info     ] from a ")  # a child's line in two writes
+    os.write(fd, b"hook\n")
+    deadline = time.monotonic() + 10
+    while "from a hook" not in terminal.getvalue():  # the relay reads in its own thread
+        assert time.monotonic() < deadline, "the child's line never reached the terminal"
+        time.sleep(0.01)
+    console.update(EvalEnded(step=2, stage=1, metrics={"loss": 0.25}))
+    console.warn("careful")
+    console.close()
+    assert console.child_output is None
+    screen = Terminal(terminal.getvalue())
+    assert screen.lines() == [
+        "header",
+        "12:00:00 [info     ] from the launcher",
+        "12:00:01 [info     ] from a hook",
+        "eval at step 2: loss 0.25",
+        "evtrain launch: warning: careful",
+    ]  # the bar is gone at the end: the summary says what it said
+    assert any("2/4" in line and "ETA" in line for line in screen.finished)  # it was drawn
+    mixed = [x for x in screen.finished if LOG_LINE.search(x) and PROGRESS_TEXT.search(x)]
+    assert not mixed
+    # With stderr elsewhere, log lines stay there and children write to it directly.
+    err = _Stream(tty=False)
+    console = RunConsole(_Stream(tty=True), err)
+    assert console.live and not console.shares_terminal and console.child_output is None
+    console.start()
+    LOG_STREAM.write("12:00:02 [info     ] to the file\n")
+    console.close()
+    assert err.getvalue() == ""  # LOG_STREAM writes to sys.stderr, not to the console
 
 
 def test_progress_restarted_run_times_the_new_attempt() -> None:
-    progress = Progress(_Stream(tty=False))
+    progress = Progress()
     progress.update(_started())
     progress.update(_step(1, ts=0.0))
     progress.update(_step(2, ts=100.0))  # slow first attempt, then elastic restarts
@@ -113,6 +205,92 @@ def test_progress_restarted_run_times_the_new_attempt() -> None:
     progress.update(_step(2, ts=200.5))
     assert progress.stats.steps_done == 2
     assert progress.stats.steps_per_s() == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize(
+    ("argv", "level", "quiet"),
+    [
+        (["-q", "launch", "s.py"], "warning", True),
+        (["launch", "s.py", "-q"], "warning", True),
+        (["launch", "-v", "s.py"], "debug", False),
+        (["-v", "launch", "s.py", "--log-level", "error"], "error", False),
+        (["--log-level", "warning", "launch", "s.py"], "warning", False),
+        (["launch", "s.py"], "info", False),
+    ],
+)
+def test_console_options_before_or_after_the_subcommand(
+    argv: list[str], level: str, quiet: bool
+) -> None:
+    args = build_parser().parse_args(argv)
+    assert resolve_log_level(args) == level and args.log_level == level
+    assert args.quiet is quiet and args.spec == "s.py"
+
+
+def test_quiet_and_verbose_together_is_one_line_and_status_2(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["-q", "launch", "s.py", "-v"]) == 2
+    assert capsys.readouterr().err == "evtrain launch: error: -q and -v contradict each other\n"
+
+
+def test_json_log_lines_on_request() -> None:
+    lines: list[str] = []
+    try:
+        configure_logging("json", "info")
+        with LOG_STREAM.redirect(lines.append):
+            structlog.get_logger("t").debug("hidden")
+            structlog.get_logger("t").info("shown", step=3)
+    finally:
+        structlog.reset_defaults()
+    assert len(lines) == 1
+    record = json.loads(lines[0])
+    assert record["event"] == "shown" and record["step"] == 3 and record["level"] == "info"
+
+
+def _console_log_events() -> list[Message]:
+    return [
+        _started(max_steps=2),
+        _step(1, ts=1.0, stage=0),
+        _step(1, ts=1.0),
+        _step(2, ts=2.0, stage=0),
+        _step(2, ts=2.0),
+        EvalEnded(step=2, stage=1, metrics={"loss": 0.3}),
+        CheckpointCommitted(checkpoint_id="c", step=2, path="/r/c", reason="every 2 steps"),
+        StageStopped(stage=0, status="completed"),
+        RunEnded(status="completed", step=2),
+    ]
+
+
+@pytest.mark.parametrize("under_launcher", [False, True])
+def test_logging_hook_leaves_the_run_to_the_launchers_console(
+    under_launcher: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from evtrain.hooks.console_log import ConsoleLog
+    from evtrain.replay import ReplayRunner
+
+    if under_launcher:
+        monkeypatch.setenv(LAUNCHER_CONSOLE_ENV, "1")
+    lines: list[str] = []
+    try:
+        configure_logging("json", "info")
+        with LOG_STREAM.redirect(lines.append):
+            anyio.run(ReplayRunner([ConsoleLog(every=1)]).replay, _console_log_events())
+    finally:
+        structlog.reset_defaults()
+    events = [json.loads(line)["event"] for line in lines]
+    # The console shows the run's start, progress, evaluations and end itself;
+    # a stage that completed is no news either way.
+    if under_launcher:
+        assert events == ["checkpoint committed"]
+    else:
+        assert events == [
+            "run started",
+            "progress",
+            "progress",
+            "eval",
+            "checkpoint committed",
+            "run ended",
+        ]
 
 
 def test_hook_command_encodes_options_as_json() -> None:

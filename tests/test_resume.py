@@ -130,10 +130,14 @@ def assert_bitwise(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) 
         assert torch.equal(got[key], want[key]), key
 
 
+QUIET = ("--quiet", "--log-level", "info")
+"""No progress lines, but the stages' info lines ("resumed ... step=N"), which tests read."""
+
+
 def launch(spec: Path, *args: str, timeout: float = 60.0, **env: str) -> str:
     """Run a launch that must succeed; its output."""
     marker = new_marker()
-    proc, leftovers = run_launch(spec, "--quiet", *args, marker=marker, timeout=timeout, **env)
+    proc, leftovers = run_launch(spec, *QUIET, *args, marker=marker, timeout=timeout, **env)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert leftovers == []
@@ -226,7 +230,7 @@ def test_kill_9_mid_run_restarts_and_resumes(
         tmp_path, delay=0.05, pid_dir=str(pids), hooks=ckpt_hook(every_steps=2, keep_last=5)
     )
     proc = subprocess.Popen(
-        launch_cmd(spec, "--quiet", "--max-restarts", "1", "--dump-weights", str(tmp_path / "w")),
+        launch_cmd(spec, *QUIET, "--max-restarts", "1", "--dump-weights", str(tmp_path / "w")),
         env=launch_env(marker),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -211,7 +211,7 @@ class Coordinator:
                     step=first.step,
                 )
         self._persist()
-        log.info(
+        log.debug(
             "checkpoint state recovered",
             committed=len(committed),
             pending=len(self._pending),
@@ -454,7 +454,8 @@ class Coordinator:
         self.last_committed_step = manifest.step
         if is_best and pending.metric is not None:
             self.best = pending.metric
-        log.info(
+        # The logging hook announces the commit (from CheckpointCommitted).
+        log.debug(
             "checkpoint committed",
             step=manifest.step,
             path=str(path),

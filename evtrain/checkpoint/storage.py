@@ -839,5 +839,5 @@ def prune(
     )
     for info in doomed:
         remove_checkpoint(info.path)
-        log.info("checkpoint pruned", path=str(info.path), committed=info.committed)
+        log.debug("checkpoint pruned", path=str(info.path), committed=info.committed)
     return [info.path for info in doomed]

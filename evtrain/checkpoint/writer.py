@@ -478,7 +478,7 @@ class ShardWriter:
                 blocked_s=job.blocked_s + job.fence_s,
             )
         )
-        log.info(
+        log.debug(
             "checkpoint shard saved",
             path=str(spath),
             step=job.step,

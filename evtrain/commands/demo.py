@@ -7,7 +7,7 @@ import argparse
 from evtrain.commands.launch import add_launch_arguments, run
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the ``demo`` subcommand."""
     parser = sub.add_parser(
         "demo",

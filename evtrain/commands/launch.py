@@ -132,7 +132,6 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         help="how elastic starts the workers (default forkserver: forks of a process that "
         "imported torch once; spawn: a fresh interpreter each)",
     )
-    group.add_argument("--quiet", "-q", action="store_true", help="no progress line")
     nodes = parser.add_argument_group(
         "several machines (run on each; single node is the tested path)"
     )
