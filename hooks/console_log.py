@@ -6,9 +6,9 @@ window), ETA and peak memory per stage. Eval results, checkpoints, stage
 failures, lost or dropped bus events and the end of the run get their own line.
 
 Started by a launcher whose console shows the run (`evtrain.logs`), the hook
-leaves the run's start, progress, evaluations and end to that console and
-logs the rest on the terminal they share; with ``path`` it logs everything
-to that file.
+leaves the run's start, progress, evaluations, failures and end to that
+console and logs the rest on the terminal they share; with ``path`` it logs
+everything to that file.
 
 Lines go through structlog: by default with the process's configuration
 (``evtrain --log-format console|json hook logging``); the ``log_format``
@@ -305,8 +305,11 @@ class ConsoleLog(Hook):
         """A stage raised: its error and the last lines of the traceback.
 
         A stage that lost its connection to a failed peer is a consequence, not
-        news: one short line, no traceback, so the cause stands out.
+        news: one short line, no traceback, so the cause stands out. The
+        launcher's console reports the root cause and its consequences itself.
         """
+        if self._console_shows_run:
+            return
         if is_communication_error(ev.error):
             self.log.warning(
                 "stage stopped by a peer's failure",

@@ -38,6 +38,7 @@ from evtrain.events import (
     Message,
     RunEnded,
     RunStarted,
+    StageFailed,
     StageStopped,
     StepEnded,
 )
@@ -257,6 +258,7 @@ def _console_log_events() -> list[Message]:
         EvalEnded(step=2, stage=1, metrics={"loss": 0.3}),
         CheckpointCommitted(checkpoint_id="c", step=2, path="/r/c", reason="every 2 steps"),
         StageStopped(stage=0, status="completed"),
+        StageFailed(stage=1, step=2, error="ValueError: late", traceback="Traceback\n  x\n"),
         RunEnded(status="completed", step=2),
     ]
 
@@ -278,8 +280,8 @@ def test_logging_hook_leaves_the_run_to_the_launchers_console(
     finally:
         structlog.reset_defaults()
     events = [json.loads(line)["event"] for line in lines]
-    # The console shows the run's start, progress, evaluations and end itself;
-    # a stage that completed is no news either way.
+    # The console shows the run's start, progress, evaluations, failures and end
+    # itself; a stage that completed is no news either way.
     if under_launcher:
         assert events == ["checkpoint committed"]
     else:
@@ -289,6 +291,7 @@ def test_logging_hook_leaves_the_run_to_the_launchers_console(
             "progress",
             "eval",
             "checkpoint committed",
+            "stage failed",
             "run ended",
         ]
 
