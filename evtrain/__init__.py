@@ -2,6 +2,8 @@
 
 Every pipeline stage is an actor that runs 1F1B/GPipe microbatch instructions and
 publishes lifecycle events on a ZeroMQ bus; hooks are subscriber processes.
+`launch` and `evaluate` (`evtrain.api`) run a job or evaluate a checkpoint from
+Python with the same processes as the command line.
 
 The public names below are imported lazily, so ``evtrain bus`` and ``--help``
 start without importing torch.
@@ -31,14 +33,22 @@ _EXPORTS: dict[str, str] = {
     "Subscriber": "evtrain.bus.subscriber",
     "RunState": "evtrain.run_state",
     "report": "evtrain.reporting",
+    "launch": "evtrain.api",
+    "evaluate": "evtrain.api",
+    "LaunchResult": "evtrain.api",
+    "EvalResult": "evtrain.api",
+    "EvaluationFailed": "evtrain.api",
 }
 
 __all__ = [
     "Broker",
     "BusAddress",
+    "EvalResult",
+    "EvaluationFailed",
     "Hook",
     "HookRunner",
     "Job",
+    "LaunchResult",
     "Publisher",
     "RunState",
     "SpecError",
@@ -46,7 +56,9 @@ __all__ = [
     "UsageError",
     "accuracy",
     "apply_overrides",
+    "evaluate",
     "events",
+    "launch",
     "layer",
     "load_job",
     "on",
@@ -55,6 +67,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from evtrain import events
+    from evtrain.api import EvalResult, EvaluationFailed, LaunchResult, evaluate, launch
     from evtrain.bus.address import BusAddress
     from evtrain.bus.broker import Broker
     from evtrain.bus.publisher import Publisher

@@ -21,6 +21,7 @@ COMMANDS: tuple[str, ...] = (
     "bus",
     "ckpt",
     "demo",
+    "eval",
     "events",
     "hook",
     "launch",

@@ -9,7 +9,10 @@ One `Launcher` runs one job on this node:
    directory and writes ``run.json`` there (`evtrain.run_record`: run id,
    spec, overrides, bus address; completed with the outcome at the end). A
    ``run.json`` left ``running`` by a launcher that is gone is marked
-   ``interrupted`` first.
+   ``interrupted`` first. A directory that holds a run is never started in
+   afresh (`evtrain.run_record` says why): without ``--resume`` or
+   ``--overwrite`` that is a usage mistake too. A resume of a run that has
+   trained all its ``max_steps`` says so and starts nothing (exit status 0).
 2. It starts the broker in threads of its own process (``ipc://`` in a fresh
    private directory by default; ``--bus tcp://HOST:PORT`` for several
    machines) and prints the bus address, so anyone can attach
@@ -28,6 +31,14 @@ One `Launcher` runs one job on this node:
    ``RUN_DIR/launches/RUN_ID/``.
 5. At the end hooks get time to finish (they exit on `RunEnded`), then it
    prints a summary and returns the exit status (below).
+
+Evaluation only (``LaunchOptions.evaluate``: ``evtrain eval``,
+`evtrain.api.evaluate`): the same broker and stage workers, no hook; the
+stages load the committed checkpoint and evaluate once at its step
+(`evtrain.stages.actor`), and the launcher prints the last stage's metrics
+from its report and writes them as JSON. Its own files go to
+``evals/RUN_ID`` in the checkpoint's run directory, never among that run's
+checkpoints and logs.
 
 Exit status: 0 when the run completed or was stopped cleanly (by a hook's
 stop command, or by SIGTERM/Ctrl-C when the stages ended the run at a step
@@ -87,7 +98,9 @@ addresses) were tried by hand.
 
 from __future__ import annotations
 
+import json
 import os
+import queue
 import secrets
 import shutil
 import signal
@@ -95,9 +108,11 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, Literal, TextIO
 
 import anyio
 import anyio.to_thread
@@ -137,13 +152,21 @@ from evtrain.failures import (
 from evtrain.hook_supervisor import HookSupervisor
 from evtrain.progress import RunConsole
 from evtrain.run_record import (
+    EVALS_DIR,
     RUN_RECORD,
+    clear_run,
+    describe_run,
     mark_if_stale,
     process_start_ticks,
     read_run_record,
+    rewind_metrics,
+    used_by,
     write_run_record,
 )
 from evtrain.stages.worker import StageReport, read_stage_reports
+
+if TYPE_CHECKING:
+    from evtrain.api import JobPayload
 
 __all__ = ["LaunchOptions", "Launcher", "new_run_id"]
 
@@ -179,6 +202,16 @@ BUS_QUIET_S = 3.0
 _BUS_PING_TIMEOUT_S = 2.0
 _SUBSCRIBE_TIMEOUT_S = 10.0
 _FINISHED = ("completed", "stopped")
+RESUME_LATEST = "latest"
+"""``--resume`` without a path: the run directory's latest committed checkpoint (it must exist)."""
+RESUME_AUTO = "auto"
+"""``--resume auto``: the latest committed checkpoint if there is one, else step 0 — one
+command for the first start and every restart."""
+EVAL_FILE = "eval.json"
+
+
+def _number(value: float | None) -> str:
+    return "nan" if value is None else f"{value:.6g}"
 
 
 def _exit_on_signal(signum: int, frame: object) -> None:
@@ -195,7 +228,10 @@ class LaunchOptions:
     """Everything ``evtrain launch`` was asked to do (the CLI fills it in)."""
 
     spec: str
-    """Path of the job spec file."""
+    """Path of the job spec file (with `job`: where the workers rebuild that Job from)."""
+    job: Any = None
+    """A `evtrain.job.Job` to check before anything starts instead of loading ``spec``
+    (`evtrain.api` writes ``spec`` so that the workers rebuild the same Job)."""
     overrides: dict[str, str] = field(default_factory=dict)
     """Override strings (`evtrain.spec.apply_overrides`), passed on to every worker."""
     max_restarts: int = 0
@@ -215,7 +251,18 @@ class LaunchOptions:
     hook_restarts: int = 5
     """Restarts of one crashing hook before the launcher gives up on it."""
     resume: str | None = None
-    """Checkpoint to resume (``"latest"``: the run directory's latest committed one)."""
+    """Checkpoint to resume: a path; ``"latest"``: the run directory's latest committed
+    one; ``"auto"``: that one if there is one, else start at step 0 (`RESUME_AUTO`)."""
+    overwrite: bool = False
+    """Start over in a run directory that holds a run (`evtrain.run_record.clear_run`)."""
+    evaluate: str | None = None
+    """Evaluate this checkpoint (or a run directory's latest committed one) once instead
+    of training."""
+    eval_dir: str | None = None
+    """With ``evaluate``: the evaluation run's own directory (default ``evals/RUN_ID`` in
+    the checkpoint's run directory, `evtrain.run_record.EVALS_DIR`)."""
+    eval_output: str | None = None
+    """With ``evaluate``: the JSON file of the result (default ``EVAL_DIR/eval.json``)."""
     load_weights: str | None = None
     dump_weights: str | None = None
     """Directory where every stage writes its final parameters (testing/export aid)."""
@@ -231,6 +278,8 @@ class LaunchOptions:
     log_format: str = "console"
     """Log format of every process started (hooks: ``--log-format``, workers: env)."""
     log_level: str = "info"
+    handle_signals: bool = True
+    """Take SIGINT/SIGTERM (main thread only); without, `Launcher.request_stop` stops."""
 
 
 @dataclass
@@ -255,12 +304,20 @@ class Launcher:
         self.run_id = options.run_id or new_run_id()
         self.run_dir: Path | None = None
         self.address: BusAddress | None = None
-        self.console = RunConsole(self.out, self.err, quiet=options.quiet)
+        # An evaluation prints its result itself, from the last stage's own numbers.
+        self.console = RunConsole(
+            self.out, self.err, quiet=options.quiet or options.evaluate is not None
+        )
         self.progress = self.console.progress
         self.resume_path: Path | None = None
         """The committed checkpoint ``--resume`` resolved to (before anything started)."""
+        self.start_step = 0
+        """The step the run continues after (that checkpoint's; 0 for a fresh start)."""
         self.load_weights_path: Path | None = None
         self.warnings: list[str] = []
+        self.evaluation: dict[str, Any] | None = None
+        """An evaluation's result (``evaluate``), as written to its JSON file."""
+        self._job_payload: JobPayload | None = None
         """Problems found while preparing that do not stop the launch (printed with the header)."""
         self._checkpointing = False
         self._broker: Broker | None = None
@@ -273,6 +330,7 @@ class Launcher:
         self._stop_phase = 0
         self._phase_deadline: float | None = None
         self._stop_id = secrets.token_hex(8)
+        self._stop_requests: queue.SimpleQueue[int] = queue.SimpleQueue()
         self._stop_acks: set[int] = set()
         self._stop_sent_at = 0.0
         self._publisher: Publisher | None = None
@@ -299,6 +357,13 @@ class Launcher:
     def is_bus_owner(self) -> bool:
         """Whether this node binds the bus and runs the hooks (node 0)."""
         return self.options.nnodes == 1 or self.options.node_rank == 0
+
+    @property
+    def _starts_hooks(self) -> bool:
+        # An evaluation starts none: the spec's checkpoint hook would plan saves and
+        # its log writers would write into the training run's files.
+        opts = self.options
+        return opts.hooks and self.is_bus_owner and opts.evaluate is None
 
     @property
     def report_dir(self) -> Path:
@@ -338,12 +403,27 @@ class Launcher:
             raise UsageError(f"--connect-timeout must be positive, got {opts.bus_wait_s:g}")
         if opts.start_method not in ("spawn", "forkserver", "fork"):
             raise UsageError(f"unknown start method {opts.start_method!r}")
-        job = apply_overrides(load_job(opts.spec), opts.overrides)
+        if opts.overwrite and opts.resume is not None:
+            raise UsageError("--overwrite starts the run over: it cannot --resume it as well")
+        if opts.evaluate is not None and (opts.resume or opts.load_weights or opts.overwrite):
+            raise UsageError(
+                "an evaluation loads its checkpoint only: no --resume, --load-weights or "
+                "--overwrite"
+            )
+        if opts.job is not None:
+            from evtrain.api import JobPayload
+
+            self._job_payload = JobPayload.of(opts.job)
+        job = apply_overrides(
+            opts.job if opts.job is not None else load_job(opts.spec), opts.overrides
+        )
+        if opts.evaluate is not None and job.eval_data is None:
+            raise UsageError(f"job {job.name} has no eval_data to evaluate a checkpoint on")
         if job.stages % opts.nnodes:
             raise UsageError(f"{job.stages} stages do not split evenly over --nnodes {opts.nnodes}")
         if job.device == "cuda":
             job.stage_device(job.stages // opts.nnodes - 1)  # SpecError when GPUs are missing
-        if opts.hooks and self.is_bus_owner:
+        if self._starts_hooks:
             for spec in job.hook_specs:
                 hook = build_hook_from_spec(spec)  # UsageError naming the hook and option
                 self._checkpointing = self._checkpointing or isinstance(hook, CheckpointHook)
@@ -352,21 +432,41 @@ class Launcher:
         self.job = job
 
     def _resolve_paths(self, job: Any) -> None:
-        """``--resume`` and ``--load-weights`` to what the stages will load, or `UsageError`."""
-        from evtrain.checkpoint import CheckpointError, find_resume
+        """``--resume``, ``--load-weights`` and the checkpoint to evaluate to what the
+        stages will load, or `UsageError`."""
+        from evtrain.checkpoint import (
+            CheckpointError,
+            find_resume,
+            list_checkpoints,
+            read_manifest,
+        )
 
         opts = self.options
-        if opts.resume is not None:
-            target = job.run_dir if opts.resume == "latest" else opts.resume
-            if opts.resume == "latest" and not Path(target).expanduser().is_dir():
+        target: str | Path | None = opts.resume
+        flag = "--resume"
+        if opts.resume == RESUME_AUTO:
+            run_dir = Path(job.run_dir).expanduser()
+            # Only a run directory without any committed (or damaged) checkpoint
+            # starts at step 0; a damaged one is the user's to decide about.
+            found = run_dir.is_dir() and any(
+                info.committed or info.corrupt for info in list_checkpoints(run_dir)
+            )
+            target = run_dir if found else None
+        elif opts.resume == RESUME_LATEST:
+            target = job.run_dir
+            if not Path(target).expanduser().is_dir():
                 raise UsageError(
                     f"--resume: the run directory {target} does not exist: no checkpoint to resume"
                 )
+        if opts.evaluate is not None:
+            target, flag = opts.evaluate, "--checkpoint"
+        if target is not None:
             try:
                 choice = find_resume(target)
+                self.start_step = read_manifest(choice.path).step
             except CheckpointError as exc:
-                raise UsageError(f"--resume: {exc}") from None
-            self.resume_path = choice.path
+                raise UsageError(f"{flag}: {exc}") from None
+            self.resume_path = choice.path.expanduser().resolve()
             self.warnings += choice.warnings()
         if opts.load_weights is not None:
             path = Path(opts.load_weights).expanduser().resolve()
@@ -390,7 +490,9 @@ class Launcher:
         """Launch the job and follow it to the end; returns the exit status."""
         # Until the event loop takes over the signals, SIGTERM unwinds through
         # the cleanup below instead of killing this process on the spot.
-        previous = signal.signal(signal.SIGTERM, _exit_on_signal)
+        previous = (
+            signal.signal(signal.SIGTERM, _exit_on_signal) if self.options.handle_signals else None
+        )
         # The agent process starts first, idle until it is told what to run:
         # its torch import (and the fork server's) overlaps ours and the spec
         # loading. If validation fails it is killed before it did anything.
@@ -400,11 +502,19 @@ class Launcher:
             if self.options.external_bus:
                 self._wait_for_broker()  # before anything is created or started
             job = self.job
-            self.run_dir = Path(job.run_dir).expanduser().resolve()
+            self.run_dir = self._own_dir(job).expanduser().resolve()
+            if self._trained_already():
+                return EXIT_OK
             self.run_dir.mkdir(parents=True, exist_ok=True)
             if self.is_bus_owner:
                 self._take_over_run_dir()
             self.report_dir.mkdir(parents=True, exist_ok=True)
+            if self._job_payload is not None:
+                from evtrain.api import write_job_spec
+
+                # The workers load a spec by path: this one rebuilds the given Job.
+                spec = write_job_spec(self._job_payload, self.report_dir / "job")
+                self.options.spec = str(spec)
             if self.is_bus_owner and not self.options.external_bus:
                 if self.address is None:
                     self.address = BusAddress.new_ipc()
@@ -424,11 +534,50 @@ class Launcher:
             return status
         finally:
             self._cleanup()
-            signal.signal(signal.SIGTERM, previous)
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+
+    def _own_dir(self, job: Any) -> Path:
+        """The directory this launch writes to: the run's, or an evaluation's own."""
+        from evtrain.checkpoint import CHECKPOINTS_DIR
+
+        opts = self.options
+        if opts.evaluate is None:
+            return Path(job.run_dir)
+        if opts.eval_dir is not None:
+            return Path(opts.eval_dir)
+        assert self.resume_path is not None
+        checkpoints = self.resume_path.parent
+        run_dir = checkpoints.parent if checkpoints.name == CHECKPOINTS_DIR else Path(job.run_dir)
+        # Beside the checkpoint's run, away from its checkpoints and logs.
+        return run_dir / EVALS_DIR / self.run_id
+
+    def _trained_already(self) -> bool:
+        """Whether this resumes a run that trained all its steps (then it says so)."""
+        job = self.job
+        if (
+            self.options.evaluate is not None
+            or self.resume_path is None
+            or job.epochs is not None  # how many steps those are, the stages find out
+            or self.start_step < job.max_steps
+        ):
+            return False
+        self._say(
+            f"evtrain launch: the run in {self.run_dir} has trained its {job.max_steps} steps "
+            f"({self.resume_path.name}): nothing left to train"
+        )
+        return True
 
     def _take_over_run_dir(self) -> None:
-        """Refuse a run directory in use; mark a record its dead launcher left ``running``."""
+        """Refuse a run directory in use or holding another run; continue or clear it.
+
+        A record its dead launcher left ``running`` is marked interrupted first.
+        A directory that holds a run (`evtrain.run_record.used_by`) is refused
+        unless the launch resumes that run (its metrics log is rewound to the
+        resumed step) or starts it over (``--overwrite``: the run's files go).
+        """
         assert self.run_dir is not None
+        opts = self.options
         stale = mark_if_stale(self.run_dir)
         previous = stale or read_run_record(self.run_dir)
         if previous is not None and previous.get("status") == "running":
@@ -436,11 +585,29 @@ class Launcher:
                 f"run directory {self.run_dir} is in use by run {previous.get('run_id')} "
                 f"(launcher pid {previous.get('launcher_pid')})"
             )
+        used = used_by(self.run_dir)
+        if used and opts.evaluate is not None:
+            raise UsageError(f"--eval-dir {self.run_dir} holds {describe_run(self.run_dir)}")
+        if used and opts.resume is None and not opts.overwrite:
+            raise UsageError(
+                f"run directory {self.run_dir} holds {describe_run(self.run_dir)}: "
+                f"--resume {RESUME_AUTO} continues it, --overwrite starts it over, "
+                "--run-dir DIR starts a new run elsewhere"
+            )
         if stale is not None:
             self._warn(
                 f"the previous run {stale.get('run_id')} in {self.run_dir} was interrupted "
                 f"(its launcher, pid {stale.get('launcher_pid')}, is gone); marked interrupted"
             )
+        if used and opts.overwrite:
+            clear_run(self.run_dir)
+            log.info("run directory cleared", run_dir=str(self.run_dir), removed=used)
+            return
+        if used:
+            # The same run goes on: the steps after the resumed one are trained again.
+            dropped = rewind_metrics(self.run_dir, self.start_step)
+            if dropped:
+                log.info("metrics log rewound", to_step=self.start_step, lines_dropped=dropped)
         if previous is not None:
             self._previous_run = {
                 key: previous.get(key) for key in ("run_id", "status", "steps", "exit_status")
@@ -462,6 +629,8 @@ class Launcher:
     def _print_header(self) -> None:
         job, address = self.job, self.address
         steps = f"{job.max_steps} steps" if job.max_steps is not None else f"{job.epochs} epochs"
+        if self.options.evaluate is not None:
+            steps = "evaluation only"
         self._say(
             f"evtrain launch: run {self.run_id} | {job.name} | {job.stages} "
             f"stage{'s' if job.stages != 1 else ''} "
@@ -469,8 +638,12 @@ class Launcher:
         )
         self._say(f"  bus: {address}  (attach: evtrain hook MODULE:CLASS --bus {address})")
         self._say(f"  run dir: {self.run_dir}")
-        if self.resume_path is not None:
+        if self.options.evaluate is not None:
+            self._say(f"  evaluate: {self.resume_path} (step {self.start_step}), no training")
+        elif self.resume_path is not None:
             self._say(f"  resume: {self.resume_path}")
+        elif self.options.resume == RESUME_AUTO:
+            self._say("  resume: no committed checkpoint yet, starting at step 0")
         for note in self.warnings:
             self._warn(note)
         self.console.start()
@@ -491,14 +664,18 @@ class Launcher:
             run_id=self.run_id,
             connect_timeout=self.options.bus_wait_s,
         )
-        with (
-            subscriber,
-            anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals,
-        ):
+        signals: AbstractContextManager[AsyncIterator[int]] = (
+            anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM)
+            if self.options.handle_signals
+            else nullcontext(self._requested_stops())
+        )
+        with subscriber, signals as received:
             # Before any hook starts, so that no hook's HookStarted is missed.
             await self._prove_subscription(subscriber)
             async with anyio.create_task_group() as tg:
-                tg.start_soon(self._watch_signals, signals)
+                tg.start_soon(self._watch_signals, received)
+                if self.options.handle_signals:
+                    tg.start_soon(self._watch_signals, self._requested_stops())
                 tg.start_soon(self._read_bus, subscriber)
                 tg.start_soon(self._watch_bus)
                 try:
@@ -524,7 +701,22 @@ class Launcher:
                 self._on_event(msg)
         raise UsageError(f"the bus at {self.address} does not deliver our own events")
 
-    async def _watch_signals(self, signals: Any) -> None:
+    def request_stop(self, signum: int = signal.SIGINT) -> None:
+        """Act as if ``signum`` had arrived (callable from any thread; see `_escalate`).
+
+        What a caller that keeps the signals to itself (``handle_signals`` off:
+        `evtrain.api` in a thread) uses to pass on a Ctrl-C.
+        """
+        self._stop_requests.put(int(signum))
+
+    async def _requested_stops(self) -> AsyncIterator[int]:
+        while True:
+            try:
+                yield self._stop_requests.get_nowait()
+            except queue.Empty:
+                await anyio.sleep(_POLL_S)
+
+    async def _watch_signals(self, signals: AsyncIterator[int]) -> None:
         async for signum in signals:
             if self._stop_signal is None:
                 self._stop_signal = int(signum)
@@ -628,7 +820,7 @@ class Launcher:
 
     async def _drive(self) -> int:
         opts = self.options
-        specs = self.job.hook_specs if (opts.hooks and self.is_bus_owner) else ()
+        specs = self.job.hook_specs if self._starts_hooks else ()
         self._supervisor = HookSupervisor(
             specs,
             self.address,  # type: ignore[arg-type]
@@ -711,11 +903,16 @@ class Launcher:
         from evtrain.stages.worker import WorkerConfig
 
         opts, job = self.options, self.job
+        overrides = dict(opts.overrides)
+        if opts.evaluate is not None:
+            assert self.run_dir is not None
+            overrides["run_dir"] = str(self.run_dir)  # its events name the evaluation's own
         worker = WorkerConfig(
             spec_path=str(Path(opts.spec).expanduser().resolve()),
-            overrides=dict(opts.overrides),
+            overrides=overrides,
             bus=str(self.address),
             run_id=self.run_id,
+            evaluate_only=opts.evaluate is not None,
             resume=str(self.resume_path) if self.resume_path is not None else None,
             load_weights=str(self.load_weights_path) if self.load_weights_path else None,
             dump_weights_dir=(
@@ -837,10 +1034,10 @@ class Launcher:
         else:
             reports = read_stage_reports(self.report_dir, number)
         exits = {w.rank: w for w in attempt.workers} if attempt is not None else {}
-        published = {}
-        for event in sorted(self.progress.stats.failures, key=lambda e: e.ts):
-            if event.ts >= started:
-                published.setdefault(event.stage, event)
+        published: dict[int, StageFailed] = {}
+        for failed in sorted(self.progress.stats.failures, key=lambda e: e.ts):
+            if failed.ts >= started:
+                published.setdefault(failed.stage, failed)
         failures = []
         for stage in range(self.job.stages):
             report, worker, event = reports.get(stage), exits.get(stage), published.get(stage)
@@ -978,7 +1175,9 @@ class Launcher:
             # Ours: nothing a client sends can stop it; only a dead proxy thread would.
             alive = self._broker_healthy()
         else:
-            alive = await anyio.to_thread.run_sync(ping_broker, self.address, _BUS_PING_TIMEOUT_S)
+            address = self.address
+            assert address is not None
+            alive = await anyio.to_thread.run_sync(ping_broker, address, _BUS_PING_TIMEOUT_S)
         if alive or self._bus_loss is not None:
             return
         self._bus_loss = BusLoss(step=step, at=time.time())
@@ -1024,10 +1223,11 @@ class Launcher:
         # Hook modules that sit next to the spec are importable, as they are for
         # the spec itself (evtrain.spec.load_job appends its directory).
         env = dict(os.environ)
-        spec_dir = str(Path(self.options.spec).expanduser().resolve().parent)
+        spec_dirs = [str(Path(self.options.spec).expanduser().resolve().parent)]
+        if self._job_payload is not None:
+            spec_dirs += self._job_payload.directories()
         paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-        if spec_dir not in paths:
-            paths.append(spec_dir)
+        paths += [d for d in spec_dirs if d not in paths]
         env["PYTHONPATH"] = os.pathsep.join(paths)
         env.update(self.console.child_env())
         return env
@@ -1117,6 +1317,7 @@ class Launcher:
         if self._root is not None:
             self._publish_failed(self._root)
             return
+        status: Literal["completed", "stopped", "failed"]
         if self._stop_signal is not None and agent_status != EXIT_FAILED:
             status, reason = "stopped", f"launcher got {signal.Signals(self._stop_signal).name}"
         elif agent_status == 0:
@@ -1134,13 +1335,55 @@ class Launcher:
             word = f"interrupted ({signal.Signals(self._stop_signal).name})"
         else:
             word = "failed"
-        self._say(self.progress.summary(status=word, wall_s=time.monotonic() - self._started))
+        if self.options.evaluate is None:
+            self._say(self.progress.summary(status=word, wall_s=time.monotonic() - self._started))
+        elif status == EXIT_OK:
+            status = self._report_evaluation()
         if status == EXIT_FAILED:
             self._print_failure(agent_status)
         loss = self._bus_loss_line()
         if loss is not None:
             self._warn(loss)
         return status
+
+    def _report_evaluation(self) -> int:
+        """Print the evaluation's metrics, write them as JSON; `EXIT_FAILED` without them.
+
+        They come from the last stage's report, not from the bus: exactly the
+        floats the stage computed.
+        """
+        from evtrain.checkpoint import read_manifest
+
+        assert self.run_dir is not None and self.resume_path is not None
+        report = self._stage_reports.get(self.job.stages - 1)
+        if report is None or report.eval_metrics is None:
+            self.console.error("the evaluation ended without metrics")
+            return EXIT_FAILED
+        manifest = read_manifest(self.resume_path)
+        recorded = (
+            {manifest.metric_name: manifest.metric} if manifest.metric_name is not None else {}
+        )
+        output = Path(self.options.eval_output or self.run_dir / EVAL_FILE).expanduser()
+        self.evaluation = {
+            "checkpoint": str(self.resume_path),
+            "step": self.start_step,
+            "metrics": dict(report.eval_metrics),
+            "samples": report.eval_samples,
+            "recorded": recorded,
+            "name": self.job.name,
+            "stages": self.job.stages,
+            "run_id": self.run_id,
+            "eval_dir": str(self.run_dir),
+            "output": str(output),
+        }
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(json.dumps(self.evaluation, indent=2) + "\n")
+        shown = " ".join(f"{k}={_number(v)}" for k, v in report.eval_metrics.items())
+        self._say(f"eval of step {self.start_step}: {shown} ({report.eval_samples} samples)")
+        for name, value in recorded.items():
+            self._say(f"  recorded with the checkpoint: {name}={_number(value)}")
+        self._say(f"  result: {output}")
+        return EXIT_OK
 
     def _ended_status(self) -> str:
         """How a run that did not fail ended: stage 0's word, else the stages' own reports."""
@@ -1216,6 +1459,8 @@ class Launcher:
             "nnodes": self.options.nnodes,
             "max_restarts": self.options.max_restarts,
             "resume": str(self.resume_path) if self.resume_path is not None else None,
+            "start_step": self.start_step,
+            "evaluate": self.options.evaluate is not None,
             "load_weights": str(self.load_weights_path) if self.load_weights_path else None,
             "host": socket.gethostname(),
             "launcher_pid": os.getpid(),
@@ -1224,6 +1469,7 @@ class Launcher:
             "steps": stats.steps_done,
             "final_loss": stats.last_loss,
             "last_eval": stats.last_eval.metrics if stats.last_eval is not None else None,
+            "last_eval_step": stats.last_eval.step if stats.last_eval is not None else None,
             "previous_run": self._previous_run,
         }
         if self._root is not None:

@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from evtrain.events import Message
 
 __all__ = [
+    "EVALS_DIR",
     "METRICS_FILE",
     "RUN_FILES",
     "RUN_RECORD",
@@ -67,6 +68,8 @@ __all__ = [
 RUN_RECORD = "run.json"
 METRICS_FILE = "metrics.jsonl"
 EVENTS_FILE = "events.jsonl"
+EVALS_DIR = "evals"
+"""Where evaluations of the run's checkpoints keep their own files (``evtrain eval``)."""
 RUN_FILES: tuple[str, ...] = (
     RUN_RECORD,
     METRICS_FILE,
@@ -77,6 +80,7 @@ RUN_FILES: tuple[str, ...] = (
     "tensorboard",
     "timeline.json",
     "replay",
+    EVALS_DIR,
 )
 """What a run leaves in its directory (the launcher's, the built-in hooks', the tools')."""
 _LOGS = (METRICS_FILE, EVENTS_FILE)

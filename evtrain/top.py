@@ -41,7 +41,6 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 import anyio
-import structlog
 from rich import box
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
@@ -74,6 +73,7 @@ from evtrain.hooks.hook import Hook, on
 from evtrain.hooks.runner import HookRunner
 from evtrain.hooks.step_merge import MergedStep, StepMerger, StepWindow
 from evtrain.hooks.timer import StageTimes
+from evtrain.logs import LOG_STREAM
 from evtrain.stages.schedules import bubble_fraction, parse_schedule
 
 __all__ = ["TopModel", "TopView", "render", "watch"]
@@ -729,14 +729,13 @@ def _cbreak(fd: int) -> Iterator[None]:
 
 @contextmanager
 def _logs_above(live: Live) -> Iterator[None]:
-    """Log lines print above the live display (through rich) instead of across it."""
-    saved = structlog.get_config()["logger_factory"]
-    # Live replaced sys.stderr with a proxy that prints through its console.
-    structlog.configure(logger_factory=structlog.PrintLoggerFactory(file=sys.stderr))
-    try:
+    """This process's log lines print above the live display instead of across it."""
+
+    def above(line: str) -> None:
+        live.console.print(Text(line), soft_wrap=True)
+
+    with LOG_STREAM.redirect(above):
         yield
-    finally:
-        structlog.configure(logger_factory=saved)
 
 
 async def _quit_on_key(fd: int, runner: HookRunner) -> None:

@@ -93,6 +93,12 @@ directory's latest committed checkpoint when there is one (else as the first
 attempt did). ``WorkerConfig.load_weights`` loads weights only and starts at
 step 0.
 
+Evaluation only (``WorkerConfig.evaluate_only``, ``evtrain eval``): the
+stages load the checkpoint as a resume does, evaluate once at its step's
+boundary (``EvalEnded(step=K)``) and end; they train no step, apply no
+command and own no shard writer, so such a run saves nothing. The last
+stage's report carries the metrics exactly as computed.
+
 Reports: with ``WorkerConfig.report_dir`` the stage keeps its
 `evtrain.stages.worker.StageReport` there — at start, with every heartbeat,
 at the end, and on failure (exception, innermost user frame, whether it is a
@@ -410,7 +416,7 @@ class StageActor:
                     num_stages=self.num_stages,
                     num_microbatches=job.num_microbatches,
                     schedule=job.schedule,
-                    max_steps=total,
+                    max_steps=start_step if self.config.evaluate_only else total,
                     batch_size=job.batch_size,
                     start_step=start_step,
                     run_dir=str(job.run_dir),
@@ -418,21 +424,13 @@ class StageActor:
             )
         self.state = "running"
         log.debug("stage running", stage=self.stage, steps=total, device=str(self.device))
-        step = start_step
-        stop_reason = await self._boundary(step, first, scheduled_eval=False)
-        with reporting(self.reporter):
-            while stop_reason is None and step < total:
-                step += 1
-                stats = await self._train_step(step)
-                stop_reason = await self._boundary(
-                    step,
-                    stats.control,
-                    scheduled_eval=job.eval_every is not None and step % job.eval_every == 0,
-                )
-        # The final boundary: what arrived since the last one (a checkpoint
-        # that a hook asked for on the last step's events) applies too.
-        final = await anyio.to_thread.run_sync(control.exchange, 0.0, self._stop_requested)
-        await self._boundary(step, final, scheduled_eval=False, final=True)
+        if self.config.evaluate_only:
+            # The checkpoint's own boundary, evaluated once. No command is
+            # applied there, so nothing can make this run train or save.
+            step, stop_reason = start_step, None
+            await self._evaluate(step)
+        else:
+            step, stop_reason = await self._train(start_step, total, first)
         status = "completed" if stop_reason is None else "stopped"
         self.state = "stopping"
         # The on-stop checkpoint and every shard still in flight are reported
@@ -450,6 +448,26 @@ class StageActor:
         if self.writer is not None:
             self.writer.close()
         log.debug("stage finished", stage=self.stage, status=status, steps=self.completed)
+
+    async def _train(self, step: int, total: int, first: ControlResult) -> tuple[int, str | None]:
+        """Train from boundary ``step`` to ``total``; the last step and the stop reason."""
+        job, control = self.job, self.control
+        assert job is not None and control is not None
+        stop_reason = await self._boundary(step, first, scheduled_eval=False)
+        with reporting(self.reporter):
+            while stop_reason is None and step < total:
+                step += 1
+                stats = await self._train_step(step)
+                stop_reason = await self._boundary(
+                    step,
+                    stats.control,
+                    scheduled_eval=job.eval_every is not None and step % job.eval_every == 0,
+                )
+        # The final boundary: what arrived since the last one (a checkpoint
+        # that a hook asked for on the last step's events) applies too.
+        final = await anyio.to_thread.run_sync(control.exchange, 0.0, self._stop_requested)
+        await self._boundary(step, final, scheduled_eval=False, final=True)
+        return step, stop_reason
 
     # ------------------------------------------------------------------- setup
 
@@ -566,7 +584,8 @@ class StageActor:
             eval_targets=evaluation.targets if evaluation is not None and last else None,
             eval_num_samples=evaluation.num_samples if evaluation is not None else 0,
         )
-        self.writer = ShardWriter(self.stage, self.num_stages, device=self.device)
+        if not self.config.evaluate_only:
+            self.writer = ShardWriter(self.stage, self.num_stages, device=self.device)
         self.orders = Orders(
             last_step=total,
             batches_per_step=stream.grad_accum,
@@ -871,6 +890,12 @@ class StageActor:
         if not last:
             return {}
         metrics = {**reported, **stats.metrics}
+        if self.report is not None:
+            self.report.eval_metrics = {
+                k: v if math.isfinite(v) else None for k, v in metrics.items()
+            }
+            self.report.eval_step, self.report.eval_samples = step, stats.samples
+            self._write_report()
         self.publish(
             EvalEnded(
                 step=step,

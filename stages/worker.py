@@ -72,6 +72,10 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     committed checkpoint) or ``"latest"`` (the job's run directory). Rank 0 resolves
     it and all stages load the same one (`evtrain.checkpoint.loader.agree_on_resume`)."""
 
+    evaluate_only: bool = False
+    """Load ``resume``, evaluate once at its step's boundary and end: no training step,
+    no command applied, nothing saved (``evtrain eval``)."""
+
     load_weights: str | None = None
     """Load model weights only (a committed checkpoint or a safetensors file) and
     start at step 0 with a fresh optimizer; ignored when ``resume`` is set."""
@@ -124,6 +128,11 @@ class StageReport(msgspec.Struct, kw_only=True):
     """Wall-clock time the exception was caught."""
     failed_step: int | None = None
     """The step that was running when the stage failed (None: between steps)."""
+    eval_metrics: dict[str, float | None] | None = None
+    """The last stage's latest evaluation, exactly as computed (None: not evaluated yet;
+    a value is None where it is not finite)."""
+    eval_step: int | None = None
+    eval_samples: int = 0
 
     def write(self, directory: str | os.PathLike[str]) -> None:
         """Replace this stage's report under ``directory`` atomically."""

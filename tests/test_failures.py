@@ -259,10 +259,11 @@ def test_a_stale_run_record_is_marked_interrupted(tmp_path: Path, marker: str) -
     assert record is not None and record["status"] == "interrupted"
     assert not Path(leftover.location).exists()
 
-    # The next launch into the directory notices it just the same.
+    # The next launch into the directory notices it just the same (it continues
+    # that run: nothing was committed, so from step 0).
     write_run_record(run_dir, stale)
     spec = write_spec(tmp_path, steps=2)
-    proc, leftovers = run_launch(spec, "--quiet", marker=marker)
+    proc, leftovers = run_launch(spec, "--quiet", "--resume", "auto", marker=marker)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert not leftovers
     assert "warning: the previous run old-run in" in proc.stderr

@@ -24,6 +24,7 @@ from typing import Any
 
 import anyio
 import pytest
+from console_helpers import LOG_LINE, Terminal
 from hook_helpers import fake_args, loss_at
 from rich.console import Console
 
@@ -232,10 +233,7 @@ def test_waiting_for_a_run_names_the_bus() -> None:
 # -- the command under a pseudo-terminal ------------------------------------------------
 
 
-_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
-
-
-class Terminal:
+class Pty:
     """A pseudo-terminal whose output a thread keeps reading (a full one would block)."""
 
     def __init__(self, rows: int = 40, columns: int = 160) -> None:
@@ -259,13 +257,14 @@ class Terminal:
     def output(self) -> str:
         return b"".join(self._chunks).decode(errors="replace")
 
-    def text(self) -> str:
-        return _ANSI.sub("", self.output).replace("\r", "")
+    def screen(self) -> Terminal:
+        """What the terminal shows now."""
+        return Terminal(self.output)
 
     def wait_for(self, text: str) -> None:
         deadline = time.monotonic() + DEADLINE
-        while text not in self.text():
-            assert time.monotonic() < deadline, f"{text!r} never shown:\n{self.text()[-3000:]}"
+        while text not in (shown := "\n".join(self.screen().lines())):
+            assert time.monotonic() < deadline, f"{text!r} never shown:\n{shown}"
             time.sleep(0.05)
 
     def start(self, procs: Any, *args: str) -> subprocess.Popen[str]:
@@ -294,8 +293,8 @@ class Terminal:
 
 
 @pytest.fixture
-def terminal() -> Iterator[Terminal]:
-    term = Terminal()
+def terminal() -> Iterator[Pty]:
+    term = Pty()
     try:
         yield term
     finally:
@@ -323,7 +322,7 @@ def run_dir(bus: BusAddress) -> Iterator[Path]:
 
 
 def test_top_of_a_run_directory_shows_both_stages_and_exits_at_the_end(
-    bus: BusAddress, run_dir: Path, procs: Any, terminal: Terminal
+    bus: BusAddress, run_dir: Path, procs: Any, terminal: Pty
 ) -> None:
     top = terminal.start(procs, "top", str(run_dir), "--exit-on-run-end", "--interval", "0.25")
     snapshot_has(bus, hook_attached(f"hook/top-{top.pid}"))
@@ -332,17 +331,23 @@ def test_top_of_a_run_directory_shows_both_stages_and_exits_at_the_end(
     assert summary["status"] == "completed"
     assert top.wait(timeout=DEADLINE) == 0
 
-    final = terminal.text().rsplit("evtrain top", 1)[1]
-    assert "fake" in final and "completed" in final and "step 30/30" in final
+    screen = terminal.screen()
+    shown = "\n".join(screen.lines())
+    assert "fake" in shown and "completed" in shown and "step 30/30" in shown
     for stage in (0, 1):
-        assert re.search(rf"^\s*{stage}\s+stopped\s+30\s", final, re.M), final
+        assert re.search(rf"^\s*{stage}\s+stopped\s+30\s", shown, re.M), shown
     assert "\x1b[?25h" in terminal.output[-200:]  # the cursor is back
     assert terminal.line_mode()
+    # Its own log lines print above the dashboard, each on a line of its own.
+    logs = [line for line in screen.finished if LOG_LINE.search(line)]
+    assert any("hooks attached" in line for line in logs), screen.finished
+    for line in logs:
+        assert LOG_LINE.match(line) and "evtrain top" not in line and "%" not in line, line
 
 
 @pytest.mark.parametrize("key", [b"q", b"\x03"], ids=["q", "ctrl-c"])
 def test_q_and_ctrl_c_leave_the_dashboard_cleanly(
-    bus: BusAddress, procs: Any, terminal: Terminal, key: bytes
+    bus: BusAddress, procs: Any, terminal: Pty, key: bytes
 ) -> None:
     top = terminal.start(procs, "top", "--bus", str(bus))
     snapshot_has(bus, hook_attached(f"hook/top-{top.pid}"))
@@ -350,7 +355,7 @@ def test_q_and_ctrl_c_leave_the_dashboard_cleanly(
     assert not terminal.line_mode()  # keys arrive one by one, unechoed
     os.write(terminal.master, key)
     assert top.wait(timeout=DEADLINE) == 0
-    assert "waiting for a run on" in terminal.text()
+    assert "waiting for a run on" in "\n".join(terminal.screen().lines())
     assert terminal.line_mode()
 
 

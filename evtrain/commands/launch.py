@@ -22,7 +22,7 @@ class _LaunchParser(argparse.ArgumentParser):
             self._overrides_added = True
             add_override_arguments(self)
 
-    def parse_known_args(self, args=None, namespace=None):  # type: ignore[no-untyped-def,override]
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[no-untyped-def]
         self._add_overrides()
         return super().parse_known_args(args, namespace)
 
@@ -40,14 +40,15 @@ _DESCRIPTION = (
     "worker per pipeline stage through torch.distributed.elastic; show progress; exit 0 "
     "when the run completed or stopped cleanly, 1 when a stage failed (the first stage "
     "that failed and why are shown, the full report is in RUN_DIR/launches/RUN_ID/"
-    "failure.txt), 2 for a bad spec, override, hook or resume path (nothing is started), "
+    "failure.txt), 2 for a bad spec, override, hook or resume path or a run directory that "
+    "holds another run (nothing is started), "
     "3 when the run completed but its --external-bus broker was lost on the way (hooks "
     "missed the rest, later checkpoints were not committed). Ctrl-C / SIGTERM stop the "
     "workers at a step boundary."
 )
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``launch`` subcommand."""
     parser = sub.add_parser(
         "launch",
@@ -105,8 +106,16 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         "--resume",
         nargs="?",
         const="latest",
-        metavar="PATH",
-        help="resume from a checkpoint (no PATH: the run directory's latest committed one)",
+        metavar="PATH|auto",
+        help="continue the run from a checkpoint (no PATH: the run directory's latest "
+        "committed one; 'auto': that one if there is one, else start at step 0, so one "
+        "command serves the first start and every restart)",
+    )
+    group.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start over in a run directory that holds a run: its checkpoints, logs and "
+        "records are removed first (without this or --resume such a directory is refused)",
     )
     group.add_argument(
         "--load-weights", metavar="PATH", help="load model weights only and start at step 0"
@@ -175,6 +184,7 @@ def run(args: argparse.Namespace) -> int:
         hooks=not args.no_hooks,
         hook_restarts=args.hook_restarts,
         resume=args.resume,
+        overwrite=args.overwrite,
         load_weights=args.load_weights,
         dump_weights=args.dump_weights,
         run_id=args.run_id,
