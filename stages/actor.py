@@ -119,7 +119,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 import anyio.to_thread
@@ -293,7 +293,11 @@ class StageActor:
                 self._receiver = CommandReceiver(address.endpoint("commands_out"))
                 self._verdicts = Subscriber(
                     address.endpoint("events_out"),
-                    [CheckpointCommitted.topic.decode(), CheckpointFailed.topic.decode()],
+                    [
+                        CheckpointCommitted.topic.decode(),
+                        CheckpointFailed.topic.decode(),
+                        StageStopped.topic.decode(),
+                    ],
                 )
         failure: BaseException | None = None
         try:
@@ -431,20 +435,22 @@ class StageActor:
             await self._evaluate(step)
         else:
             step, stop_reason = await self._train(start_step, total, first)
-        status = "completed" if stop_reason is None else "stopped"
+        status: Literal["completed", "stopped"] = "completed" if stop_reason is None else "stopped"
         self.state = "stopping"
-        # The on-stop checkpoint and every shard still in flight are reported
-        # before the final barrier, so RunEnded (after it) comes last.
+        # The on-stop checkpoint, every shard still in flight and StageStopped
+        # are this stage's last events; stage 0 announces the end only once it
+        # got every stage's StageStopped back from the broker, so RunEnded
+        # reaches every hook after all of them.
         await self._save_on_stop()
         if self.writer is not None:
             for done in await anyio.to_thread.run_sync(self.writer.wait):
                 self.publish(done.to_event())
+        self.publish(StageStopped(stage=self.stage, status=status, reason=stop_reason or ""))
         await anyio.to_thread.run_sync(self._finish)
-        await self._await_verdicts()
+        await self._await_the_end()
         self._write_report(status)
         if self.stage == 0:
             self.publish(RunEnded(status=status, reason=stop_reason or "", step=self.completed))
-        self.publish(StageStopped(stage=self.stage, status=status, reason=stop_reason or ""))
         if self.writer is not None:
             self.writer.close()
         log.debug("stage finished", stage=self.stage, status=status, steps=self.completed)
@@ -670,18 +676,14 @@ class StageActor:
         return stats
 
     def _span_event(self, step: int, span: Span) -> Event:
-        common = {
-            "step": step,
-            "stage": self.stage,
-            "microbatch": span.microbatch,
-            "start": self._wall(span.start),
-            "end": self._wall(span.end),
-        }
-        if span.kind == "forward":
-            return MicrobatchForward(**common)
-        if span.kind == "backward":
-            return MicrobatchBackward(**common)
-        return MicrobatchWait(**common, op=span.op)
+        start, end = self._wall(span.start), self._wall(span.end)
+        mb = span.microbatch
+        if span.kind == "wait":
+            return MicrobatchWait(
+                step=step, stage=self.stage, microbatch=mb, start=start, end=end, op=span.op
+            )
+        kind = MicrobatchForward if span.kind == "forward" else MicrobatchBackward
+        return kind(step=step, stage=self.stage, microbatch=mb, start=start, end=end)
 
     def _peak_memory(self) -> int:
         if self.device.type == "cuda":
@@ -716,7 +718,7 @@ class StageActor:
             if taken.ok and taken.step == step:
                 accepted.append(command)
         for command in orders.due(step, accepted):
-            COMMAND_HANDLERS[type(command)](self, command, work)  # type: ignore[arg-type]
+            COMMAND_HANDLERS[type(command)](self, command, work)
         metric: float | None = None
         if work.evaluate:
             metrics = await self._evaluate(step)
@@ -841,30 +843,40 @@ class StageActor:
             return str(exc)
         return None
 
-    async def _await_verdicts(self) -> None:
-        """Stage 0: wait until the coordinator committed or failed every checkpoint of the run.
+    async def _await_the_end(self) -> None:
+        """Stage 0: wait for every stage's `StageStopped` and the coordinator's verdicts.
 
-        Only with a checkpoint plan: that a coordinator sends one is how the
-        stages know there is a coordinator to wait for. A verdict that arrives
-        after this wait is still a verdict, but hooks that exit on `RunEnded`
-        would not see it.
+        The StageStopped events, read back from the broker, prove that every
+        stage's earlier events are through it. Verdicts (committed or failed)
+        on every checkpoint of the run are awaited only with a checkpoint plan:
+        that a coordinator sent one is how the stages know there is a
+        coordinator to wait for. Either wait is bounded (``VERDICT_TIMEOUT_ENV``);
+        what comes later still comes, but hooks that exit on `RunEnded` would
+        not see it.
         """
         subscriber = self._verdicts
-        if subscriber is None or not self._awaiting:
+        if subscriber is None:
             return
+        stopped: set[int] = set()
         deadline = time.monotonic() + _verdict_timeout_s()
-        while self._awaiting and time.monotonic() < deadline:
+        while time.monotonic() < deadline and (self._awaiting or len(stopped) < self.num_stages):
             for msg in await subscriber.receive(timeout=0.2):
-                if isinstance(msg, CheckpointCommitted) or (
+                if isinstance(msg, StageStopped) and msg.run_id == self.config.run_id:
+                    stopped.add(msg.stage)
+                elif isinstance(msg, CheckpointCommitted) or (
                     isinstance(msg, CheckpointFailed) and msg.stage is None
                 ):
                     self._awaiting.discard(msg.checkpoint_id)
-
         if self._awaiting:
             log.warning(
                 "no verdict on checkpoints at the end of the run",
                 checkpoint_ids=sorted(self._awaiting),
                 waited_s=_verdict_timeout_s(),
+            )
+        if len(stopped) < self.num_stages:
+            log.warning(
+                "not every stage's last events came back from the bus",
+                missing=sorted(set(range(self.num_stages)) - stopped),
             )
 
     def _publish_shards(self) -> None:
