@@ -64,7 +64,6 @@ class RunOutput:
             )
         return None
 
-
     def open(self, run: RunStarted | None, *, flush_interval: float = 0.0) -> JsonLinesFile | None:
         """The file for ``run``, opened for append; None if unknown or it cannot be opened."""
         path = self.resolve(run)
