@@ -38,6 +38,7 @@ retry.
 from __future__ import annotations
 
 import os
+import time
 from collections import OrderedDict
 from typing import Any
 
@@ -74,6 +75,7 @@ class CommandReceiver:
         curve: CurveConfig | None = None,
     ) -> None:
         self.malformed = 0
+        self._held: dict[str, Command] = {}
         self._context = context or zmq.Context.instance()
         self._sock = self._context.socket(zmq.SUB)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -86,18 +88,37 @@ class CommandReceiver:
             self._sock.close()
             raise UsageError(f"cannot connect to the bus at {endpoint}: {exc}") from None
 
+    def wait_for(self, kind: type[Command], timeout: float) -> bool:
+        """Block until a ``kind`` command arrived (True) or ``timeout`` passed (False).
+
+        What arrives meanwhile is kept for the next `poll`.
+        """
+        deadline = time.monotonic() + timeout
+        while not any(isinstance(c, kind) for c in self._held.values()):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            if self._sock.poll(min(left, 0.1) * 1000):
+                self._held.update(self._receive())
+        return True
+
     def poll(self) -> list[Command]:
         """Valid commands that arrived since the last call, repeats included (possibly none).
 
         Copies of one id within one call count once: a burst of retries costs
         the control exchange one command.
         """
+        held, self._held = self._held, {}
+        held.update((cid, c) for cid, c in self._receive().items() if cid not in held)
+        return list(held.values())
+
+    def _receive(self) -> dict[str, Command]:
         out: dict[str, Command] = {}
         while True:
             try:
                 frames: list[Any] = self._sock.recv_multipart(_NOBLOCK)
             except zmq.Again:
-                return list(out.values())
+                return out
             if len(frames) != 2:
                 self.malformed += 1
                 continue

@@ -913,6 +913,7 @@ class Launcher:
             bus=str(self.address),
             run_id=self.run_id,
             evaluate_only=opts.evaluate is not None,
+            await_plan=self._checkpointing and opts.evaluate is None,
             resume=str(self.resume_path) if self.resume_path is not None else None,
             load_weights=str(self.load_weights_path) if self.load_weights_path else None,
             dump_weights_dir=(

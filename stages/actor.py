@@ -75,12 +75,14 @@ arrived meanwhile.
 
 Checkpoints (the protocol: `evtrain.checkpoint`): each stage owns a
 `ShardWriter` and saves after that boundary's optimizer step, scheduler step
-and evaluation, so the shard holds the weights just evaluated. Finished
+and evaluation, so the shard holds the weights just evaluated. With
+``WorkerConfig.await_plan`` (the launcher starts a checkpoint hook) stage 0
+holds boundary 0 until the coordinator's plan arrived. Finished
 writes are published at every boundary and with the heartbeats. When the
 run ends without failure, the plan's on-stop checkpoint is saved, every
 shard is waited for and reported, the stages meet at the final barrier,
 and stage 0 waits for the coordinator's verdict on every checkpoint of the
-run (``EVTRAIN_VERDICT_TIMEOUT_S``, default 30) before it publishes
+run (``EVTRAIN_COORDINATOR_TIMEOUT_S``, default 30) before it publishes
 ``RunEnded``.
 
 Resume: ``WorkerConfig.resume`` (a checkpoint, a run directory, or
@@ -180,8 +182,11 @@ log = structlog.get_logger("evtrain.stages.actor")
 HEARTBEAT_INTERVAL_S = 1.0
 PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=30)
 _FORCE_EXIT_AFTER_S = 1.0
-VERDICT_TIMEOUT_ENV = "EVTRAIN_VERDICT_TIMEOUT_S"
-"""Seconds stage 0 waits at the end for the coordinator's verdicts on the run's checkpoints."""
+FAILURE_WRITE_WAIT_S = 60.0
+"""Seconds a failing stage waits for its shard write in flight before it reports."""
+COORDINATOR_TIMEOUT_ENV = "EVTRAIN_COORDINATOR_TIMEOUT_S"
+"""Seconds stage 0 waits for the checkpoint coordinator, at most: for its plan before
+the first step, for its verdicts (and every stage's last events) at the end (default 30)."""
 
 
 @dataclass(frozen=True)
@@ -311,6 +316,7 @@ class StageActor:
                 tg.cancel_scope.cancel()
         finally:
             if failure is not None:
+                self._finish_shard_write()
                 self._report_failure(failure)
             if self._receiver is not None:
                 self._receiver.close()
@@ -336,6 +342,17 @@ class StageActor:
             report.write(directory)
         except OSError as exc:
             log.warning("cannot write the stage report", stage=self.stage, error=str(exc))
+
+    def _finish_shard_write(self) -> None:
+        """A failing stage still completes and reports the shard it is writing.
+
+        The checkpoint was taken steps before the failure and is whole once
+        every stage's shard is: losing it to the crash would throw away good
+        work. Bounded by ``FAILURE_WRITE_WAIT_S``.
+        """
+        if self.writer is not None and self.writer.busy():
+            for done in self.writer.wait(FAILURE_WRITE_WAIT_S):
+                self.publish(done.to_event())
 
     def _report_failure(self, exc: BaseException) -> None:
         text = "".join(traceback.format_exception(exc))
@@ -410,9 +427,10 @@ class StageActor:
         assert executor is not None and control is not None
         executor.stop_requested = self._stop_requested
 
-        # Boundary 0: every stage joined; commands sent before the run apply now.
+        # Boundary 0: every stage joined; commands sent before the run apply now,
+        # and a coordinator's checkpoint plan, which it sends on RunStarted, is
+        # awaited so that it applies from the first step.
         start_step = self.start_step
-        first = await anyio.to_thread.run_sync(control.exchange, 0.0, self._stop_requested)
         if self.stage == 0:
             self.publish(
                 RunStarted(
@@ -426,6 +444,9 @@ class StageActor:
                     run_dir=str(job.run_dir),
                 )
             )
+            if self.config.await_plan and self._receiver is not None:
+                await self._await_plan(self._receiver)
+        first = await anyio.to_thread.run_sync(control.exchange, 0.0, self._stop_requested)
         self.state = "running"
         log.debug("stage running", stage=self.stage, steps=total, device=str(self.device))
         if self.config.evaluate_only:
@@ -843,6 +864,16 @@ class StageActor:
             return str(exc)
         return None
 
+    async def _await_plan(self, receiver: CommandReceiver) -> None:
+        """Stage 0: hold boundary 0 until the coordinator's `CheckpointPlan` arrived (bounded)."""
+        timeout = _coordinator_timeout_s()
+        found = await anyio.to_thread.run_sync(receiver.wait_for, CheckpointPlan, timeout)
+        if not found:
+            log.warning(
+                "no checkpoint plan from the coordinator; training starts without it",
+                waited_s=timeout,
+            )
+
     async def _await_the_end(self) -> None:
         """Stage 0: wait for every stage's `StageStopped` and the coordinator's verdicts.
 
@@ -850,7 +881,7 @@ class StageActor:
         stage's earlier events are through it. Verdicts (committed or failed)
         on every checkpoint of the run are awaited only with a checkpoint plan:
         that a coordinator sent one is how the stages know there is a
-        coordinator to wait for. Either wait is bounded (``VERDICT_TIMEOUT_ENV``);
+        coordinator to wait for. Either wait is bounded (``COORDINATOR_TIMEOUT_ENV``);
         what comes later still comes, but hooks that exit on `RunEnded` would
         not see it.
         """
@@ -858,7 +889,7 @@ class StageActor:
         if subscriber is None:
             return
         stopped: set[int] = set()
-        deadline = time.monotonic() + _verdict_timeout_s()
+        deadline = time.monotonic() + _coordinator_timeout_s()
         while time.monotonic() < deadline and (self._awaiting or len(stopped) < self.num_stages):
             for msg in await subscriber.receive(timeout=0.2):
                 if isinstance(msg, StageStopped) and msg.run_id == self.config.run_id:
@@ -871,7 +902,7 @@ class StageActor:
             log.warning(
                 "no verdict on checkpoints at the end of the run",
                 checkpoint_ids=sorted(self._awaiting),
-                waited_s=_verdict_timeout_s(),
+                waited_s=_coordinator_timeout_s(),
             )
         if len(stopped) < self.num_stages:
             log.warning(
@@ -988,5 +1019,5 @@ def _restart_pending() -> bool:
     return _restart_count() < max_restarts
 
 
-def _verdict_timeout_s() -> float:
-    return float(os.environ.get(VERDICT_TIMEOUT_ENV, "30") or 0)
+def _coordinator_timeout_s() -> float:
+    return float(os.environ.get(COORDINATOR_TIMEOUT_ENV, "30") or 0)

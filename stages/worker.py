@@ -72,6 +72,8 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     committed checkpoint) or ``"latest"`` (the job's run directory). Rank 0 resolves
     it and all stages load the same one (`evtrain.checkpoint.loader.agree_on_resume`)."""
 
+    await_plan: bool = False
+    """A checkpoint coordinator is running: stage 0 holds boundary 0 for its plan."""
     evaluate_only: bool = False
     """Load ``resume``, evaluate once at its step's boundary and end: no training step,
     no command applied, nothing saved (``evtrain eval``)."""

@@ -210,6 +210,17 @@ def test_exact_steps_best_weights_and_closed_books_with_a_lagging_coordinator(
     assert latest is not None and latest.step == 30
 
 
+def test_the_plan_applies_from_the_first_step_of_a_short_run(tmp_path: Path, marker: str) -> None:
+    """Stage 0 holds boundary 0 for the plan: nothing is missed, however fast the run."""
+    hooks = [{"type": "checkpoint", "every_steps": 1, "on_stop": True}]
+    spec = write_spec(tmp_path, steps=3, hooks=hooks)
+    proc, leftovers = run_launch(spec, marker=marker, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert leftovers == []
+    committed = [i.step for i in list_checkpoints(tmp_path / "run") if i.committed]
+    assert committed == [1, 2, 3]
+
+
 def test_epoch_end_evaluations_and_a_dropped_acknowledgement_healed(
     tmp_path: Path, marker: str
 ) -> None:

@@ -5,7 +5,9 @@ The protocol (stages, the coordinator hook, the bus):
 1. *When.* The coordinator (the ``checkpoint`` hook) sends the stages a
    `evtrain.events.CheckpointPlan` when the run starts (and again whenever it
    restarts); a one-off is a `evtrain.events.CheckpointNow`. Both are commands
-   with the delivery and boundary rules of `evtrain.bus.commands`.
+   with the delivery and boundary rules of `evtrain.bus.commands`. When the
+   launcher runs the coordinator, stage 0 holds boundary 0 until the plan
+   arrived, so it applies from the first step.
 2. *Deciding alike.* Every stage holds the same plan (`plan.PlanState`) and,
    at each boundary, the same facts: the step and, after an evaluation, the
    metric the last stage shares with all. So every stage saves at the same
