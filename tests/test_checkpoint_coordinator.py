@@ -95,7 +95,7 @@ def test_commits_once_every_shard_is_durable(tmp_path: Path, clock: Clock) -> No
     assert c.requested("p-7", step=7, path=str(path), reason="every 7 steps") == []
     write_shard(tmp_path, 7, 0, "p-7")
     assert c.shard_saved("p-7", step=7, path=str(path)) == []
-    assert c.is_pending("p-7")
+    assert c.pending() == ["p-7"]
     clock.now += 2.5
     write_shard(tmp_path, 7, 1, "p-7")
     (verdict,) = c.shard_saved("p-7", step=7, path=str(path))

@@ -148,11 +148,6 @@ class Coordinator:
         """Ids of the checkpoints neither committed nor failed."""
         return [cid for cid, p in self._pending.items() if not p.committed]
 
-    def is_pending(self, checkpoint_id: str) -> bool:
-        """Whether ``checkpoint_id`` awaits its verdict."""
-        pending = self._pending.get(checkpoint_id)
-        return pending is not None and not pending.committed
-
     def settle(self, verdicts: list[Verdict]) -> None:
         """``verdicts`` went out: forget their checkpoints.
 
