@@ -96,6 +96,89 @@ job = Job(
 '''
 
 
+EVAL_SPEC_TEMPLATE = '''\
+"""A small MLP with eval data and an extra metric (generated)."""
+
+import functools
+import time
+
+import torch
+from torch import nn
+
+from evtrain.job import Job, layer
+
+
+def make_data(num_samples, offset):
+    gen = torch.Generator().manual_seed(4321 + offset)
+    x = torch.randn(num_samples, 8, generator=gen)
+    y = 0.5 * x[:, :1] + torch.sin(x[:, 1:2]) - 0.25 * x[:, 2:3] * x[:, 3:4]
+    return x, y
+
+
+class Slow(nn.Module):
+    def __init__(self, delay):
+        super().__init__()
+        self.delay = delay
+
+    def forward(self, x):
+        if self.training and self.delay:
+            time.sleep(self.delay)
+        return x
+
+
+def mae(output, target):
+    return (output - target).abs().mean()
+
+
+job = Job(
+    name={name!r},
+    layers=[
+        layer(nn.Linear, 8, 32),
+        layer(Slow, {delay!r}),
+        layer(nn.Tanh),
+        layer(nn.Linear, 32, 16),
+        layer(nn.Tanh),
+        layer(nn.Linear, 16, 1),
+    ],
+    loss_fn=nn.functional.mse_loss,
+    metrics={{"mae": mae}},
+    optimizer=functools.partial(torch.optim.Adam, lr=0.02),
+    train_data=functools.partial(make_data, 256, 1),
+    eval_data=functools.partial(make_data, 96, 2),
+    batch_size=32,
+    num_microbatches=4,
+    max_steps={steps!r},
+    seed=7,
+    stages=2,
+    run_dir={run_dir!r},
+    hooks={hooks!r},
+    microbatch_spans="off",
+    threads=1,
+)
+'''
+
+
+def write_eval_spec(
+    directory: Path,
+    *,
+    steps: int,
+    hooks: list[dict[str, Any]],
+    delay: float = 0.0,
+    name: str = "evaltest",
+) -> Path:
+    """A spec with eval data (loss and ``mae``) in ``directory``; its run directory is ``run``.
+
+    ``delay`` seconds of sleep in every training forward of layer 1 slow the steps down.
+    """
+    path = directory / "spec.py"
+    path.write_text(
+        EVAL_SPEC_TEMPLATE.format(
+            steps=steps, hooks=hooks, delay=delay, name=name, run_dir=str(directory / "run")
+        )
+    )
+    return path
+
+
 def write_spec(directory: Path, name: str = "spec.py", **fields: Any) -> Path:
     """A spec file in ``directory``; ``fields`` override the template's defaults."""
     values: dict[str, Any] = dict(

@@ -20,7 +20,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from launch_helpers import MARKER_ENV, kill_marked, launch_env, new_marker, wait_no_marked
+from launch_helpers import (
+    MARKER_ENV,
+    kill_marked,
+    launch_env,
+    new_marker,
+    wait_no_marked,
+    write_eval_spec,
+)
 
 import evtrain
 from evtrain.checkpoint import list_checkpoints
@@ -33,65 +40,13 @@ pytestmark = pytest.mark.slow
 STEPS = 8
 EVAL_EVERY = 4
 
-SPEC = '''\
-"""A small MLP with eval data for the API tests (generated)."""
-
-import functools
-
-import torch
-from torch import nn
-
-from evtrain.job import Job, layer
-
-
-def make_data(num_samples, offset):
-    gen = torch.Generator().manual_seed(4321 + offset)
-    x = torch.randn(num_samples, 8, generator=gen)
-    y = 0.5 * x[:, :1] + torch.sin(x[:, 1:2]) - 0.25 * x[:, 2:3] * x[:, 3:4]
-    return x, y
-
-
-def mae(output, target):
-    return (output - target).abs().mean()
-
-
-job = Job(
-    name="apitest",
-    layers=[
-        layer(nn.Linear, 8, 32),
-        layer(nn.Tanh),
-        layer(nn.Linear, 32, 16),
-        layer(nn.Tanh),
-        layer(nn.Linear, 16, 1),
-    ],
-    loss_fn=nn.functional.mse_loss,
-    metrics={{"mae": mae}},
-    optimizer=functools.partial(torch.optim.Adam, lr=0.02),
-    train_data=functools.partial(make_data, 256, 1),
-    eval_data=functools.partial(make_data, 96, 2),
-    batch_size=32,
-    num_microbatches=4,
-    max_steps={steps},
-    seed=7,
-    stages=2,
-    run_dir={run_dir!r},
-    hooks={hooks!r},
-    microbatch_spans="off",
-    threads=1,
-)
-'''
-
 HOOKS = [{"type": "metrics"}, {"type": "checkpoint", "best_metric": "loss"}]
 
 
 def write_spec(directory: Path, *, hooks: list[dict[str, Any]] | None = None) -> Path:
-    path = directory / "spec.py"
-    path.write_text(
-        SPEC.format(
-            steps=STEPS, run_dir=str(directory / "run"), hooks=HOOKS if hooks is None else hooks
-        )
+    return write_eval_spec(
+        directory, steps=STEPS, hooks=HOOKS if hooks is None else hooks, name="apitest"
     )
-    return path
 
 
 def lines(path: Path) -> list[dict[str, Any]]:

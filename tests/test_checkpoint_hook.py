@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 from launch_helpers import launch_cmd, launch_env, marked_pids, run_launch
+from launch_helpers import write_eval_spec as write_spec
 
 from evtrain.checkpoint import latest_committed, list_checkpoints, read_manifest
 from evtrain.checkpoint.loader import read_model_tensors
@@ -32,77 +33,6 @@ from evtrain.spec import load_job
 from evtrain.stages.partition import build_full_model
 
 pytestmark = pytest.mark.slow
-
-SPEC = '''\
-"""A small MLP with eval data for the checkpoint tests (generated)."""
-
-import functools
-import time
-
-import torch
-from torch import nn
-
-from evtrain.job import Job, layer
-
-
-def make_data(num_samples, offset):
-    gen = torch.Generator().manual_seed(4321 + offset)
-    x = torch.randn(num_samples, 8, generator=gen)
-    y = 0.5 * x[:, :1] + torch.sin(x[:, 1:2]) - 0.25 * x[:, 2:3] * x[:, 3:4]
-    return x, y
-
-
-class Slow(nn.Module):
-    def __init__(self, delay):
-        super().__init__()
-        self.delay = delay
-
-    def forward(self, x):
-        if self.training and self.delay:
-            time.sleep(self.delay)
-        return x
-
-
-def mae(output, target):
-    return (output - target).abs().mean()
-
-
-job = Job(
-    name="ckpttest",
-    layers=[
-        layer(nn.Linear, 8, 32),
-        layer(Slow, {delay!r}),
-        layer(nn.Tanh),
-        layer(nn.Linear, 32, 16),
-        layer(nn.Tanh),
-        layer(nn.Linear, 16, 1),
-    ],
-    loss_fn=nn.functional.mse_loss,
-    metrics={{"mae": mae}},
-    optimizer=functools.partial(torch.optim.Adam, lr=0.02),
-    train_data=functools.partial(make_data, 256, 1),
-    eval_data=functools.partial(make_data, 96, 2),
-    batch_size=32,
-    num_microbatches=4,
-    max_steps={steps!r},
-    seed=7,
-    stages=2,
-    run_dir={run_dir!r},
-    hooks={hooks!r},
-    microbatch_spans="off",
-    threads=1,
-)
-'''
-
-
-def write_spec(
-    directory: Path, *, steps: int, hooks: list[dict[str, Any]], delay: float = 0.0
-) -> Path:
-    path = directory / "spec.py"
-    path.write_text(
-        SPEC.format(steps=steps, hooks=hooks, delay=delay, run_dir=str(directory / "run"))
-    )
-    return path
 
 
 def events(run: Path) -> list[dict[str, Any]]:
