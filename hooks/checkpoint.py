@@ -24,7 +24,6 @@ import anyio
 
 from evtrain.checkpoint import checkpoint_path_template
 from evtrain.checkpoint.coordinator import Committed, Coordinator, Verdict
-from evtrain.errors import UsageError
 from evtrain.events import (
     CheckpointCommitted,
     CheckpointFailed,
@@ -40,6 +39,7 @@ from evtrain.events import (
 )
 from evtrain.hooks.hook import Hook, on
 from evtrain.hooks.options import (
+    bool_option,
     choice_option,
     float_option,
     int_option,
@@ -51,14 +51,6 @@ from evtrain.hooks.runner import CommandTimeout
 __all__ = ["CheckpointHook"]
 
 _TICK_S = 0.5
-
-
-def _bool_option(hook: str, option: str, value: object) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
-        return value.lower() in ("true", "1", "yes")
-    raise UsageError(f"hook {hook}: option '{option}' must be true or false, got {value!r}")
 
 
 class CheckpointHook(Hook):
@@ -116,9 +108,9 @@ class CheckpointHook(Hook):
         self.mode: Literal["min", "max"] = choice_option(  # type: ignore[assignment]
             hook, "mode", mode, ("min", "max")
         )
-        self.on_stop = _bool_option(hook, "on_stop", on_stop)
+        self.on_stop = bool_option(hook, "on_stop", on_stop)
         self.keep_last = None if keep_last is None else int_option(hook, "keep_last", keep_last)
-        self.keep_best = _bool_option(hook, "keep_best", keep_best)
+        self.keep_best = bool_option(hook, "keep_best", keep_best)
         self.timeout = float_option(hook, "timeout", timeout, strict=True)
         self.command_timeout = float_option(hook, "command_timeout", command_timeout, strict=True)
         self.coordinator: Coordinator | None = None

@@ -49,6 +49,15 @@ def float_option(
     return float(value)
 
 
+def bool_option(hook: str, option: str, value: object) -> bool:
+    """A bool, or one of the strings true/false, 1/0, yes/no (case-insensitive)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+        return value.lower() in ("true", "1", "yes")
+    raise _bad(hook, option, "true or false", value)
+
+
 def choice_option(hook: str, option: str, value: object, choices: Iterable[str]) -> str:
     """One of ``choices`` (case-insensitive)."""
     allowed = tuple(choices)

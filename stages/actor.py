@@ -809,7 +809,7 @@ class StageActor:
             await self._save(step, save)
 
     async def _save_on_stop(self) -> None:
-        """Save the plan's on-stop checkpoint, unless nothing changed since the last save."""
+        """Save the plan's on-stop checkpoint (`_save` skips it when this step is saved)."""
         plan = self.orders.plan if self.orders is not None else None
         if plan is None or not plan.plan.on_stop or self.completed <= self.start_step:
             return

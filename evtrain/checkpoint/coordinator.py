@@ -266,7 +266,7 @@ class Coordinator:
             if (
                 checkpoint_id in self._failed
                 or checkpoint_id in self._pending  # committed; its verdict is out
-                or self._committed(path, checkpoint_id)
+                or self._already_committed(Path(path), checkpoint_id) is not None
             ):
                 return []
             # Announced while this coordinator was not listening: the shard
@@ -404,10 +404,6 @@ class Coordinator:
                 return child
         return None
 
-    def _committed(self, path: str, checkpoint_id: str) -> bool:
-        infos = [i for i in list_checkpoints(self.run_dir) if str(i.path) == path]
-        return any(i.committed and i.checkpoint_id == checkpoint_id for i in infos)
-
     def _try_commit(self, pending: _Pending) -> list[Verdict]:
         cid = pending.checkpoint_id
         records = self._records(pending)
@@ -472,10 +468,11 @@ class Coordinator:
         ]
 
     def _already_committed(self, path: Path, checkpoint_id: str) -> Manifest | None:
-        """The manifest of ``checkpoint_id`` if it is committed already.
+        """The manifest of ``checkpoint_id`` in ``path`` if it is committed already.
 
         A coordinator killed between writing a manifest and publishing the
-        verdict left it pending: recovered, it publishes the verdict now.
+        verdict left it pending: recovered, it publishes the verdict now. A
+        late shard event of a committed checkpoint changes nothing.
         """
         try:
             manifest = read_manifest(path)
