@@ -75,7 +75,7 @@ def autocast(precision: str, device: torch.device) -> contextlib.AbstractContext
 
 
 def _float32(value: float) -> float:
-    # The reference scaler keeps its scale in a float32 tensor; rounding the
+    # torch.amp.GradScaler keeps its scale in a float32 tensor; rounding the
     # same way keeps non-power-of-two factors and the overflow guard identical.
     return array("f", [value])[0]
 
@@ -96,9 +96,11 @@ class LossScaler:
     stage would step while another skipped, and the weights of the model would
     no longer belong to one step. Here the caller decides from a fact that is
     the same on every stage: the step's global gradient norm, gathered over all
-    stages, is non-finite exactly when some gradient on some stage is. Every
-    stage then calls ``update`` with the same ``found_inf`` and so keeps the same
-    scale, the same clean-step count and the same skipped steps.
+    stages, is non-finite exactly when some gradient on some stage is (an
+    overflow in a gradient that crossed a boundary in fp16 reaches the
+    parameter gradients of the stages before it). Every stage then calls
+    ``update`` with the same ``found_inf`` and so keeps the same scale, the
+    same clean-step count and the same skipped steps.
 
     Use, at each step boundary on every stage::
 
