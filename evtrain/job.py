@@ -50,7 +50,9 @@ from evtrain.errors import SpecError
 from evtrain.stages.schedules import Schedule
 
 __all__ = [
+    "BALANCE_MODES",
     "DEVICES",
+    "PRECISIONS",
     "SCHEDULES",
     "SPAN_MODES",
     "Job",
@@ -62,16 +64,27 @@ __all__ = [
 LayerFactory = Callable[[], nn.Module]
 """A zero-argument callable that builds one pipeline layer."""
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+ModelFactory = Callable[[], nn.Module]
+"""A zero-argument callable that builds the whole model (see `Job.model`)."""
+
+LossFn = Callable[[Any, Any], torch.Tensor]
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
-MetricFn = Callable[[torch.Tensor, torch.Tensor], "float | torch.Tensor"]
+MetricFn = Callable[[Any, Any], "float | torch.Tensor"]
 DataSource = Any
-"""``(inputs, targets)`` tensors, or a zero-argument callable returning them or a
-map-style dataset of ``(input, target)`` pairs."""
+"""``(inputs, targets)`` tensors; with `Job.input_keys`, a dict of stacked
+tensors by key; or a zero-argument callable returning one of those, or a
+map-style dataset of ``(input, target)`` pairs (of dicts, with `Job.input_keys`)."""
+
 
 SCHEDULES: tuple[str, ...] = tuple(s.value for s in Schedule)
 """Pipeline schedule names (``"gpipe"``, ``"1f1b"``)."""
+
+PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
+"""Values of `Job.precision`."""
+
+BALANCE_MODES: tuple[str, ...] = ("params", "compute")
+"""Automatic `Job.balance` modes."""
 
 SPAN_MODES: tuple[str, ...] = ("all", "sampled", "off")
 """Values of `Job.microbatch_spans`."""
@@ -100,15 +113,16 @@ def accuracy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 class TensorPair(NamedTuple):
-    """A data set as two stacked tensors with the same first dimension."""
+    """A data set as stacked inputs and targets: tensors, or pytrees of tensors
+    (dicts by key, with `Job.input_keys`), every leaf with the same first dimension."""
 
-    inputs: torch.Tensor
-    targets: torch.Tensor
+    inputs: Any
+    targets: Any
 
     @property
     def num_samples(self) -> int:
-        """Number of (input, target) pairs."""
-        return int(self.inputs.shape[0])
+        """Number of samples."""
+        return int(_leaves(self.inputs)[0].shape[0])
 
 
 def _is_int(value: object) -> bool:
@@ -123,14 +137,87 @@ def _check_int(field: str, value: object, *, minimum: int, optional: bool = Fals
         raise SpecError(field, f"expected an integer >= {minimum}, got {value!r}")
 
 
-def _to_tensor_pair(field: str, value: Any) -> TensorPair:
-    """Normalize a data source into stacked ``(inputs, targets)`` tensors."""
+def _leaves(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, Mapping):
+        return [t for v in value.values() for t in _leaves(v)]
+    if isinstance(value, tuple | list):
+        return [t for v in value for t in _leaves(v)]
+    return []
+
+
+def _select(field: str, columns: Mapping[str, torch.Tensor], keys: str | Sequence[str]) -> Any:
+    """``columns[keys]`` for one key, ``{k: columns[k]}`` for a tuple of keys."""
+    for key in (keys,) if isinstance(keys, str) else keys:
+        if key not in columns:
+            raise SpecError(
+                field, f"the samples have no key {key!r}; they have {', '.join(sorted(columns))}"
+            )
+    if isinstance(keys, str):
+        return columns[keys]
+    return {k: columns[k] for k in keys}
+
+
+def _stack(field: str, items: list[Any], what: str) -> torch.Tensor:
+    try:
+        return torch.stack([torch.as_tensor(x) for x in items])
+    except Exception as exc:
+        raise SpecError(
+            field, f"stacking {what} failed (equal shapes needed): {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def _to_tensor_pair(
+    field: str,
+    value: Any,
+    input_keys: str | Sequence[str] | None,
+    target_keys: str | Sequence[str] | None,
+) -> TensorPair:
+    """Normalize a data source into stacked ``(inputs, targets)``."""
     if callable(value) and not isinstance(value, tuple | list):
         try:
             value = value()
         except Exception as exc:
             raise SpecError(field, f"loading the data failed: {type(exc).__name__}: {exc}") from exc
-    if (
+    if input_keys is not None:
+        assert target_keys is not None  # validate() requires both
+        keys = [*((input_keys,) if isinstance(input_keys, str) else input_keys)]
+        keys += [k for k in ((target_keys,) if isinstance(target_keys, str) else target_keys)]
+        if isinstance(value, Mapping):
+            columns = {k: v for k, v in value.items() if k in keys}
+            bad = [k for k, v in columns.items() if not isinstance(v, torch.Tensor)]
+            if bad:
+                raise SpecError(field, f"key {bad[0]!r} is not a tensor of stacked samples")
+        elif hasattr(value, "__len__") and hasattr(value, "__getitem__"):
+            n = len(value)
+            if n == 0:
+                raise SpecError(field, "the data set is empty")
+            samples = [value[i] for i in range(n)]
+            if not all(isinstance(x, Mapping) for x in samples):
+                raise SpecError(
+                    field, "input_keys is set, so every sample must be a dict of tensors"
+                )
+            columns = {
+                k: _stack(field, [x[k] for x in samples], f"key {k!r}")
+                for k in keys
+                if all(k in x for x in samples)
+            }
+        else:
+            raise SpecError(
+                field,
+                "with input_keys, expected a dict of stacked tensors, a map-style data set of "
+                f"dicts, or a callable returning one; got {type(value).__name__}",
+            )
+        inputs = _select(field, columns, input_keys)
+        targets = _select(field, columns, target_keys)
+    elif isinstance(value, Mapping):
+        raise SpecError(
+            field,
+            "the samples are dicts: set input_keys and target_keys to say which keys feed the "
+            f"model and which the loss (keys: {', '.join(map(str, value))})",
+        )
+    elif (
         isinstance(value, tuple | list)
         and len(value) == 2
         and all(isinstance(t, torch.Tensor) for t in value)
@@ -143,32 +230,39 @@ def _to_tensor_pair(field: str, value: Any) -> TensorPair:
         n = len(value)
         if n == 0:
             raise SpecError(field, "the data set is empty")
-        try:
-            pairs = [value[i] for i in range(n)]
-            inputs = torch.stack([torch.as_tensor(p[0]) for p in pairs])
-            targets = torch.stack([torch.as_tensor(p[1]) for p in pairs])
-        except Exception as exc:
+        pairs = [value[i] for i in range(n)]
+        if isinstance(pairs[0], Mapping):
             raise SpecError(
                 field,
-                "expected a map-style data set of (input, target) pairs with equal "
-                f"shapes; stacking failed: {type(exc).__name__}: {exc}",
-            ) from exc
+                "the samples are dicts: set input_keys and target_keys to say which keys feed "
+                f"the model and which the loss (keys: {', '.join(map(str, pairs[0]))})",
+            )
+        inputs = _stack(field, [p[0] for p in pairs], "the inputs of (input, target) pairs")
+        targets = _stack(field, [p[1] for p in pairs], "the targets of (input, target) pairs")
     else:
         raise SpecError(
             field,
             "expected (inputs, targets) tensors, a map-style data set of (input, target) "
             f"pairs, or a callable returning one; got {type(value).__name__}",
         )
-    if inputs.dim() == 0 or targets.dim() == 0:
+    leaves = _leaves(inputs) + _leaves(targets)
+    if any(t.dim() == 0 for t in leaves):
         raise SpecError(field, "inputs and targets need a first (sample) dimension")
-    if inputs.shape[0] != targets.shape[0]:
+    sizes = {int(t.shape[0]) for t in leaves}
+    if len(sizes) > 1:
         raise SpecError(
-            field, f"{inputs.shape[0]} inputs but {targets.shape[0]} targets; they must match"
+            field, f"inputs and targets hold different numbers of samples {sorted(sizes)}"
         )
-    if inputs.shape[0] == 0:
+    if sizes == {0}:
         raise SpecError(field, "the data set is empty")
+
     # Stages slice microbatches out of these and send them point to point.
-    return TensorPair(inputs.contiguous(), targets.contiguous())
+    def contiguous(v: Any) -> Any:
+        if isinstance(v, Mapping):
+            return {k: contiguous(x) for k, x in v.items()}
+        return v.contiguous()
+
+    return TensorPair(contiguous(inputs), contiguous(targets))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
@@ -184,13 +278,35 @@ class Job:
     name: str
     """Job name: letters, digits, ``.``, ``_``, ``-``. Used in the default run directory."""
 
-    layers: Sequence[LayerFactory]
-    """One zero-argument factory per pipeline layer, in order (see `layer`).
+    layers: Sequence[LayerFactory] | None = None
+    """One zero-argument factory per pipeline layer, in order (see `layer`); or give `model`.
 
-    The model is ``nn.Sequential(*(f() for f in layers))``; a stage builds
-    only its own slice. Each layer takes and returns one tensor. Factories
-    are called with the CPU RNG seeded from (`seed`, layer index), so the
-    initial weights do not depend on the partition."""
+    The model is the chain of the layers; a stage builds only its own slice.
+    A layer passes the next one any pytree of tensors, by the calling
+    convention of `evtrain.stages.boundary` (a tuple becomes positional
+    arguments, a dict keyword arguments). Factories are called with the CPU
+    RNG seeded from (`seed`, layer index), so the initial weights do not
+    depend on the partition."""
+
+    model: ModelFactory | None = None
+    """A zero-argument factory of the whole model, split by module name instead of `layers`.
+
+    Every stage builds the model on the CPU with the RNG seeded from `seed`
+    (so the initial weights do not depend on the stage count), keeps the
+    modules of its own units and frees the rest; see
+    `evtrain.stages.partition` for the units and the contract the model's
+    ``forward`` follows. Parameters shared between modules (tied
+    embeddings) are found and kept equal across stages."""
+
+    split_points: Sequence[str] | None = None
+    """With `model`: the fully qualified names of the modules that begin stages 1..P-1,
+    e.g. ``["transformer.h.4"]``; ``None`` balances automatically (see `balance`)."""
+
+    tied: Sequence[Sequence[str]] = ()
+    """Groups of parameter names of the unsplit model that are one weight, e.g.
+    ``[("0.weight", "7.weight")]`` (the first name is the one checkpoints keep). The
+    first name's initialization is used; gradients are summed over the group before
+    clipping and the optimizer step. With `model`, shared parameters are found without this."""
 
     loss_fn: LossFn
     """``loss_fn(output, target) -> scalar tensor``, mean-reduced over the microbatch."""
@@ -202,7 +318,17 @@ class Job:
 
     train_data: DataSource
     """``(inputs, targets)`` tensors, or a zero-argument callable returning those
-    or a map-style data set of ``(input, target)`` pairs. Kept as two stacked tensors."""
+    or a map-style data set of ``(input, target)`` pairs; with `input_keys`, samples are
+    dicts (a dict of stacked tensors, or a data set of dicts). Kept stacked in memory."""
+
+    input_keys: str | Sequence[str] | None = None
+    """For dict samples: the key whose tensor feeds the first stage, or a tuple of keys
+    passed to it as keyword arguments. Keys a later stage needs (a padding mask) are
+    passed along by the earlier stages' outputs."""
+
+    target_keys: str | Sequence[str] | None = None
+    """For dict samples: the key given to ``loss_fn`` and metrics as ``target``, or a
+    tuple of keys given as a dict."""
 
     batch_size: int
     """Samples per batch; a multiple of `num_microbatches`."""
@@ -251,8 +377,10 @@ class Job:
     stages: int = 2
     """Number of pipeline stages P (at most the number of layers)."""
 
-    balance: Sequence[int] | None = None
-    """Layers per stage, e.g. ``[3, 2]``; ``None`` balances by parameter count."""
+    balance: Sequence[int] | str | None = None
+    """Layers (or units of `model`) per stage, e.g. ``[3, 2]``; or ``"params"`` to balance
+    the parameter count, ``"compute"`` to balance estimated training FLOPs (measured on
+    the meta device with one microbatch of the data). ``None`` is ``"params"``."""
 
     schedule: str = "1f1b"
     """Pipeline schedule: ``"1f1b"`` or ``"gpipe"``."""
@@ -270,6 +398,17 @@ class Job:
     threads: int | None = None
     """``torch.set_num_threads`` in each stage process; ``None`` keeps torch's default."""
 
+    precision: str = "fp32"
+    """``"fp32"``; ``"bf16"`` (autocast); ``"fp16"`` (autocast with dynamic loss scaling,
+    every stage skipping the same overflowing steps). Weights and optimizer stay fp32."""
+
+    activation_checkpointing: bool = False
+    """Recompute each layer's (or unit's) activations in the backward instead of storing
+    them (`torch.utils.checkpoint`, non-reentrant, RNG preserved)."""
+
+    compile: bool | Mapping[str, Any] = False
+    """``torch.compile`` each stage's layers: ``True``, or a dict of its keyword arguments."""
+
     _cache: dict[str, Any] = dataclasses.field(
         default_factory=dict, init=False, repr=False, compare=False
     )
@@ -279,16 +418,33 @@ class Job:
         def put(name: str, value: Any) -> None:
             object.__setattr__(self, name, value)
 
-        if isinstance(self.layers, nn.Module):
+        if isinstance(self.layers, nn.Module) or isinstance(self.model, nn.Module):
             raise SpecError(
-                "layers",
-                "got an nn.Module; give one factory per layer, e.g. "
-                "[layer(nn.Linear, 4, 8), layer(nn.ReLU)], so each stage builds only its own",
+                "layers" if self.model is None else "model",
+                "got an nn.Module; give factories, e.g. layers=[layer(nn.Linear, 4, 8), "
+                "layer(nn.ReLU)] or model=functools.partial(MyModel, config), so each stage "
+                "builds only what it keeps",
             )
         if isinstance(self.layers, Sequence) and not isinstance(self.layers, str):
             put("layers", tuple(self.layers))
         if isinstance(self.balance, Sequence) and not isinstance(self.balance, str):
             put("balance", tuple(self.balance))
+        if isinstance(self.split_points, Sequence) and not isinstance(self.split_points, str):
+            put("split_points", tuple(self.split_points))
+        if isinstance(self.tied, Sequence) and not isinstance(self.tied, str):
+            put(
+                "tied",
+                tuple(
+                    tuple(g) if isinstance(g, Sequence) and not isinstance(g, str) else g
+                    for g in self.tied
+                ),
+            )
+        for keys in ("input_keys", "target_keys"):
+            value = getattr(self, keys)
+            if isinstance(value, Sequence) and not isinstance(value, str):
+                put(keys, tuple(value))
+        if isinstance(self.precision, str):
+            put("precision", self.precision.lower())
         if isinstance(self.hooks, Sequence) and not isinstance(self.hooks, str):
             put("hooks", tuple({"type": h} if isinstance(h, str) else h for h in self.hooks))
         if isinstance(self.metrics, Mapping):
@@ -362,11 +518,12 @@ class Job:
         if not isinstance(self.run_dir, Path) or str(self.run_dir) in ("", "."):
             raise SpecError("run_dir", f"expected a directory path, got {self.run_dir!r}")
         _check_int("stages", self.stages, minimum=1)
-        if self.stages > len(self.layers):
+        if self.layers is not None and self.stages > len(self.layers):
             raise SpecError(
                 "stages", f"{self.stages} stages but only {len(self.layers)} layers to place"
             )
         self._validate_balance()
+        self._validate_model_options()
         if self.schedule not in SCHEDULES:
             raise SpecError(
                 "schedule",
@@ -390,6 +547,16 @@ class Job:
         _check_int("threads", self.threads, minimum=1, optional=True)
 
     def _validate_layers(self) -> None:
+        if (self.layers is None) == (self.model is None):
+            raise SpecError(
+                "layers",
+                "give either layers (one factory per layer) or model (a factory of the whole "
+                "model, split by module name)" + (", not both" if self.layers is not None else ""),
+            )
+        if self.model is not None:
+            if not callable(self.model):
+                raise SpecError("model", f"expected a zero-argument factory, got {self.model!r}")
+            return
         if not isinstance(self.layers, tuple) or not self.layers:
             raise SpecError("layers", "expected a non-empty list of layer factories")
         for i, factory in enumerate(self.layers):
@@ -405,6 +572,14 @@ class Job:
     def _validate_balance(self) -> None:
         if self.balance is None:
             return
+        if isinstance(self.balance, str):
+            if self.balance not in BALANCE_MODES:
+                raise SpecError(
+                    "balance",
+                    f"expected a list of sizes or one of {', '.join(BALANCE_MODES)}, "
+                    f"got {self.balance!r}",
+                )
+            return
         if not isinstance(self.balance, tuple) or not all(_is_int(b) for b in self.balance):
             raise SpecError("balance", f"expected a list of integers, got {self.balance!r}")
         if len(self.balance) != self.stages:
@@ -415,11 +590,72 @@ class Job:
             raise SpecError(
                 "balance", f"every stage needs at least one layer, got {list(self.balance)}"
             )
-        if sum(self.balance) != len(self.layers):
+        if self.layers is not None and sum(self.balance) != len(self.layers):
             raise SpecError(
                 "balance",
                 f"{list(self.balance)} places {sum(self.balance)} layers but there are "
                 f"{len(self.layers)}",
+            )
+
+    def _validate_model_options(self) -> None:
+        if self.split_points is not None:
+            if self.model is None:
+                raise SpecError("split_points", "applies to model=, not to layers=")
+            points = self.split_points
+            if not isinstance(points, tuple) or not all(isinstance(p, str) and p for p in points):
+                raise SpecError("split_points", f"expected module names, got {points!r}")
+            if len(points) != self.stages - 1:
+                raise SpecError(
+                    "split_points",
+                    f"{len(points)} split point(s) make {len(points) + 1} stages, but stages "
+                    f"is {self.stages}",
+                )
+            if len(set(points)) != len(points):
+                raise SpecError("split_points", f"names a module twice: {list(points)}")
+            if self.balance is not None:
+                raise SpecError("balance", "give split_points or balance, not both")
+        if not isinstance(self.tied, tuple) or not all(
+            isinstance(g, tuple) and len(g) >= 2 and all(isinstance(n, str) and n for n in g)
+            for g in self.tied
+        ):
+            raise SpecError(
+                "tied",
+                f"expected groups of two or more parameter names, got {self.tied!r}",
+            )
+        names = [n for g in self.tied for n in g]
+        if len(set(names)) != len(names):
+            raise SpecError("tied", "a parameter name appears in more than one place")
+        if (self.input_keys is None) != (self.target_keys is None):
+            raise SpecError(
+                "input_keys" if self.input_keys is None else "target_keys",
+                "dict samples need both input_keys and target_keys",
+            )
+        for field in ("input_keys", "target_keys"):
+            keys = getattr(self, field)
+            if keys is None or (isinstance(keys, str) and keys):
+                continue
+            if (
+                not isinstance(keys, tuple)
+                or not keys
+                or not all(isinstance(k, str) and k for k in keys)
+            ):
+                raise SpecError(field, f"expected a key or a tuple of keys, got {keys!r}")
+        if self.precision not in PRECISIONS:
+            raise SpecError(
+                "precision",
+                f"expected one of {', '.join(PRECISIONS)}, got {self.precision!r}",
+            )
+        if not isinstance(self.activation_checkpointing, bool):
+            raise SpecError(
+                "activation_checkpointing",
+                f"expected True or False, got {self.activation_checkpointing!r}",
+            )
+        if not isinstance(self.compile, bool | Mapping) or (
+            isinstance(self.compile, Mapping) and not all(isinstance(k, str) for k in self.compile)
+        ):
+            raise SpecError(
+                "compile",
+                f"expected True, False or a dict of torch.compile options, got {self.compile!r}",
             )
 
     def _validate_metrics(self) -> None:
@@ -462,11 +698,6 @@ class Job:
     # ---------------------------------------------------------------- derived
 
     @property
-    def num_layers(self) -> int:
-        """Number of pipeline layers."""
-        return len(self.layers)
-
-    @property
     def microbatch_size(self) -> int:
         """Samples per training microbatch (``batch_size // num_microbatches``)."""
         return self.batch_size // self.num_microbatches
@@ -505,7 +736,9 @@ class Job:
     def train_tensors(self) -> TensorPair:
         """The training set as stacked ``(inputs, targets)`` (loaded once, then cached)."""
         if "train" not in self._cache:
-            self._cache["train"] = _to_tensor_pair("train_data", self.train_data)
+            self._cache["train"] = _to_tensor_pair(
+                "train_data", self.train_data, self.input_keys, self.target_keys
+            )
         return self._cache["train"]
 
     def eval_tensors(self) -> TensorPair | None:
@@ -513,7 +746,9 @@ class Job:
         if self.eval_data is None:
             return None
         if "eval" not in self._cache:
-            self._cache["eval"] = _to_tensor_pair("eval_data", self.eval_data)
+            self._cache["eval"] = _to_tensor_pair(
+                "eval_data", self.eval_data, self.input_keys, self.target_keys
+            )
         return self._cache["eval"]
 
     def train_stream(self) -> DataStream:

@@ -167,6 +167,7 @@ from evtrain.stages.worker import StageReport, read_stage_reports
 
 if TYPE_CHECKING:
     from evtrain.api import JobPayload
+    from evtrain.stages.partition import SplitPlan
 
 __all__ = ["LaunchOptions", "Launcher", "new_run_id"]
 
@@ -315,6 +316,9 @@ class Launcher:
         """The step the run continues after (that checkpoint's; 0 for a fresh start)."""
         self.load_weights_path: Path | None = None
         self.warnings: list[str] = []
+        self.split: SplitPlan | None = None
+        # Overrides the launcher adds for the stages (a resolved balance).
+        self.stage_overrides: dict[str, str] = {}
         self.evaluation: dict[str, Any] | None = None
         """An evaluation's result (``evaluate``), as written to its JSON file."""
         self._job_payload: JobPayload | None = None
@@ -423,6 +427,12 @@ class Launcher:
             raise UsageError(f"{job.stages} stages do not split evenly over --nnodes {opts.nnodes}")
         if job.device == "cuda":
             job.stage_device(job.stages // opts.nnodes - 1)  # SpecError when GPUs are missing
+        from evtrain.stages.partition import plan_split
+
+        self.split = plan_split(job)  # SpecError for a model the stages could not run
+        if job.balance == "compute":
+            # The stages take the estimate's split instead of each repeating it.
+            self.stage_overrides["balance"] = ",".join(map(str, self.split.sizes))
         if self._starts_hooks:
             for spec in job.hook_specs:
                 hook = build_hook_from_spec(spec)  # UsageError naming the hook and option
@@ -636,6 +646,8 @@ class Launcher:
             f"stage{'s' if job.stages != 1 else ''} "
             f"({job.schedule}, {job.num_microbatches} microbatches) | {steps}"
         )
+        if job.stages > 1 and self.split is not None:
+            self._say(f"  split: {self.split.describe()}")
         self._say(f"  bus: {address}  (attach: evtrain hook MODULE:CLASS --bus {address})")
         self._say(f"  run dir: {self.run_dir}")
         if self.options.evaluate is not None:
@@ -903,7 +915,7 @@ class Launcher:
         from evtrain.stages.worker import WorkerConfig
 
         opts, job = self.options, self.job
-        overrides = dict(opts.overrides)
+        overrides = {**opts.overrides, **self.stage_overrides}
         if opts.evaluate is not None:
             assert self.run_dir is not None
             overrides["run_dir"] = str(self.run_dir)  # its events name the evaluation's own

@@ -157,9 +157,12 @@ def _parse_optional_float(text: str) -> float | None:
     return None if text.strip().lower() == "none" else float(text.strip())
 
 
-def _parse_balance(text: str) -> tuple[int, ...] | None:
-    if text.strip().lower() in ("auto", "none", ""):
+def _parse_balance(text: str) -> tuple[int, ...] | str | None:
+    word = text.strip().lower()
+    if word in ("auto", "none", ""):
         return None
+    if word in ("params", "compute"):
+        return word
     return tuple(int(part) for part in text.split(","))
 
 
@@ -212,8 +215,8 @@ OVERRIDES: dict[str, Override] = {
             "balance",
             "balance",
             _parse_balance,
-            "comma-separated integers or 'auto'",
-            "layers per stage, e.g. 2,3 ('auto': by parameter count)",
+            "comma-separated integers, 'params' or 'compute'",
+            "layers per stage, e.g. 2,3, or 'params' / 'compute' to balance automatically",
         ),
         Override(
             "eval-every",
@@ -261,8 +264,9 @@ def apply_overrides(job: Job, overrides: Mapping[str, str | None]) -> Job:
 
     * ``steps`` without ``epochs`` (or the reverse) replaces the spec's whole
       stopping rule: the other one is cleared.
-    * ``stages`` without ``balance`` drops a spec ``balance`` that no longer
-      fits, so the layers are balanced automatically.
+    * ``stages`` without ``balance`` drops a spec ``balance`` (or
+      ``split_points``) that no longer fits, so the layers are balanced
+      automatically.
     """
     changes: dict[str, Any] = {}
     flags: dict[str, str] = {}
@@ -293,11 +297,18 @@ def apply_overrides(job: Job, overrides: Mapping[str, str | None]) -> Job:
     if (
         "stages" in changes
         and "balance" not in changes
-        and job.balance is not None
+        and isinstance(job.balance, tuple)
         and len(job.balance) != changes["stages"]
     ):
         changes["balance"] = None
         log.info("override drops the spec's balance", stages=changes["stages"])
+    if (
+        "stages" in changes
+        and job.split_points is not None
+        and len(job.split_points) != changes["stages"] - 1
+    ):
+        changes["split_points"] = None
+        log.info("override drops the spec's split_points", stages=changes["stages"])
 
     try:
         return job.with_overrides(**changes)

@@ -128,6 +128,7 @@ import anyio.to_thread
 import structlog
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from evtrain.bus.address import BusAddress
 from evtrain.bus.commands import CommandLedger, CommandReceiver
@@ -168,11 +169,19 @@ from evtrain.failures import frame_location, is_communication_error, user_frames
 from evtrain.job import Job
 from evtrain.reporting import Reporter, reporting
 from evtrain.spec import apply_overrides, load_job
+from evtrain.stages.boundary import BoundarySpec, TensorSpec, flatten
 from evtrain.stages.control import ControlResult, StepControl
 from evtrain.stages.executor import Span, StageExecutor, StepStats
 from evtrain.stages.orders import Orders
-from evtrain.stages.p2p import Mailbox, TensorSpec, exchange_shapes, infer_output_spec
-from evtrain.stages.partition import StageModule, build_stage_module, partition
+from evtrain.stages.p2p import Mailbox, exchange_shapes, infer_output_spec
+from evtrain.stages.partition import (
+    build_stage_module,
+    partition,
+    stage_aliases,
+    stage_units,
+    tied_groups,
+)
+from evtrain.stages.tied import TiedWeights
 from evtrain.stages.worker import ReportStatus, StageReport, WorkerConfig
 
 __all__ = ["RankInfo", "StageActor", "run_worker", "spans_enabled"]
@@ -243,7 +252,8 @@ class StageActor:
         self.job: Job | None = None
         self.executor: StageExecutor | None = None
         self.control: StepControl | None = None
-        self.module: StageModule | None = None
+        self.module: nn.Module | None = None
+        self.tied: TiedWeights | None = None
         self.device = torch.device("cpu")
         self._receiver: CommandReceiver | None = None
         self._verdicts: Subscriber | None = None
@@ -418,7 +428,7 @@ class StageActor:
                 host=socket.gethostname(),
                 pid=os.getpid(),
                 device=str(self.device),
-                layers=list(module.layer_range),
+                layers=list(stage_units(module)),
                 num_params=sum(p.numel() for p in module.parameters()),
             )
         )
@@ -535,12 +545,14 @@ class StageActor:
             grad_group = dist.new_group(backend=backend, timeout=PROCESS_GROUP_TIMEOUT)
             # Control messages always go over gloo, even on CUDA.
             control_group = dist.new_group(backend="gloo", timeout=PROCESS_GROUP_TIMEOUT)
-        layer_range = partition(job)[self.stage]
+        ranges = partition(job)
         # Per-stage RNG for randomness inside layers (dropout); layer init is
         # seeded per layer by build_stage_module, independent of the partition.
         torch.manual_seed(derive_seed(job.seed, "stage", self.stage))
-        self.module = build_stage_module(job, layer_range, self.device)
+        self.module = build_stage_module(job, ranges[self.stage], self.device)
         self.module.train()
+        self.tied = TiedWeights(tied_groups(job, ranges), self.stage, self.module, backend)
+        self.tied.sync()
         self._mailbox = Mailbox(
             stage=self.stage,
             num_stages=self.num_stages,
@@ -574,13 +586,18 @@ class StageActor:
 
         input_specs = None
         if first:
-            sample, dtype = tuple(train.inputs.shape[1:]), train.inputs.dtype
-            input_specs = [TensorSpec((n, *sample), dtype) for n in sizes]
+            tree, leaves = flatten(train.inputs, "train_data")
+            input_specs = [
+                BoundarySpec(tree, tuple(TensorSpec((n, *t.shape[1:]), t.dtype) for t in leaves))
+                for n in sizes
+            ]
+        units = stage_units(module)
+        where = f"stage {self.stage} (units {units.start}..{units.stop - 1})"
         in_specs, out_specs = exchange_shapes(
             stage=self.stage,
             num_stages=self.num_stages,
             input_specs=input_specs,
-            output_spec_of=lambda spec: infer_output_spec(module, spec, self.device),
+            output_spec_of=lambda spec: infer_output_spec(module, spec, self.device, where),
             group=self._mailbox.act_group,
             device=self.device if self.device.type == "cuda" else torch.device("cpu"),
         )
@@ -603,6 +620,7 @@ class StageActor:
             lr_scheduler=scheduler,
             mailbox=self._mailbox,
             control=self.control,  # type: ignore[arg-type]
+            tied=self.tied,
             stream=stream,
             specs=specs,
             train_inputs=train.inputs if first else None,
@@ -652,7 +670,13 @@ class StageActor:
 
             directory = Path(self.config.dump_weights_dir)
             directory.mkdir(parents=True, exist_ok=True)
-            state = {k: v.detach().cpu().contiguous() for k, v in self.module.state_dict().items()}
+            # Every copy of a tied weight too, so that their equality can be checked.
+            named = dict(self.module.named_parameters(remove_duplicate=False))
+            aliases = {a: named[a] for a in stage_aliases(self.module)}
+            state = {
+                k: v.detach().cpu().contiguous()
+                for k, v in {**self.module.state_dict(), **aliases}.items()
+            }
             save_file(state, str(directory / f"stage-{self.stage}.safetensors"))
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -46,6 +46,9 @@ __all__ = [
     "flatten",
     "map_tensors",
     "spec_of",
+    "split",
+    "take",
+    "unflatten",
 ]
 
 # dtype names on the wire; a dtype outside this table cannot cross a boundary.
@@ -169,6 +172,11 @@ def flatten(value: Any, where: str = "the layer") -> tuple[_Tree, list[torch.Ten
     return tree, leaves
 
 
+def unflatten(tree: _Tree, tensors: Sequence[torch.Tensor]) -> Any:
+    """Rebuild a value from the structure and leaves `flatten` returned."""
+    return _build(tree, tensors)
+
+
 def _build(tree: _Tree, tensors: Sequence[torch.Tensor]) -> Any:
     if tree is None:
         return None
@@ -201,6 +209,18 @@ def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], value: Any) -> Any:
     """``value`` with ``fn`` applied to every tensor leaf, the structure kept."""
     tree, leaves = flatten(value)
     return _build(tree, [fn(t) for t in leaves])
+
+
+def split(value: Any, size: int) -> list[Any]:
+    """``value`` cut along the first dimension of every leaf into pieces of ``size``."""
+    tree, leaves = flatten(value)
+    parts = [t.split(size) for t in leaves]
+    return [_build(tree, [p[i] for p in parts]) for i in range(len(parts[0]) if parts else 0)]
+
+
+def take(value: Any, indices: torch.Tensor, device: torch.device) -> Any:
+    """The rows ``indices`` of every leaf of ``value``, on ``device``."""
+    return map_tensors(lambda t: t.index_select(0, indices).to(device, non_blocking=True), value)
 
 
 def call(module: nn.Module | Callable[..., Any], value: Any) -> Any:

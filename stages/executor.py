@@ -34,12 +34,14 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
 from evtrain.data import DataStream, eval_microbatches
 from evtrain.job import Job
+from evtrain.stages.boundary import BoundarySpec, call, flatten, map_tensors, split, take
 from evtrain.stages.control import ControlResult, StepControl
 from evtrain.stages.instructions import (
     Backward,
@@ -53,8 +55,9 @@ from evtrain.stages.instructions import (
     SendActivation,
     SendGrad,
 )
-from evtrain.stages.p2p import Mailbox, PendingRecv, TensorSpec
+from evtrain.stages.p2p import Mailbox, PendingRecv
 from evtrain.stages.schedules import build_schedule
+from evtrain.stages.tied import TiedWeights
 
 __all__ = ["DEFAULT_LOOKAHEAD", "EvalStats", "Span", "StageExecutor", "StepStats"]
 
@@ -116,10 +119,10 @@ class StageExecutor:
     """Executes the instruction lists of one pipeline stage.
 
     ``specs`` maps every microbatch size of the run to this stage's (input,
-    output) `TensorSpec`, as agreed by `evtrain.stages.p2p.exchange_shapes`
+    output) `BoundarySpec`, as agreed by `evtrain.stages.p2p.exchange_shapes`
     (the output spec is None on the last stage, which sends nothing).
-    ``train_inputs`` is needed on the first stage and ``train_targets`` on the
-    last (likewise for eval). ``lookahead`` applies to 1F1B (see
+    ``train_inputs`` (a pytree of stacked tensors) is needed on the first
+    stage and ``train_targets`` on the last (likewise for eval). ``lookahead`` applies to 1F1B (see
     `DEFAULT_LOOKAHEAD`); ``recv_window`` bounds the receives posted ahead
     (default: all of a pass).
     """
@@ -137,11 +140,12 @@ class StageExecutor:
         mailbox: Mailbox,
         control: StepControl,
         stream: DataStream,
-        specs: dict[int, tuple[TensorSpec, TensorSpec | None]],
-        train_inputs: torch.Tensor | None,
-        train_targets: torch.Tensor | None,
-        eval_inputs: torch.Tensor | None = None,
-        eval_targets: torch.Tensor | None = None,
+        tied: TiedWeights | None = None,
+        specs: dict[int, tuple[BoundarySpec, BoundarySpec | None]],
+        train_inputs: Any,
+        train_targets: Any,
+        eval_inputs: Any = None,
+        eval_targets: Any = None,
         eval_num_samples: int = 0,
         recv_window: int | None = None,
         lookahead: int = DEFAULT_LOOKAHEAD,
@@ -157,6 +161,7 @@ class StageExecutor:
         self.lr_scheduler = lr_scheduler
         self.mailbox = mailbox
         self.control = control
+        self.tied = tied if tied else None
         self.stream = stream
         self.specs = specs
         self.train_inputs = train_inputs
@@ -181,19 +186,22 @@ class StageExecutor:
         self._loss_scale = 1.0 / (self.M * job.grad_accum)
 
         # Per-pass state, indexed by microbatch.
-        self._inputs: list[torch.Tensor | None] = []
-        self._targets: list[torch.Tensor | None] = []
-        self._outputs: list[torch.Tensor | None] = []
+        self._inputs: list[Any] = []
+        # The input leaves that send a gradient back, and the output leaves
+        # (all of them until sent, then only those that take a gradient).
+        self._in_leaves: list[list[torch.Tensor] | None] = []
+        self._targets: list[Any] = []
+        self._outputs: list[list[torch.Tensor] | None] = []
         self._losses: list[torch.Tensor | None] = []
-        self._grads: list[torch.Tensor | None] = []
+        self._grads: list[list[torch.Tensor] | None] = []
         self._recv_act: list[PendingRecv | None] = []
         self._recv_grad: list[PendingRecv | None] = []
         self._sizes: list[int] = []
         self._grads_posted = True
-        self._act_specs: list[TensorSpec] = []
-        self._out_specs: list[TensorSpec | None] = []
-        self._batch_x: list[torch.Tensor] = []
-        self._batch_y: list[torch.Tensor] = []
+        self._act_specs: list[BoundarySpec] = []
+        self._out_specs: list[BoundarySpec | None] = []
+        self._batch_x: list[Any] = []
+        self._batch_y: list[Any] = []
         self._mb_offset = 0
         self._spans: list[Span] | None = None
         self._forward_s = 0.0
@@ -279,10 +287,16 @@ class StageExecutor:
 
     def _optimizer_step(self) -> ControlResult:
         """The step boundary: control exchange, clipping, optimizer and scheduler."""
+        if self.tied is not None:
+            self.tied.reduce_grads()
         grads = [p.grad for p in self.params if p.grad is not None]
+        counted = grads
+        if self.tied is not None:
+            excluded = self.tied.norm_excluded
+            counted = [p.grad for p in self.params if p.grad is not None and id(p) not in excluded]
         sq_norm = 0.0
-        if grads:
-            norms = torch._foreach_norm(grads)
+        if counted:
+            norms = torch._foreach_norm(counted)
             sq_norm = float(torch.stack(norms).double().square().sum())
         clip: _GradClip = self.job.grad_clip
         start = time.perf_counter()
@@ -321,12 +335,13 @@ class StageExecutor:
     def _begin_pass(
         self,
         sizes: Sequence[int],
-        in_specs: Sequence[TensorSpec],
-        out_specs: Sequence[TensorSpec | None],
+        in_specs: Sequence[BoundarySpec],
+        out_specs: Sequence[BoundarySpec | None],
     ) -> None:
         n = len(sizes)
         self._sizes = list(sizes)
         self._inputs = [None] * n
+        self._in_leaves = [None] * n
         self._targets = [None] * n
         self._outputs = [None] * n
         self._losses = [None] * n
@@ -355,7 +370,8 @@ class StageExecutor:
                 self._recv_grad[m] = self.mailbox.post_recv_grad(spec)
 
     def _end_pass(self) -> None:
-        self._inputs = self._targets = self._outputs = self._losses = self._grads = []
+        self._inputs = self._targets = self._losses = []
+        self._in_leaves = self._outputs = self._grads = []
         self._batch_x = self._batch_y = []
 
     def _load_batch(self, indices: torch.Tensor, *, train: bool) -> None:
@@ -363,11 +379,9 @@ class StageExecutor:
         targets = self.train_targets if train else self.eval_targets
         mb = self.job.microbatch_size
         if self.first and inputs is not None:
-            batch = inputs.index_select(0, indices).to(self.device, non_blocking=True)
-            self._batch_x = list(batch.split(mb))
+            self._batch_x = split(take(inputs, indices, self.device), mb)
         if self.last and targets is not None:
-            batch = targets.index_select(0, indices).to(self.device, non_blocking=True)
-            self._batch_y = list(batch.split(mb))
+            self._batch_y = split(take(targets, indices, self.device), mb)
 
     # ------------------------------------------------------------ instructions
 
@@ -381,20 +395,27 @@ class StageExecutor:
         pending = self._recv_act[m]
         assert pending is not None, f"activation {m} was never posted"
         self._recv_act[m] = None
-        tensor, start, end = self.mailbox.wait(pending)
+        leaves, start, end = self.mailbox.wait(pending)
         if self._spans is not None:
             self._spans.append(Span("wait", self._mb_offset + m, start, end, "recv_act"))
         nxt = m + self.recv_window
         if nxt < len(self._recv_act):
             self._recv_act[nxt] = self.mailbox.post_recv_activation(self._act_specs[nxt])
-        if self._training and self._act_specs[m].carries_grad:
-            tensor.requires_grad_(True)
-        self._inputs[m] = tensor
+        spec = self._act_specs[m]
+        if self._training:
+            grad_leaves = [
+                leaf.requires_grad_(True)
+                for leaf, leaf_spec in zip(leaves, spec.leaves, strict=True)
+                if leaf_spec.carries_grad
+            ]
+            self._in_leaves[m] = grad_leaves
+        self._inputs[m] = spec.unflatten(leaves)
 
     def _forward(self, m: int) -> None:
         x = self._inputs[m]
+        self._inputs[m] = None
         start = time.perf_counter()
-        out = self.module(x)
+        out = call(self.module, x)
         if self.last:
             if self._training:
                 target = self._targets[m]
@@ -406,19 +427,41 @@ class StageExecutor:
             else:
                 self._eval_metrics(out, self._targets[m], self._sizes[m])
         else:
-            self._outputs[m] = out
+            self._outputs[m] = self._output_leaves(out, m)
         end = time.perf_counter()
         self._forward_s += end - start
         if self._spans is not None:
             self._spans.append(Span("forward", self._mb_offset + m, start, end))
 
+    def _output_leaves(self, out: Any, m: int) -> list[torch.Tensor]:
+        """The leaves of output ``m``, checked against the spec agreed before training."""
+        _tree, leaves = flatten(out, f"stage {self.stage}")
+        spec = self._out_specs[m]
+        assert spec is not None
+        if len(leaves) != len(spec.leaves) or any(
+            t.shape != s.shape or t.dtype != s.dtype
+            for t, s in zip(leaves, spec.leaves, strict=False)
+        ):
+            got = [(tuple(t.shape), t.dtype) for t in leaves]
+            want = [(s.shape, s.dtype) for s in spec.leaves]
+            raise RuntimeError(
+                f"stage {self.stage} output of microbatch {m} has leaves {got}, but {want} "
+                "were agreed before training: a stage's output structure, shapes and dtypes "
+                "may depend only on the microbatch size"
+            )
+        return leaves
+
     def _send_activation(self, m: int) -> None:
-        out = self._outputs[m]
-        assert out is not None
-        self.mailbox.send_activation(out)
+        leaves = self._outputs[m]
+        spec = self._out_specs[m]
+        assert leaves is not None and spec is not None
+        self.mailbox.send_activation(leaves)
         if not self._training:
             self._outputs[m] = None
-        elif not self._grads_posted:
+            return
+        # Keep only what the backward needs.
+        self._outputs[m] = [t for t, s in zip(leaves, spec.leaves, strict=True) if s.carries_grad]
+        if not self._grads_posted:
             self._post_grad_receives()
 
     def _recv_grad_wait(self, m: int) -> None:
@@ -428,14 +471,14 @@ class StageExecutor:
         self._recv_grad[m] = None
         if pending is None:  # integer outputs carry no gradient
             return
-        tensor, start, end = self.mailbox.wait(pending)
+        grads, start, end = self.mailbox.wait(pending)
         if self._spans is not None:
             self._spans.append(Span("wait", self._mb_offset + m, start, end, "recv_grad"))
         nxt = m + self.recv_window
         spec = self._out_specs[nxt] if nxt < len(self._out_specs) else None
         if spec is not None and spec.carries_grad:
             self._recv_grad[nxt] = self.mailbox.post_recv_grad(spec)
-        self._grads[m] = tensor
+        self._grads[m] = grads
 
     def _backward(self, m: int) -> None:
         start = time.perf_counter()
@@ -445,23 +488,24 @@ class StageExecutor:
             assert loss is not None
             (loss * self._loss_scale).backward()
         else:
-            out, grad = self._outputs[m], self._grads[m]
+            outs, grads = self._outputs[m] or [], self._grads[m] or []
             self._outputs[m] = self._grads[m] = None
-            if grad is not None and out is not None and out.requires_grad:
-                torch.autograd.backward(out, grad)
+            pairs = [(o, g) for o, g in zip(outs, grads, strict=True) if o.requires_grad]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         end = time.perf_counter()
         self._backward_s += end - start
         if self._spans is not None:
             self._spans.append(Span("backward", self._mb_offset + m, start, end))
 
     def _send_grad(self, m: int) -> None:
-        x = self._inputs[m]
-        self._inputs[m] = None
-        if not self._act_specs[m].carries_grad:
+        leaves = self._in_leaves[m]
+        self._in_leaves[m] = None
+        if not leaves:
             return
-        assert x is not None
-        grad = x.grad if x.grad is not None else torch.zeros_like(x)
-        self.mailbox.send_grad(grad)
+        self.mailbox.send_grad(
+            [x.grad if x.grad is not None else torch.zeros_like(x) for x in leaves]
+        )
 
     # -------------------------------------------------------------- evaluation
 
@@ -505,9 +549,9 @@ class StageExecutor:
         self._batch_x = []
         self._batch_y = []
         if self.first and self.eval_inputs is not None:
-            self._batch_x = [self.eval_inputs[r.start : r.stop].to(self.device) for r in batch]
+            self._batch_x = [_rows(self.eval_inputs, r, self.device) for r in batch]
         if self.last and self.eval_targets is not None:
-            self._batch_y = [self.eval_targets[r.start : r.stop].to(self.device) for r in batch]
+            self._batch_y = [_rows(self.eval_targets, r, self.device) for r in batch]
         program = self._eval_programs.get(len(batch))
         if program is None:
             program = self._compile(
@@ -519,7 +563,7 @@ class StageExecutor:
         for handler, microbatch in program:
             handler(microbatch)
 
-    def _eval_metrics(self, output: torch.Tensor, target: torch.Tensor | None, n: int) -> None:
+    def _eval_metrics(self, output: Any, target: Any, n: int) -> None:
         assert target is not None
         values: dict[str, float | torch.Tensor] = {"loss": self.job.loss_fn(output, target)}
         for name, fn in self.job.metrics.items():
@@ -528,3 +572,7 @@ class StageExecutor:
             weighted = torch.as_tensor(value, device=self.device).detach().double() * n
             previous = self._eval_sums.get(name)
             self._eval_sums[name] = weighted if previous is None else previous + weighted
+
+
+def _rows(value: Any, rows: range, device: torch.device) -> Any:
+    return map_tensors(lambda t: t[rows.start : rows.stop].to(device), value)

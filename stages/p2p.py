@@ -8,12 +8,14 @@ and on NCCL it keeps the two directions on separate communicators/streams,
 which is what lets receives be posted far ahead without blocking sends queued
 behind them.
 
-Shapes and dtypes are agreed once, before training, without pickling
-(`exchange_shapes`): every stage knows the few distinct microbatch sizes of
-the run (training and evaluation), stage 0 derives its input shapes from the
-data, and each stage infers its output shape with a meta-device forward and
-sends it downstream as a small int64 header tensor. After that, every
-microbatch moves as raw data into a buffer of known shape.
+What crosses a boundary is a pytree of tensors (`evtrain.stages.boundary`).
+Its structure, shapes and dtypes are agreed once, before training, without
+pickling (`exchange_shapes`): every stage knows the few distinct microbatch
+sizes of the run (training and evaluation), stage 0 derives its input specs
+from the data, and each stage infers its output spec with one forward on
+zeros and sends the specs downstream as one small JSON message. After that,
+every microbatch moves as its leaves, one message each, into buffers of
+known shape.
 
 Performance rules this module is built for (measured on gloo, 2 CPU processes):
 
@@ -39,54 +41,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from evtrain.stages.boundary import (
+    BoundarySpec,
+    TensorSpec,
+    call,
+    decode_specs,
+    encode_specs,
+    spec_of,
+)
+
 __all__ = [
-    "HEADER_LEN",
     "Mailbox",
     "PendingRecv",
-    "TensorSpec",
-    "decode_header",
-    "encode_header",
     "exchange_shapes",
     "infer_output_spec",
     "posted",
 ]
-
-# dtype <-> small integer code for headers; the order is part of the wire format.
-_DTYPES: tuple[torch.dtype, ...] = (
-    torch.float32,
-    torch.float64,
-    torch.float16,
-    torch.bfloat16,
-    torch.int64,
-    torch.int32,
-    torch.int16,
-    torch.int8,
-    torch.uint8,
-    torch.bool,
-    torch.complex64,
-    torch.complex128,
-)
-_CODES = {dtype: i for i, dtype in enumerate(_DTYPES)}
-_MAX_DIMS = 14
-HEADER_LEN = 2 + _MAX_DIMS
-"""int64 entries per header: dtype code, number of dims, the dims (zero-padded)."""
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """Shape and dtype of a tensor that crosses a stage boundary."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @property
-    def carries_grad(self) -> bool:
-        """Whether a gradient flows back for it (floating/complex activations only)."""
-        return self.dtype.is_floating_point or self.dtype.is_complex
-
-    def empty(self, device: torch.device) -> torch.Tensor:
-        """An uninitialized buffer of this spec."""
-        return torch.empty(self.shape, dtype=self.dtype, device=device)
 
 
 def posted(work: dist.Work | None) -> dist.Work:
@@ -100,62 +70,53 @@ def posted(work: dist.Work | None) -> dist.Work:
     return work
 
 
-def encode_header(spec: TensorSpec) -> torch.Tensor:
-    """The int64 header describing ``spec`` (length `HEADER_LEN`)."""
-    if len(spec.shape) > _MAX_DIMS:
-        raise ValueError(f"activations of more than {_MAX_DIMS} dims are not supported")
-    if spec.dtype not in _CODES:
-        raise ValueError(f"activation dtype {spec.dtype} cannot cross a stage boundary")
-    header = torch.zeros(HEADER_LEN, dtype=torch.int64)
-    header[0] = _CODES[spec.dtype]
-    header[1] = len(spec.shape)
-    if spec.shape:
-        header[2 : 2 + len(spec.shape)] = torch.tensor(spec.shape, dtype=torch.int64)
-    return header
-
-
-def decode_header(header: torch.Tensor) -> TensorSpec:
-    """Inverse of `encode_header`."""
-    values = header.tolist()
-    ndim = int(values[1])
-    return TensorSpec(tuple(int(d) for d in values[2 : 2 + ndim]), _DTYPES[int(values[0])])
-
-
-def infer_output_spec(module: nn.Module, spec: TensorSpec, device: torch.device) -> TensorSpec:
+def infer_output_spec(
+    module: nn.Module, spec: BoundarySpec, device: torch.device, where: str
+) -> BoundarySpec:
     """Output spec of ``module`` for an input of ``spec``, leaving its state untouched.
 
-    Runs one real forward on a zero input in ``eval()`` mode under
-    ``no_grad`` with the RNG forked: eval mode keeps BatchNorm statistics and
-    dropout streams as they are, and the shapes are those of training. (A
-    meta-device forward would cost no compute, but its decompositions import
+    Runs one real forward on a zero input in ``eval()`` mode with the RNG
+    forked: eval mode keeps BatchNorm statistics and dropout streams as they
+    are, and the shapes are those of training. Gradients are enabled (and
+    the floating input leaves that carry gradients require them) so that the
+    spec knows which output leaves need a gradient back. A meta-device
+    forward would cost no compute, but its decompositions import
     torch._dynamo and sympy — seconds of startup per process on a small
-    machine — while one microbatch forward is milliseconds.)
+    machine — while one microbatch forward is milliseconds. ``where`` names
+    the stage in the `SpecError` for an output that cannot cross a boundary.
     """
     devices = [device] if device.type == "cuda" else []
+    inputs = spec.unflatten(
+        [
+            torch.zeros(s.shape, dtype=s.dtype, device=device).requires_grad_(s.requires_grad)
+            for s in spec.leaves
+        ]
+    )
     was_training = module.training
     module.eval()
     try:
-        with torch.random.fork_rng(devices=devices), torch.no_grad():
-            out = module(torch.zeros(spec.shape, dtype=spec.dtype, device=device))
+        with torch.random.fork_rng(devices=devices), torch.enable_grad():
+            out = call(module, inputs)
+        return spec_of(out, where)
     finally:
         module.train(was_training)
-    return TensorSpec(tuple(out.shape), out.dtype)
+        module.zero_grad(set_to_none=True)
 
 
 def exchange_shapes(
     *,
     stage: int,
     num_stages: int,
-    input_specs: Sequence[TensorSpec] | None,
-    output_spec_of: Callable[[TensorSpec], TensorSpec],
+    input_specs: Sequence[BoundarySpec] | None,
+    output_spec_of: Callable[[BoundarySpec], BoundarySpec],
     group: dist.ProcessGroup | None,
     device: torch.device,
-) -> tuple[list[TensorSpec], list[TensorSpec | None]]:
+) -> tuple[list[BoundarySpec], list[BoundarySpec | None]]:
     """Agree on every boundary shape of the run, once, before training.
 
     ``input_specs`` (stage 0 only) are the input specs for each distinct
     microbatch size, in an order every stage knows; the other stages receive
-    theirs in one header message from the previous stage. ``output_spec_of``
+    theirs in one message from the previous stage. ``output_spec_of``
     maps an input spec to this stage's output spec; the last stage sends
     nothing and does not call it. Returns ``(input specs, output specs)``,
     index-aligned; the output specs are None on the last stage.
@@ -164,26 +125,26 @@ def exchange_shapes(
         assert input_specs is not None
         inputs = list(input_specs)
     else:
-        count = torch.zeros(1, dtype=torch.int64, device=device)
-        dist.recv(count, src=stage - 1, group=group)
-        headers = torch.empty(int(count.item()), HEADER_LEN, dtype=torch.int64, device=device)
-        dist.recv(headers, src=stage - 1, group=group)
-        inputs = [decode_header(h) for h in headers.cpu()]
+        size = torch.zeros(1, dtype=torch.int64, device=device)
+        dist.recv(size, src=stage - 1, group=group)
+        data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+        dist.recv(data, src=stage - 1, group=group)
+        inputs = decode_specs(data)
     if stage == num_stages - 1:
         return inputs, [None] * len(inputs)
     outputs = [output_spec_of(spec) for spec in inputs]
-    headers = torch.stack([encode_header(spec) for spec in outputs]).to(device)
-    dist.send(torch.tensor([len(outputs)], dtype=torch.int64, device=device), stage + 1, group)
-    dist.send(headers, stage + 1, group)
+    data = encode_specs(outputs).to(device)
+    dist.send(torch.tensor([data.numel()], dtype=torch.int64, device=device), stage + 1, group)
+    dist.send(data, stage + 1, group)
     return inputs, list(outputs)
 
 
 @dataclass
 class PendingRecv:
-    """A posted receive: the buffer it fills and the work to wait on."""
+    """A posted receive of some leaves: the buffers they fill and the work to wait on."""
 
-    buffer: torch.Tensor
-    work: dist.Work | None
+    buffers: list[torch.Tensor]
+    works: list[dist.Work]
 
 
 @dataclass
@@ -211,43 +172,51 @@ class Mailbox:
     def next(self) -> int | None:
         return self.stage + 1 if self.stage < self.num_stages - 1 else None
 
-    def post_recv_activation(self, spec: TensorSpec) -> PendingRecv:
-        """Post the receive of one activation from the previous stage."""
-        buffer = spec.empty(self.device)
+    def post_recv_activation(self, spec: BoundarySpec) -> PendingRecv:
+        """Post the receives of one activation's leaves from the previous stage."""
         assert self.prev is not None
-        return PendingRecv(buffer, dist.irecv(buffer, src=self.prev, group=self.act_group))
+        return self._post(spec.leaves, self.prev, self.act_group)
 
-    def post_recv_grad(self, spec: TensorSpec) -> PendingRecv:
-        """Post the receive of the gradient of one of our outputs from the next stage."""
-        buffer = spec.empty(self.device)
+    def post_recv_grad(self, spec: BoundarySpec) -> PendingRecv:
+        """Post the receives of the gradients of one output's grad-carrying leaves."""
         assert self.next is not None
-        return PendingRecv(buffer, dist.irecv(buffer, src=self.next, group=self.grad_group))
+        return self._post(
+            [leaf for leaf in spec.leaves if leaf.carries_grad], self.next, self.grad_group
+        )
 
-    def wait(self, pending: PendingRecv) -> tuple[torch.Tensor, float, float]:
-        """Block until ``pending`` arrived; returns (tensor, start, end) in perf_counter s."""
+    def _post(
+        self, leaves: Sequence[TensorSpec], src: int, group: dist.ProcessGroup | None
+    ) -> PendingRecv:
+        buffers = [leaf.empty(self.device) for leaf in leaves]
+        works = [posted(dist.irecv(b, src=src, group=group)) for b in buffers]
+        return PendingRecv(buffers, works)
+
+    def wait(self, pending: PendingRecv) -> tuple[list[torch.Tensor], float, float]:
+        """Block until ``pending`` arrived; returns (leaves, start, end) in perf_counter s."""
         start = time.perf_counter()
-        if pending.work is not None:
-            pending.work.wait()
-            pending.work = None
+        for work in pending.works:
+            work.wait()
+        pending.works = []
         end = time.perf_counter()
         self.wait_s += end - start
-        return pending.buffer, start, end
+        return pending.buffers, start, end
 
-    def send_activation(self, tensor: torch.Tensor) -> None:
-        """Post the send of an output to the next stage (waited on in `drain_sends`)."""
+    def send_activation(self, leaves: Sequence[torch.Tensor]) -> None:
+        """Post the sends of an output's leaves to the next stage (waited on in `drain_sends`)."""
         assert self.next is not None
-        tensor = tensor.detach().contiguous()
-        self._sends.append(
-            (posted(dist.isend(tensor, dst=self.next, group=self.act_group)), tensor)
-        )
+        self._send(leaves, self.next, self.act_group)
 
-    def send_grad(self, tensor: torch.Tensor) -> None:
-        """Post the send of an input gradient to the previous stage."""
+    def send_grad(self, grads: Sequence[torch.Tensor]) -> None:
+        """Post the sends of an input's leaf gradients to the previous stage."""
         assert self.prev is not None
-        tensor = tensor.detach().contiguous()
-        self._sends.append(
-            (posted(dist.isend(tensor, dst=self.prev, group=self.grad_group)), tensor)
-        )
+        self._send(grads, self.prev, self.grad_group)
+
+    def _send(
+        self, tensors: Sequence[torch.Tensor], dst: int, group: dist.ProcessGroup | None
+    ) -> None:
+        for tensor in tensors:
+            tensor = tensor.detach().contiguous()
+            self._sends.append((posted(dist.isend(tensor, dst=dst, group=group)), tensor))
 
     def drain_sends(self) -> tuple[float, float]:
         """Wait for every posted send; the tensors may be freed afterwards."""

@@ -1,22 +1,49 @@
-"""Splitting a job's layers across pipeline stages and building one stage's slice.
+"""Splitting a job's model across pipeline stages and building one stage's part.
 
-* `partition` — contiguous layer ranges per stage: an explicit balance, or
-  automatic by parameter count (counted on the meta device, nothing is
-  allocated).
-* `build_stage_module` — the layers of one stage as a `StageModule`, whose
-  state_dict keys are those of the whole unsplit model (``"3.weight"``), so
-  checkpoints taken at one number of stages load at another.
-* `build_full_model` — the unsplit ``nn.Sequential`` with identical weights
-  (single-process reference, checkpoint export).
+A job's model is a sequence of *units*, the pieces a stage boundary may fall
+between:
 
-Initialization does not depend on the partition: layer i is always built
-with the CPU RNG seeded to ``derive_seed(job.seed, "layer", i)`` (see
-`build_layer`), whichever stage builds it.
+* ``Job.layers``: unit i is layer i, built by its factory; the stage module
+  (`StageModule`) chains its layers by the calling convention of
+  `evtrain.stages.boundary`.
+* ``Job.model``: the units are the model's submodules in registration order,
+  with ``nn.ModuleList`` and ``nn.ModuleDict`` containers expanded into their
+  items, recursively (nanoGPT's ``GPT``: ``transformer.wte``,
+  ``transformer.wpe``, ``transformer.drop``, ``transformer.h.0`` …
+  ``transformer.ln_f``, ``lm_head``). A stage builds the whole model, keeps
+  the units of its range and prunes the others (torchtitan's way): a pruned
+  item of a ``ModuleDict`` is deleted, a ``ModuleList`` becomes a
+  `KeptItems` holding the kept items under their original indices, any
+  other pruned module is set to ``None``. The model's ``forward`` is the
+  stage's forward, so it must follow this contract: skip a module that is
+  ``None`` (``x = self.wte(idx) if self.wte is not None else idx``), iterate
+  its containers instead of indexing them, and return what the next stage
+  takes (``(h, mask)``) when its head is pruned — the next stage's forward
+  then receives that by the calling convention. Buffers of the root and of
+  containers (rotary tables) stay on every stage; a parameter outside every
+  unit is refused.
+
+Either way state_dict keys are those of the unsplit model (``"3.weight"``,
+``"transformer.h.4.attn.c_attn.weight"``), so checkpoints taken at one
+number of stages load at another. Initialization does not depend on the
+partition: layer i is always built with the CPU RNG seeded to
+``derive_seed(job.seed, "layer", i)`` (see `build_layer`), a model with
+``derive_seed(job.seed, "model")`` before it is pruned.
+
+* `partition` — contiguous unit ranges per stage: split points, an explicit
+  balance, or automatic by parameter count or estimated compute.
+* `build_stage_module` — one stage's part; `build_full_model` — the unsplit
+  model with identical weights (single-process reference, export).
+* `tied_groups` — parameters that are one weight (`Job.tied`, or shared
+  parameters of a model), resolved to the stages that hold them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import itertools
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import structlog
 import torch
@@ -25,14 +52,24 @@ from torch import nn
 from evtrain.data import derive_seed
 from evtrain.errors import SpecError
 from evtrain.job import Job, LayerFactory
+from evtrain.stages.boundary import call, split
+from evtrain.stages.tied import TiedGroup, resolve_ties
 
 __all__ = [
+    "KeptItems",
+    "SplitPlan",
     "StageModule",
     "build_full_model",
     "build_layer",
     "build_stage_module",
     "layer_param_counts",
+    "meta_units",
     "partition",
+    "plan_split",
+    "stage_aliases",
+    "stage_units",
+    "tied_groups",
+    "unit_names",
 ]
 
 log = structlog.get_logger()
@@ -42,6 +79,24 @@ def _param_count(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
+def _on_meta(what: str, factory: Any) -> nn.Module:
+    """``factory()`` on the meta device (the CPU if it does not build there), RNG untouched."""
+    with torch.random.fork_rng(devices=[]):
+        try:
+            with torch.device("meta"):
+                module = factory()
+        except Exception as exc:
+            log.warning(f"{what} does not build on meta; building on cpu", error=str(exc))
+            with torch.device("cpu"):
+                module = factory()
+    if not isinstance(module, nn.Module):
+        raise SpecError(
+            "model" if what == "the model" else "layers",
+            f"{what} factory returned {type(module).__name__}, not an nn.Module",
+        )
+    return module
+
+
 def layer_param_counts(factories: Sequence[LayerFactory]) -> list[int]:
     """Parameters per layer, counted by building each layer on the meta device.
 
@@ -49,49 +104,109 @@ def layer_param_counts(factories: Sequence[LayerFactory]) -> list[int]:
     nothing here. A factory that fails on meta (e.g. it loads a file) is
     built on the CPU instead, then dropped.
     """
-    counts = []
-    for i, factory in enumerate(factories):
-        # The RNG fork keeps counting free of side effects on the caller's RNG.
-        with torch.random.fork_rng(devices=[]):
-            try:
-                with torch.device("meta"):
-                    module = factory()
-            except Exception as exc:
-                log.warning(
-                    "layer does not build on meta; counting on cpu", layer=i, error=str(exc)
-                )
-                with torch.device("cpu"):
-                    module = factory()
-        if not isinstance(module, nn.Module):
+    return [_param_count(_on_meta(f"layer {i}", f)) for i, f in enumerate(factories)]
+
+
+# ------------------------------------------------------------------ model units
+
+
+def _expand(module: nn.Module, prefix: str) -> Iterator[str]:
+    for name, child in module.named_children():
+        fqn = f"{prefix}{name}"
+        if isinstance(child, nn.ModuleList | nn.ModuleDict):
+            yield from _expand(child, fqn + ".")
+        else:
+            yield fqn
+
+
+def model_unit_names(model: nn.Module) -> list[str]:
+    """The units of a model: submodules in registration order, containers expanded."""
+    names = list(_expand(model, ""))
+    if not names:
+        raise SpecError("model", "the model has no submodules to place on stages")
+    return names
+
+
+def _check_outside_params(model: nn.Module, units: Sequence[str]) -> None:
+    inside = set(units)
+    for fqn, module in model.named_modules():
+        if fqn in inside or any(fqn.startswith(u + ".") for u in inside):
+            continue
+        for name, _ in module.named_parameters(recurse=False):
             raise SpecError(
-                "layers", f"layer {i} factory returned {type(module).__name__}, not an nn.Module"
+                "model",
+                f"parameter {(fqn + '.' if fqn else '') + name!r} belongs to no unit; "
+                "put it inside a submodule so that one stage owns it",
             )
-        counts.append(_param_count(module))
-        del module
-    return counts
 
 
-def _balanced_split(counts: Sequence[int], num_stages: int) -> list[int]:
-    """Layers per stage of the contiguous split minimizing the largest stage.
+def meta_units(job: Job) -> list[tuple[str, nn.Module]]:
+    """Every unit of the job as ``(display name, module on meta)``, in pipeline order."""
+    if job.layers is not None:
+        units = []
+        for i, factory in enumerate(job.layers):
+            module = _on_meta(f"layer {i}", factory)
+            units.append((f"layer {i} ({type(module).__name__})", module))
+        return units
+    model = _on_meta("the model", job.model)
+    names = model_unit_names(model)
+    _check_outside_params(model, names)
+    return [(n, model.get_submodule(n)) for n in names]
 
-    Minimizes ``(max params, max layers)`` over stages in lexicographic order:
-    parameters first, then layer count, so parameter-free layers (ReLU) are
-    spread evenly instead of piling up. Exact dynamic program,
-    O(num_stages * L^2) — fine for the few hundred layers of a pipeline.
+
+def unit_names(job: Job) -> list[str]:
+    """The units' names: layer indices as strings, or a model's module names."""
+    if job.layers is not None:
+        return [str(i) for i in range(len(job.layers))]
+    return model_unit_names(_on_meta("the model", job.model))
+
+
+def _unit_params(job: Job) -> list[list[tuple[str, nn.Parameter]]]:
+    """Each unit's parameters with their unsplit names (shared ones under every name)."""
+    if job.layers is not None:
+        return [
+            [
+                (f"{i}.{n}", p)
+                for n, p in _on_meta(f"layer {i}", f).named_parameters(remove_duplicate=False)
+            ]
+            for i, f in enumerate(job.layers)
+        ]
+    model = _on_meta("the model", job.model)
+    names = model_unit_names(model)
+    _check_outside_params(model, names)
+    return [
+        [
+            (f"{u}.{n}", p)
+            for n, p in model.get_submodule(u).named_parameters(remove_duplicate=False)
+        ]
+        for u in names
+    ]
+
+
+# ------------------------------------------------------------------- splitting
+
+
+def _balanced_split(counts: Sequence[float], num_stages: int) -> list[int]:
+    """Units per stage of the contiguous split minimizing the largest stage.
+
+    Minimizes ``(max cost, max units)`` over stages in lexicographic order:
+    cost first, then unit count, so cost-free units (ReLU) are spread evenly
+    instead of piling up. Exact dynamic program, O(num_stages * L^2) — fine
+    for the few hundred units of a pipeline.
     """
     n = len(counts)
-    prefix = [0]
+    prefix = [0.0]
     for c in counts:
         prefix.append(prefix[-1] + c)
 
-    def cost(i: int, j: int) -> tuple[int, int]:
+    def cost(i: int, j: int) -> tuple[float, int]:
         return (prefix[j] - prefix[i], j - i)
 
-    # best[k][j]: optimal (max params, max layers) for layers[:j] in k+1 stages.
+    # best[k][j]: optimal (max cost, max units) for units[:j] in k+1 stages.
     best = [[cost(0, j) for j in range(n + 1)]]
     cut: list[list[int]] = [[0] * (n + 1)]
     for k in range(1, num_stages):
-        row = [(0, 0)] * (n + 1)
+        row: list[tuple[float, int]] = [(0.0, 0)] * (n + 1)
         row_cut = [0] * (n + 1)
         for j in range(k + 1, n + 1):
             choice = None
@@ -99,7 +214,8 @@ def _balanced_split(counts: Sequence[int], num_stages: int) -> list[int]:
                 value = max(best[k - 1][i], cost(i, j))
                 if choice is None or value < choice:
                     choice, row_cut[j] = value, i
-            row[j] = choice  # type: ignore[assignment]
+            assert choice is not None
+            row[j] = choice
         best.append(row)
         cut.append(row_cut)
     sizes = []
@@ -112,49 +228,181 @@ def _balanced_split(counts: Sequence[int], num_stages: int) -> list[int]:
     return sizes[::-1]
 
 
+def _check_sizes(sizes: Sequence[Any], num_stages: int, n: int) -> list[int]:
+    sizes = list(sizes)
+    if len(sizes) != num_stages:
+        raise SpecError("balance", f"has {len(sizes)} entries but stages is {num_stages}")
+    if any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes):
+        raise SpecError("balance", f"every stage needs at least one unit, got {sizes}")
+    if sum(sizes) != n:
+        raise SpecError("balance", f"{sizes} places {sum(sizes)} units but there are {n}")
+    return sizes
+
+
+def _split_sizes(names: Sequence[str], points: Sequence[str]) -> list[int]:
+    index = {name: i for i, name in enumerate(names)}
+    starts = []
+    for point in points:
+        if point not in index:
+            near = [n for n in names if n.startswith(point + ".") or point.startswith(n + ".")]
+            hint = f" (units inside it: {', '.join(near[:4])})" if near else ""
+            raise SpecError(
+                "split_points",
+                f"{point!r} names no unit of the model{hint}; units are "
+                f"{', '.join(names[:6])}{', ...' if len(names) > 6 else ''}",
+            )
+        starts.append(index[point])
+    if starts != sorted(starts) or starts[0] == 0:
+        raise SpecError(
+            "split_points",
+            f"{list(points)} must name units in model order, after the first unit {names[0]!r}",
+        )
+    bounds = [0, *starts, len(names)]
+    return [b - a for a, b in itertools.pairwise(bounds)]
+
+
 def partition(
     job_or_layers: Job | Sequence[LayerFactory],
     num_stages: int | None = None,
-    balance: Sequence[int] | None = None,
+    balance: Sequence[int] | str | None = None,
 ) -> list[range]:
-    """Contiguous global layer-index ranges, one per stage.
+    """Contiguous unit-index ranges, one per stage.
 
     With a `Job`, ``num_stages`` and ``balance`` default to ``job.stages`` and
-    ``job.balance``. With ``balance`` the ranges follow it; otherwise layers
-    are split to minimize the largest per-stage parameter count (see
-    `layer_param_counts`), every stage getting at least one layer.
-    Deterministic, so every stage process computes the same answer.
+    ``job.balance`` (or the job's ``split_points``). With sizes the ranges
+    follow them; ``"compute"`` minimizes the largest per-stage training-FLOP
+    estimate (`evtrain.stages.survey`, falling back to parameter counts
+    when the model cannot run on the meta device); otherwise (``"params"``,
+    ``None``) the largest per-stage parameter count, every stage getting at
+    least one unit. Deterministic, so every stage process computes the same
+    answer.
 
-    Raises `SpecError` (``stages`` or ``balance``) for impossible requests.
+    Raises `SpecError` (``stages``, ``balance`` or ``split_points``) for
+    impossible requests.
     """
     if isinstance(job_or_layers, Job):
-        factories: Sequence[LayerFactory] = job_or_layers.layers
+        job: Job | None = job_or_layers
         num_stages = job_or_layers.stages if num_stages is None else num_stages
         balance = job_or_layers.balance if balance is None else balance
     else:
-        factories = job_or_layers
+        job = None
         if num_stages is None:
             raise TypeError("partition() needs num_stages when given a list of layer factories")
-    n = len(factories)
     if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
         raise SpecError("stages", f"expected an integer >= 1, got {num_stages!r}")
-    if num_stages > n:
-        raise SpecError("stages", f"{num_stages} stages but only {n} layers to place")
-    if balance is not None:
-        sizes = list(balance)
-        if len(sizes) != num_stages:
-            raise SpecError("balance", f"has {len(sizes)} entries but stages is {num_stages}")
-        if any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes):
-            raise SpecError("balance", f"every stage needs at least one layer, got {sizes}")
-        if sum(sizes) != n:
-            raise SpecError("balance", f"{sizes} places {sum(sizes)} layers but there are {n}")
+    if job is not None and job.model is not None:
+        names = unit_names(job)
     else:
-        sizes = _balanced_split(layer_param_counts(factories), num_stages)
+        factories = job_or_layers if job is None else job.layers
+        assert isinstance(factories, Sequence)
+        names = [str(i) for i in range(len(factories))]
+    n = len(names)
+    if num_stages > n:
+        raise SpecError("stages", f"{num_stages} stages but only {n} units to place")
+    if job is not None and job.split_points is not None and not isinstance(balance, tuple | list):
+        sizes = _split_sizes(names, job.split_points)
+    elif isinstance(balance, tuple | list):
+        sizes = _check_sizes(balance, num_stages, n)
+    elif balance == "compute":
+        if job is None:
+            raise TypeError("balance='compute' needs a Job (its data gives the example input)")
+        sizes = _balanced_split(unit_costs(job), num_stages)
+    elif job is not None:
+        sizes = _balanced_split(
+            [sum(p.numel() for _, p in u) for u in _unit_params(job)], num_stages
+        )
+    else:
+        sizes = _balanced_split(layer_param_counts(job_or_layers), num_stages)  # type: ignore[arg-type]
     ranges, start = [], 0
     for size in sizes:
         ranges.append(range(start, start + size))
         start += size
     return ranges
+
+
+def example_microbatch(job: Job) -> Any:
+    """The first training microbatch's inputs, as stage 0 receives them."""
+    inputs = job.train_tensors().inputs
+    return split(inputs, job.microbatch_size)[0]
+
+
+def unit_costs(job: Job) -> list[float]:
+    """Estimated training cost per unit (`evtrain.stages.survey`, one microbatch on meta).
+
+    Falls back to parameter counts, with a warning, when the model cannot
+    run on the meta device.
+    """
+    from evtrain.stages.survey import SurveyUnavailable, survey
+
+    try:
+        return [float(c) for c in survey(meta_units(job), example_microbatch(job)).costs]
+    except SurveyUnavailable as exc:
+        log.warning("no compute estimate; balancing by parameter count", reason=str(exc))
+        return [float(sum(p.numel() for _, p in u)) for u in _unit_params(job)]
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """How a job is split, checked before any stage process starts (`plan_split`)."""
+
+    units: tuple[str, ...]
+    sizes: tuple[int, ...]
+    costs: tuple[float, ...] | None
+    """Estimated training cost per unit, None when the model cannot run on meta."""
+    params: tuple[int, ...]
+
+    @property
+    def imbalance(self) -> float | None:
+        """Largest stage cost over the mean (1.0 is even), by estimated compute."""
+        if self.costs is None:
+            return None
+        from evtrain.stages.survey import imbalance
+
+        return imbalance(self.costs, self.sizes)
+
+    def describe(self) -> str:
+        """One line for the launch banner."""
+        parts, start = [], 0
+        for size in self.sizes:
+            first, last = self.units[start], self.units[start + size - 1]
+            parts.append(first if size == 1 else f"{first}..{last}")
+            start += size
+        text = " | ".join(parts)
+        if self.imbalance is not None:
+            text += f"  (estimated compute imbalance {self.imbalance:.2f})"
+        return text
+
+
+def plan_split(job: Job) -> SplitPlan:
+    """Resolve and check the split of ``job``: the partition, its ties, what each unit returns.
+
+    Runs the units once on the meta device (`evtrain.stages.survey`) with a
+    microbatch of the data, so that a unit returning something that cannot
+    cross a stage boundary, a split point naming no module or a tied name
+    that is no parameter is a `SpecError` here. A model that cannot run on
+    meta is checked by the stages' own first forward instead.
+    """
+    from evtrain.stages.survey import SurveyUnavailable, survey
+
+    # Split points and ties first: their errors do not need the survey.
+    ranges = None if job.balance == "compute" else partition(job)
+    if ranges is not None:
+        tied_groups(job, ranges)
+    units = meta_units(job)
+    costs: tuple[float, ...] | None = None
+    try:
+        costs = tuple(float(c) for c in survey(units, example_microbatch(job)).costs)
+    except SurveyUnavailable as exc:
+        log.warning(
+            "model cannot run on meta; its outputs are checked by the stages", reason=str(exc)
+        )
+    if ranges is None:
+        sizes = _balanced_split(costs, job.stages) if costs is not None else None
+        ranges = partition(job, balance=sizes if sizes is not None else "params")
+        tied_groups(job, ranges)
+    params = tuple(sum(p.numel() for p in m.parameters()) for _, m in units)
+    names = tuple(unit_names(job)) if job.model is not None else tuple(n for n, _ in units)
+    return SplitPlan(names, tuple(len(r) for r in ranges), costs, params)
 
 
 def build_layer(job: Job, index: int) -> nn.Module:
@@ -164,6 +412,7 @@ def build_layer(job: Job, index: int) -> nn.Module:
     (and the default device forced to CPU) around the factory call, so a
     layer's initial weights depend only on the seed and its index.
     """
+    assert job.layers is not None
     factory = job.layers[index]
     with torch.random.fork_rng(devices=[]), torch.device("cpu"):
         # Only the CPU generator: torch.manual_seed would also reseed CUDA
@@ -180,8 +429,11 @@ def build_layer(job: Job, index: int) -> nn.Module:
 class StageModule(nn.ModuleDict):
     """The layers of one stage, keyed by their global index as a string.
 
-    ``state_dict()`` keys therefore equal the unsplit ``nn.Sequential``'s
-    (``"3.weight"``). ``forward`` applies the layers in index order.
+    ``state_dict()`` keys therefore equal the unsplit model's (``"3.weight"``);
+    as with ``nn.Sequential``, iterating yields the layers and ``module[3]``
+    is layer 3.
+    ``forward`` gives its arguments to the first layer and chains the others
+    by the calling convention (`evtrain.stages.boundary.call`).
     """
 
     def __init__(self, layers: Mapping[int, nn.Module]) -> None:
@@ -189,34 +441,180 @@ class StageModule(nn.ModuleDict):
         if not ordered or ordered != list(range(ordered[0], ordered[0] + len(ordered))):
             raise ValueError(f"a stage needs a non-empty contiguous run of layers, got {ordered}")
         super().__init__({str(i): layers[i] for i in ordered})
-        # Global indices of the layers this stage holds.
+        # Global indices of the units this stage holds.
         self.layer_range = range(ordered[0], ordered[-1] + 1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for module in self.values():
-            x = module(x)
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        layers = iter(self.values())
+        x = next(layers)(*args, **kwargs)
+        for module in layers:
+            x = call(module, x)
         return x
+
+    def __iter__(self) -> Iterator[nn.Module]:  # type: ignore[override]
+        # Like nn.Sequential: iterating yields the layers, indexing takes the global index.
+        return iter(self.values())
+
+    def __getitem__(self, index: int | str) -> nn.Module:
+        return super().__getitem__(str(index))
 
     def extra_repr(self) -> str:
         return f"layers={self.layer_range.start}..{self.layer_range.stop - 1}"
 
 
-def build_stage_module(
-    job: Job, layer_range: range, device: torch.device | str = "cpu"
-) -> StageModule:
-    """Build only the layers in ``layer_range`` (see `build_layer`) and move them to ``device``.
+class KeptItems(nn.ModuleDict):
+    """What a stage keeps of a pruned ``nn.ModuleList``: the items under their original indices.
 
-    The factories of all other layers are not called.
+    Iterating yields the modules (as iterating the list did), so a model's
+    ``for block in self.h`` loop runs the stage's blocks; state_dict keys stay
+    ``h.4.…``.
     """
-    if not len(layer_range) or layer_range.step != 1:
-        raise ValueError(f"layer_range must be a non-empty contiguous range, got {layer_range}")
-    if layer_range.start < 0 or layer_range.stop > job.num_layers:
-        raise ValueError(f"{layer_range} is outside the job's {job.num_layers} layers")
-    module = StageModule({i: build_layer(job, i) for i in layer_range})
+
+    def __iter__(self) -> Iterator[nn.Module]:  # type: ignore[override]
+        return iter(self.values())
+
+
+def _build_model(job: Job) -> nn.Module:
+    assert job.model is not None
+    with torch.random.fork_rng(devices=[]), torch.device("cpu"):
+        torch.default_generator.manual_seed(derive_seed(job.seed, "model"))
+        model = job.model()
+    if not isinstance(model, nn.Module):
+        raise SpecError("model", f"the model factory returned {type(model).__name__}")
+    return model
+
+
+def _prune(model: nn.Module, names: Sequence[str], keep: range) -> None:
+    """Drop every unit outside ``keep`` from ``model`` (see the module docstring)."""
+    lists: dict[str, nn.ModuleList] = {}
+    for i, name in enumerate(names):
+        if i in keep:
+            continue
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        if isinstance(parent, nn.ModuleDict):
+            del parent[child]
+        elif isinstance(parent, nn.ModuleList):
+            lists[parent_name] = parent
+        else:
+            setattr(parent, child, None)
+    kept_names = [names[i] for i in keep]
+
+    def kept(prefix: str) -> bool:
+        return any(n == prefix or n.startswith(prefix + ".") for n in kept_names)
+
+    # Deepest first, so an outer list sees its inner lists already replaced.
+    for list_name, old in sorted(lists.items(), key=lambda kv: -kv[0].count(".")):
+        items = KeptItems({str(j): m for j, m in enumerate(old) if kept(f"{list_name}.{j}")})
+        owner_name, _, attr = list_name.rpartition(".")
+        owner = model.get_submodule(owner_name) if owner_name else model
+        if isinstance(owner, nn.ModuleDict | nn.ModuleList):
+            owner._modules[attr] = items
+        else:
+            setattr(owner, attr, items)
+
+
+def _tie_locally(module: nn.Module, groups: Sequence[TiedGroup]) -> dict[str, str]:
+    """Make the names of each group present in ``module`` one Parameter; alias -> canonical."""
+    present = dict(module.named_parameters(remove_duplicate=False))
+    aliases: dict[str, str] = {}
+    for group in groups:
+        here = [n for n in group.names if n in present]
+        if not here:
+            continue
+        keep = present[here[0]]
+        for name in here[1:]:
+            if present[name] is not keep:
+                owner_name, _, attr = name.rpartition(".")
+                setattr(module.get_submodule(owner_name), attr, keep)
+        aliases.update({n: group.names[0] for n in here if n != group.names[0]})
+    if aliases:
+        _register_alias_hooks(module, aliases)
+    return aliases
+
+
+def _register_alias_hooks(module: nn.Module, aliases: Mapping[str, str]) -> None:
+    """A tied weight is kept once, under its canonical name.
+
+    ``state_dict()`` drops the aliases; ``load_state_dict`` fills an absent
+    alias from its canonical name, so the unsplit tied model loads a
+    checkpoint export as is.
+    """
+
+    def drop(_module: nn.Module, state: dict[str, Any], prefix: str, _meta: Any) -> None:
+        for alias in aliases:
+            state.pop(prefix + alias, None)
+
+    def fill(state: dict[str, Any], prefix: str, *_args: Any) -> None:
+        for alias, canonical in aliases.items():
+            if prefix + alias not in state and prefix + canonical in state:
+                state[prefix + alias] = state[prefix + canonical]
+
+    module._register_state_dict_hook(drop)
+    module._register_load_state_dict_pre_hook(fill)
+
+
+def build_stage_module(
+    job: Job, unit_range: range, device: torch.device | str = "cpu"
+) -> nn.Module:
+    """Build only the units in ``unit_range`` and move them to ``device``.
+
+    For `Job.layers` the other factories are not called (see `build_layer`);
+    for `Job.model` the whole model is built once on the CPU and pruned.
+    The module's ``layer_range`` is ``unit_range`` and its ``tied_aliases``
+    maps each local name of a tied weight other than the canonical one to
+    the canonical name (see `tied_groups`).
+    """
+    names = unit_names(job)
+    if not len(unit_range) or unit_range.step != 1:
+        raise ValueError(f"unit_range must be a non-empty contiguous range, got {unit_range}")
+    if unit_range.start < 0 or unit_range.stop > len(names):
+        raise ValueError(f"{unit_range} is outside the job's {len(names)} units")
+    module: nn.Module
+    if job.layers is not None:
+        module = StageModule({i: build_layer(job, i) for i in unit_range})
+    else:
+        module = _build_model(job)
+        _check_outside_params(module, names)
+        _prune(module, names, unit_range)
+    # Plain attributes, read back by `stage_units` and `stage_aliases`.
+    vars(module).update(layer_range=unit_range, tied_aliases=_tie_locally(module, tied_groups(job)))
     return module.to(device)
 
 
-def build_full_model(job: Job, device: torch.device | str = "cpu") -> nn.Sequential:
-    """The whole model as ``nn.Sequential``, with the same weights any partition starts from."""
-    model = nn.Sequential(*(build_layer(job, i) for i in range(job.num_layers)))
-    return model.to(device)
+def stage_units(module: nn.Module) -> range:
+    """The unit range a module from `build_stage_module` holds."""
+    units = vars(module).get("layer_range")
+    assert isinstance(units, range), "not a stage module"
+    return units
+
+
+def stage_aliases(module: nn.Module) -> dict[str, str]:
+    """A stage module's local alias -> canonical names of tied weights."""
+    return dict(vars(module).get("tied_aliases", {}))
+
+
+def build_full_model(job: Job, device: torch.device | str = "cpu") -> nn.Module:
+    """The whole model, with the same weights any partition starts from and its ties tied.
+
+    For `Job.layers` the layers chained as a `StageModule` (keys ``"3.weight"``).
+    """
+    module: nn.Module
+    if job.layers is not None:
+        module = StageModule({i: build_layer(job, i) for i in range(len(job.layers))})
+    else:
+        module = _build_model(job)
+    _tie_locally(module, tied_groups(job))
+    return module.to(device)
+
+
+def tied_groups(job: Job, ranges: Sequence[range] | None = None) -> list[TiedGroup]:
+    """The job's tied weights: `Job.tied` and, for `Job.model`, shared parameters.
+
+    With ``ranges`` (the partition) each group says which stages hold it.
+    Raises `SpecError` (``tied``) for a name that is no parameter, or
+    parameters of different shapes.
+    """
+    if job.layers is not None and not job.tied:
+        return []  # separate factories share no parameters
+    return resolve_ties(_unit_params(job), job.tied, ranges)

@@ -229,7 +229,8 @@ def survey(units: Sequence[tuple[str, nn.Module]], example: Any) -> Survey:
         forward, backward = FlopCounterMode(display=False), FlopCounterMode(display=False)
         written = _ElementCounter()
         try:
-            with forward, written:
+            # Tensors a forward makes itself (a causal mask) are made on meta too.
+            with torch.device("meta"), forward, written:
                 out = call(unit, value)
             spec = spec_of(out, where=name)
             _, leaves = flatten(out, where=name)
@@ -237,7 +238,7 @@ def survey(units: Sequence[tuple[str, nn.Module]], example: Any) -> Survey:
             # The gradients a unit receives come from its successor: made outside the count.
             grads = [torch.ones_like(t) for t in roots]
             if roots:
-                with backward, written:
+                with torch.device("meta"), backward, written:
                     torch.autograd.backward(roots, grads)
         except SpecError:
             raise

@@ -118,7 +118,7 @@ def test_valid_job_defaults_and_normalization() -> None:
     assert job.grad_clip == 1.0
     assert job.balance == (4, 5)
     assert job.run_dir == Path("runs/t")
-    assert isinstance(job.layers, tuple) and job.num_layers == 9
+    assert isinstance(job.layers, tuple) and len(job.layers) == 9
     assert job.microbatch_size == 2 and job.samples_per_step == 8
     assert job.effective_eval_batch_size == 8
     assert job.stage_device(0) == torch.device("cpu")

@@ -541,22 +541,6 @@ def test_report_averages_within_a_scope_and_is_a_no_op_outside() -> None:
     assert reporter.collect() == {}
 
 
-def test_headers_round_trip() -> None:
-    from evtrain.stages.p2p import HEADER_LEN, TensorSpec, decode_header, encode_header
-
-    for spec in (
-        TensorSpec((32, 512), torch.float32),
-        TensorSpec((4, 7, 3, 2), torch.bfloat16),
-        TensorSpec((5,), torch.int64),
-        TensorSpec((), torch.float64),
-    ):
-        header = encode_header(spec)
-        assert header.shape == (HEADER_LEN,) and header.dtype == torch.int64
-        assert decode_header(header) == spec
-    assert not TensorSpec((3,), torch.int64).carries_grad
-    assert TensorSpec((3,), torch.float16).carries_grad
-
-
 def test_span_sampling() -> None:
     from evtrain.stages.actor import spans_enabled
 

@@ -265,7 +265,15 @@ def load_stage_shard(
     verified: set[Path] = set()
     device = next((p.device for p in module.parameters()), torch.device("cpu"))
 
-    model_keys = list(module.state_dict())
+    # A tied weight held here only under an alias loads from its canonical name.
+    sources = {k: k for k in module.state_dict()}
+    local = {name for name, _ in module.named_parameters(remove_duplicate=False)}
+    from evtrain.stages.partition import stage_aliases
+
+    for alias, canonical in stage_aliases(module).items():
+        if canonical not in local:
+            sources[alias] = canonical
+    model_keys = list(dict.fromkeys(sources.values()))
     owner = {k: s for s in shards for k in s.record.model_keys}
     missing = [k for k in model_keys if k not in owner]
     if missing:
@@ -282,7 +290,7 @@ def load_stage_shard(
     for key in model_keys:
         wanted[owner[key].stage].append(key)
 
-    fqns = [name for name, _ in module.named_parameters(remove_duplicate=False)]
+    fqns = list(dict.fromkeys(_param_names(module).values()))
     optim_owner: dict[str, _Shard] = {}
     if optimizer is not None:
         for shard in shards:
@@ -314,7 +322,9 @@ def load_stage_shard(
         keys = list(dict.fromkeys(wanted[shard.stage]))
         tensors[str(shard.stage)] = _read_tensors(shard, keys, verified, verify)
 
-    module.load_state_dict({k: tensors[str(owner[k].stage)][k] for k in model_keys}, strict=True)
+    module.load_state_dict(
+        {k: tensors[str(owner[src].stage)][src] for k, src in sources.items()}, strict=True
+    )
 
     if optimizer is not None:
         _load_optimizer(optimizer, module, optim_owner, tensors)

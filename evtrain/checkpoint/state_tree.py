@@ -167,7 +167,25 @@ def _restore_rng(
 
 
 def _param_names(module: nn.Module) -> dict[int, str]:
-    return {id(p): name for name, p in module.named_parameters(remove_duplicate=False)}
+    """Checkpoint name of each parameter: a tied weight has its canonical name."""
+    from evtrain.stages.partition import stage_aliases
+
+    aliases = stage_aliases(module)
+    return {
+        id(p): aliases.get(name, name)
+        for name, p in module.named_parameters(remove_duplicate=False)
+    }
+
+
+def _held_elsewhere(module: nn.Module) -> set[str]:
+    """Canonical names of tied weights this stage holds only under an alias.
+
+    Another stage saves their tensors and optimizer state, which equal ours.
+    """
+    from evtrain.stages.partition import stage_aliases
+
+    local = {name for name, _ in module.named_parameters(remove_duplicate=False)}
+    return {c for c in stage_aliases(module).values() if c not in local}
 
 
 def _capture(
@@ -230,8 +248,11 @@ def _capture(
                 }
             )
         per_param = {}
+        elsewhere = _held_elsewhere(module)
         for idx, pstate in osd["state"].items():
             fqn = index_to_name[int(idx)]
+            if fqn in elsewhere:
+                continue
             per_param[fqn] = {
                 k: _encode_tree(v, f"{fqn}.{k}", tensors, _OPTIM_PREFIX) for k, v in pstate.items()
             }

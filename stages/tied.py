@@ -1,0 +1,141 @@
+"""Tied weights: one parameter held by several stages (an embedding and an LM head).
+
+DeepSpeed's ``TiedLayerSpec`` semantics: every stage that holds a name of a
+tied group holds its own copy of the weight, and the copies stay equal
+because they start equal and take equal steps:
+
+* initialization: the stage holding the canonical (first) name broadcasts
+  its value to the others of the group once, before training (`TiedWeights.sync`);
+* gradients: summed over the group's stages (an all-reduce on a process
+  group of just those stages) before clipping and the optimizer step, so
+  every copy gets the gradient the unsplit tied model would
+  (`TiedWeights.reduce_grads`);
+* the global gradient norm counts the weight once, on the stage that holds
+  the canonical name (`TiedWeights.norm_excluded`);
+* checkpoints and exports keep it once, under the canonical name (the
+  stage module's ``tied_aliases``); a stage holding only an alias restores
+  it from the canonical name's tensor and optimizer state, which equal its own.
+
+Names inside one stage are made one `nn.Parameter` (`evtrain.stages.partition`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from evtrain.errors import SpecError
+
+__all__ = ["TiedGroup", "TiedWeights", "resolve_ties"]
+
+
+@dataclass(frozen=True)
+class TiedGroup:
+    """Names of one tied weight (canonical first) and the stages holding them."""
+
+    names: tuple[str, ...]
+    stages: tuple[int, ...] = ()
+    """Sorted stages holding a name, when the partition is known."""
+    owner: int = 0
+    """The stage holding the canonical name."""
+
+
+def resolve_ties(
+    unit_params: Sequence[Sequence[tuple[str, nn.Parameter]]],
+    explicit: Sequence[Sequence[str]],
+    ranges: Sequence[range] | None,
+) -> list[TiedGroup]:
+    """Tied groups from shared parameters and ``explicit`` name groups.
+
+    ``unit_params`` lists each unit's parameters under their unsplit names
+    (a shared parameter under each of its names). Shared parameters form a
+    group in parameter order; an explicit group naming one of them is merged
+    into it, its first name canonical.
+    """
+    unit_of: dict[str, int] = {}
+    param_of: dict[str, nn.Parameter] = {}
+    by_id: dict[int, list[str]] = {}
+    for unit, params in enumerate(unit_params):
+        for name, param in params:
+            unit_of[name] = unit
+            param_of[name] = param
+            by_id.setdefault(id(param), [])
+            if name not in by_id[id(param)]:
+                by_id[id(param)].append(name)
+    groups: list[list[str]] = [names for names in by_id.values() if len(names) > 1]
+    for names in explicit:
+        for name in names:
+            if name not in param_of:
+                close = [n for n in param_of if n.endswith(name.rsplit(".", 1)[-1])][:4]
+                raise SpecError(
+                    "tied",
+                    f"{name!r} is not a parameter of the model"
+                    + (f" (parameters like it: {', '.join(close)})" if close else ""),
+                )
+        shapes = {tuple(param_of[n].shape) for n in names}
+        if len(shapes) > 1:
+            raise SpecError(
+                "tied", f"{list(names)} have different shapes {sorted(shapes)}; they cannot be one"
+            )
+        merged = list(names)
+        for group in [g for g in groups if set(g) & set(names)]:
+            groups.remove(group)
+            merged += [n for n in group if n not in merged]
+        groups.append(merged)
+    result = []
+    for names in groups:
+        if ranges is None:
+            result.append(TiedGroup(tuple(names)))
+            continue
+        stage_of = {n: next(s for s, r in enumerate(ranges) if unit_of[n] in r) for n in names}
+        result.append(
+            TiedGroup(tuple(names), tuple(sorted(set(stage_of.values()))), stage_of[names[0]])
+        )
+    return result
+
+
+class TiedWeights:
+    """One stage's side of every tied group that spans several stages.
+
+    Construct it on every stage, in the same order (`dist.new_group` is
+    collective over all ranks), after the stage module was built.
+    """
+
+    def __init__(
+        self, groups: Sequence[TiedGroup], stage: int, module: nn.Module, backend: str
+    ) -> None:
+        present = dict(module.named_parameters(remove_duplicate=False))
+        self._local: list[tuple[nn.Parameter, dist.ProcessGroup, int]] = []
+        self.norm_excluded: set[int] = set()
+        """ids of local parameters whose norm another stage counts."""
+        for group in groups:
+            if len(group.stages) < 2:
+                continue
+            pg = dist.new_group(ranks=list(group.stages), backend=backend)
+            if stage not in group.stages:
+                continue
+            param = next(present[n] for n in group.names if n in present)
+            assert pg is not None
+            self._local.append((param, pg, group.owner))
+            if group.owner != stage:
+                self.norm_excluded.add(id(param))
+
+    def __bool__(self) -> bool:
+        return bool(self._local)
+
+    def sync(self) -> None:
+        """Give every copy the canonical holder's value (collective on each group)."""
+        with torch.no_grad():
+            for param, pg, owner in self._local:
+                dist.broadcast(param.data, src=owner, group=pg)
+
+    def reduce_grads(self) -> None:
+        """Sum each tied weight's gradient over its stages (collective on each group)."""
+        for param, pg, _owner in self._local:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=pg)

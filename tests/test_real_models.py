@@ -1,0 +1,173 @@
+"""Real-model interfaces through `evtrain launch`: a whole nn.Module split by module name,
+layers that pass (hidden, mask) tuples, dict samples, and embeddings tied across stages.
+
+Each run is compared with a plain single-process loop over the same microbatches,
+from the same initial weights: the pipelined runs must train the same model.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from launch_helpers import TESTS_DIR, new_marker, run_launch
+from safetensors.torch import load_file, load_model
+
+from evtrain.checkpoint import latest_committed
+from evtrain.data import DataStream
+from evtrain.errors import SpecError
+from evtrain.job import Job
+from evtrain.spec import load_job
+from evtrain.stages.boundary import split, take
+from evtrain.stages.partition import build_full_model, partition
+
+pytestmark = pytest.mark.slow
+
+ATOL = 1e-5
+
+
+def write(directory: Path, kind: str, stages: int, steps: int, **fields: Any) -> Path:
+    spec = directory / f"{kind}_spec.py"
+    args = ", ".join(f"{k}={v!r}" for k, v in fields.items())
+    run_dir = str(directory / "run")
+    spec.write_text(
+        f"import sys\nsys.path.insert(0, {str(TESTS_DIR)!r})\n"
+        "import real_model_spec\n"
+        f"job = real_model_spec.make_job({kind!r}, {stages}, {steps}, {run_dir!r}, {args})\n"
+    )
+    return spec
+
+
+def reference(job: Job, steps: int) -> dict[str, torch.Tensor]:
+    """Weights after ``steps`` single-process steps over the same microbatches."""
+    model = build_full_model(job)
+    optimizer = job.optimizer(model.parameters())
+    data = job.train_tensors()
+    stream = DataStream(data.num_samples, job.batch_size, job.seed)
+    device = torch.device("cpu")
+    for step in range(steps):
+        index = stream.indices(step)
+        inputs = split(take(data.inputs, index, device), job.microbatch_size)
+        targets = split(take(data.targets, index, device), job.microbatch_size)
+        optimizer.zero_grad()
+        loss = sum(job.loss_fn(model(**x), y) for x, y in zip(inputs, targets, strict=True)) / len(
+            inputs
+        )
+        assert isinstance(loss, torch.Tensor)
+        loss.backward()
+        optimizer.step()
+    named = dict(model.named_parameters(remove_duplicate=False))
+    return {k: v.detach().clone() for k, v in {**model.state_dict(), **named}.items()}
+
+
+def launch(spec: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    proc, leftovers = run_launch(spec, "--quiet", *args, marker=new_marker(), timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert not leftovers
+    return proc
+
+
+def dumped(directory: Path) -> list[dict[str, torch.Tensor]]:
+    return [load_file(str(f)) for f in sorted(directory.glob("stage-*.safetensors"))]
+
+
+def test_model_split_by_name_with_tied_embeddings_and_dict_samples(tmp_path: Path) -> None:
+    spec = write(
+        tmp_path,
+        "model",
+        2,
+        4,
+        split_points=["blocks.2"],
+        hooks=[{"type": "checkpoint", "on_stop": True}],
+    )
+    job = load_job(spec)
+    assert [len(r) for r in partition(job)] == [3, 3]  # embed, blocks.0-1 | blocks.2-3, head
+    launch(spec, "--dump-weights", str(tmp_path / "weights"))
+    stage0, stage1 = dumped(tmp_path / "weights")
+    # Each stage holds its own copy of the tied weight; they stayed equal.
+    assert "head.out.weight" not in stage0 and "embed.tok.weight" not in stage1
+    assert torch.equal(stage0["embed.tok.weight"], stage1["head.out.weight"])
+    want = reference(job, 4)
+    for part in (stage0, stage1):
+        for key, value in part.items():
+            torch.testing.assert_close(value, want[key], rtol=0, atol=ATOL, msg=key)
+
+    # The checkpoint and its export hold the tied weight once; the export loads into
+    # the plain unsplit model class.
+    ckpt = latest_committed(tmp_path / "run")
+    assert ckpt is not None and ckpt.step == 4
+    out = tmp_path / "model.safetensors"
+    export = subprocess.run(
+        [sys.executable, "-m", "evtrain", "ckpt", "export", str(ckpt.path), "-o", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert export.returncode == 0, export.stderr
+    exported = load_file(str(out))
+    assert "embed.tok.weight" in exported and "head.out.weight" not in exported
+    sys.path.insert(0, str(TESTS_DIR))
+    from real_model_spec import TinyGPT
+
+    plain = TinyGPT()
+    load_model(plain, str(out))
+    assert plain.head is not None and plain.embed is not None
+    assert plain.head.out.weight is plain.embed.tok.weight
+    torch.testing.assert_close(plain.embed.tok.weight, want["embed.tok.weight"], rtol=0, atol=ATOL)
+
+    # Resumed at three stages, automatically balanced: the stage holding only the
+    # head restores the tied weight and its optimizer state from the canonical name.
+    spec3 = (
+        write(tmp_path / "three", "model", 3, 6) if (tmp_path / "three").mkdir() is None else spec
+    )
+    launch(spec3, "--resume", str(ckpt.path), "--dump-weights", str(tmp_path / "w3"))
+    want6 = reference(job.with_overrides(max_steps=6), 6)
+    parts = dumped(tmp_path / "w3")
+    assert len(parts) == 3
+    for part in parts:
+        for key, value in part.items():
+            torch.testing.assert_close(value, want6[key], rtol=0, atol=ATOL, msg=key)
+
+
+def test_layers_passing_tuples_with_explicit_ties(tmp_path: Path) -> None:
+    spec = write(tmp_path, "layers", 3, 4)
+    job = load_job(spec)
+    launch(spec, "--dump-weights", str(tmp_path / "weights"))
+    parts = dumped(tmp_path / "weights")
+    assert len(parts) == 3
+    first, last = parts[0], parts[-1]
+    assert torch.equal(first["0.tok.weight"], last["5.out.weight"])
+    want = reference(job, 4)
+    for part in parts:
+        for key, value in part.items():
+            torch.testing.assert_close(value, want[key], rtol=0, atol=ATOL, msg=key)
+
+
+def test_bad_model_input_is_one_line_before_any_process(tmp_path: Path) -> None:
+    def refused(spec: Path) -> str:
+        proc = subprocess.run(
+            [sys.executable, "-m", "evtrain", "launch", str(spec)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1, proc.stderr
+        return lines[0]
+
+    assert "'blocks.9' names no unit" in refused(
+        write(tmp_path, "model", 2, 2, split_points=["blocks.9"])
+    )
+    assert "'0.nope.weight' is not a parameter" in refused(
+        write(tmp_path, "layers", 2, 2, tied=[("0.nope.weight", "5.out.weight")])
+    )
+    assert "layer 1 (CountingBlock) produced a int at [1]" in refused(
+        write(tmp_path, "bad_leaf", 2, 2)
+    )
+    with pytest.raises(SpecError, match="split_points"):
+        load_job(write(tmp_path, "layers", 2, 2, split_points=["1"]))
