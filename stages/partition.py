@@ -52,7 +52,7 @@ from torch import nn
 from evtrain.data import derive_seed
 from evtrain.errors import SpecError
 from evtrain.job import Job, LayerFactory
-from evtrain.stages.boundary import call, split
+from evtrain.stages.boundary import call, map_tensors, spec_of, split
 from evtrain.stages.tied import TiedGroup, resolve_ties
 
 __all__ = [
@@ -327,18 +327,85 @@ def example_microbatch(job: Job) -> Any:
 
 
 def unit_costs(job: Job) -> list[float]:
-    """Estimated training cost per unit (`evtrain.stages.survey`, one microbatch on meta).
+    """Estimated training cost per unit, from one microbatch on the meta device.
 
-    Falls back to parameter counts, with a warning, when the model cannot
-    run on the meta device.
+    Layers are surveyed one after the other (`evtrain.stages.survey`: counted
+    forward and backward FLOPs plus an element floor). A model's units are
+    not a chain — its ``forward`` decides how they connect — so the whole
+    model runs once and each unit is charged three times the forward FLOPs
+    counted while it ran. Falls back to parameter counts, with a warning,
+    when the model cannot run on meta.
     """
     from evtrain.stages.survey import SurveyUnavailable, survey
 
     try:
+        if job.model is not None:
+            return _model_costs(job)
         return [float(c) for c in survey(meta_units(job), example_microbatch(job)).costs]
     except SurveyUnavailable as exc:
         log.warning("no compute estimate; balancing by parameter count", reason=str(exc))
         return [float(sum(p.numel() for _, p in u)) for u in _unit_params(job)]
+
+
+def _meta_example(job: Job) -> Any:
+    return map_tensors(lambda t: torch.empty_like(t, device="meta"), example_microbatch(job))
+
+
+def _on_meta_run(what: str, fn: Any) -> Any:
+    from evtrain.stages.survey import SurveyUnavailable
+
+    try:
+        with torch.device("meta"), torch.no_grad():
+            return fn()
+    except SpecError:
+        raise
+    except Exception as exc:
+        raise SurveyUnavailable(what, f"{type(exc).__name__}: {exc}".splitlines()[0]) from exc
+
+
+def _model_costs(job: Job) -> list[float]:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = _on_meta("the model", job.model)
+    names = model_unit_names(model)
+    counter = FlopCounterMode(display=False)
+    flops = [0] * len(names)
+    started: dict[int, int] = {}
+    for i, name in enumerate(names):
+        unit = model.get_submodule(name)
+
+        def before(_m: nn.Module, _args: Any, i: int = i) -> None:
+            started[i] = counter.get_total_flops()
+
+        def after(_m: nn.Module, _args: Any, _out: Any, i: int = i) -> None:
+            flops[i] += counter.get_total_flops() - started[i]
+
+        unit.register_forward_pre_hook(before)
+        unit.register_forward_hook(after)
+    example = _meta_example(job)
+
+    def run() -> None:
+        with counter:
+            call(model, example)
+
+    _on_meta_run("the model", run)
+    # Forward, input gradient and weight gradient cost about the same.
+    return [3.0 * f for f in flops]
+
+
+def _check_model_stages(job: Job, ranges: Sequence[range]) -> None:
+    """Run each stage's pruned model on the previous one's output, on meta.
+
+    A stage output that cannot cross a boundary is a `SpecError` naming the stage.
+    """
+    names = unit_names(job)
+    value = _meta_example(job)
+    for stage, units in enumerate(ranges[:-1]):
+        part = _on_meta("the model", job.model)
+        _prune(part, names, units)
+        where = f"stage {stage} ({names[units.start]}..{names[units.stop - 1]})"
+        value = _on_meta_run(where, lambda part=part, value=value: call(part, value))
+        spec_of(value, where)
 
 
 @dataclass(frozen=True)
@@ -384,14 +451,19 @@ def plan_split(job: Job) -> SplitPlan:
     """
     from evtrain.stages.survey import SurveyUnavailable, survey
 
-    # Split points and ties first: their errors do not need the survey.
+
+    # Split points and ties first: their errors do not need the model to run.
     ranges = None if job.balance == "compute" else partition(job)
     if ranges is not None:
         tied_groups(job, ranges)
     units = meta_units(job)
     costs: tuple[float, ...] | None = None
     try:
-        costs = tuple(float(c) for c in survey(units, example_microbatch(job)).costs)
+        if job.model is not None:
+            if ranges is None or job.stages > 1:
+                costs = tuple(_model_costs(job))
+        else:
+            costs = tuple(float(c) for c in survey(units, example_microbatch(job)).costs)
     except SurveyUnavailable as exc:
         log.warning(
             "model cannot run on meta; its outputs are checked by the stages", reason=str(exc)
@@ -400,6 +472,11 @@ def plan_split(job: Job) -> SplitPlan:
         sizes = _balanced_split(costs, job.stages) if costs is not None else None
         ranges = partition(job, balance=sizes if sizes is not None else "params")
         tied_groups(job, ranges)
+    if job.model is not None and costs is not None:
+        try:
+            _check_model_stages(job, ranges)
+        except SurveyUnavailable as exc:
+            log.warning("stage outputs are checked by the stages", reason=str(exc))
     params = tuple(sum(p.numel() for p in m.parameters()) for _, m in units)
     names = tuple(unit_names(job)) if job.model is not None else tuple(n for n, _ in units)
     return SplitPlan(names, tuple(len(r) for r in ranges), costs, params)
