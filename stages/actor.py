@@ -178,9 +178,11 @@ from evtrain.stages.partition import (
     build_stage_module,
     partition,
     stage_aliases,
+    stage_unit_modules,
     stage_units,
     tied_groups,
 )
+from evtrain.stages.precision import autocast, checkpoint_layer, compile_module
 from evtrain.stages.tied import TiedWeights
 from evtrain.stages.worker import ReportStatus, StageReport, WorkerConfig
 
@@ -551,6 +553,10 @@ class StageActor:
         torch.manual_seed(derive_seed(job.seed, "stage", self.stage))
         self.module = build_stage_module(job, ranges[self.stage], self.device)
         self.module.train()
+        if job.activation_checkpointing:
+            for unit in stage_unit_modules(job, self.module):
+                checkpoint_layer(unit)
+        compile_module(self.module, job.compile)
         self.tied = TiedWeights(tied_groups(job, ranges), self.stage, self.module, backend)
         self.tied.sync()
         self._mailbox = Mailbox(
@@ -597,7 +603,7 @@ class StageActor:
             stage=self.stage,
             num_stages=self.num_stages,
             input_specs=input_specs,
-            output_spec_of=lambda spec: infer_output_spec(module, spec, self.device, where),
+            output_spec_of=lambda spec: self._infer(spec, where),
             group=self._mailbox.act_group,
             device=self.device if self.device.type == "cuda" else torch.device("cpu"),
         )
@@ -639,6 +645,12 @@ class StageActor:
         self._restore(optimizer, scheduler)
         return total
 
+    def _infer(self, spec: BoundarySpec, where: str) -> BoundarySpec:
+        # Under the run's autocast: the agreed dtypes are those training sends.
+        assert self.job is not None and self.module is not None
+        with autocast(self.job.precision, self.device):
+            return infer_output_spec(self.module, spec, self.device, where)
+
     def _restore(self, optimizer: torch.optim.Optimizer | None, scheduler: object) -> None:
         """Resume from a checkpoint or load weights, as the config says (blocking, collective)."""
         config, job, module = self.config, self.job, self.module
@@ -655,6 +667,9 @@ class StageActor:
             path = agree_on_resume(resume)
         if path is not None:
             state = load_stage_shard(path, self.stage, module, optimizer, scheduler)
+            scaler = self.executor.scaler if self.executor is not None else None
+            if scaler is not None and "loss_scaler" in state.extra:
+                scaler.load_state_dict(state.extra["loss_scaler"])
             self.start_step = self.completed = state.step
             log.info("resumed", stage=self.stage, path=str(path), step=state.step)
         elif config.load_weights is not None:
@@ -882,6 +897,11 @@ class StageActor:
                 data_position=executor.stream.batch_index(step),
                 reason=save.reason,
                 metric=save.metric,
+                extra=(
+                    {"loss_scaler": executor.scaler.state_dict()}
+                    if executor.scaler is not None
+                    else None
+                ),
             )
         except CheckpointError as exc:
             log.error("checkpoint refused", stage=self.stage, error=str(exc))

@@ -56,6 +56,7 @@ from evtrain.stages.instructions import (
     SendGrad,
 )
 from evtrain.stages.p2p import Mailbox, PendingRecv
+from evtrain.stages.precision import LossScaler, autocast
 from evtrain.stages.schedules import build_schedule
 from evtrain.stages.tied import TiedWeights
 
@@ -91,6 +92,8 @@ class StepStats:
     comm_wait_s: float
     control: ControlResult
     spans: list[Span] = field(default_factory=list)
+    skipped: bool = False
+    """fp16: the step overflowed somewhere in the pipeline and no stage applied it."""
 
 
 @dataclass
@@ -162,6 +165,10 @@ class StageExecutor:
         self.mailbox = mailbox
         self.control = control
         self.tied = tied if tied else None
+        self.scaler = LossScaler() if job.precision == "fp16" else None
+        """Dynamic loss scale (fp16); the skip decision is the global norm's, so every
+        stage skips the same steps."""
+        self._skipped = False
         self.stream = stream
         self.specs = specs
         self.train_inputs = train_inputs
@@ -261,6 +268,7 @@ class StageExecutor:
         if self._spans is not None and drain_end - drain_start > 1e-4:
             self._spans.append(Span("wait", -1, drain_start, drain_end, "send"))
         self._end_pass()
+        skipped, self._skipped = self._skipped, False
         loss = None
         if self.last and self._loss_sum is not None:
             loss = float(self._loss_sum) / (self.M * self.job.grad_accum)
@@ -277,6 +285,7 @@ class StageExecutor:
             comm_wait_s=self.mailbox.reset_wait(),
             control=control,
             spans=self._spans or [],
+            skipped=skipped,
         )
 
     def _bind_device(self) -> None:
@@ -290,6 +299,8 @@ class StageExecutor:
         if self.tied is not None:
             self.tied.reduce_grads()
         grads = [p.grad for p in self.params if p.grad is not None]
+        if self.scaler is not None and grads:
+            self.scaler.unscale_(grads)
         counted = grads
         if self.tied is not None:
             excluded = self.tied.norm_excluded
@@ -301,7 +312,7 @@ class StageExecutor:
         clip: _GradClip = self.job.grad_clip
         start = time.perf_counter()
         exchange = self.control.start(sq_norm, self.stop_requested)
-        if clip is None:
+        if clip is None and self.scaler is None:
             # Nothing here needs the global norm: overlap the exchange's
             # latency with the optimizer step.
             self._apply_optimizer()
@@ -314,7 +325,15 @@ class StageExecutor:
             end = time.perf_counter()
             self.mailbox.wait_s += end - start
             norm = result.grad_norm
-            if grads and math.isfinite(norm):
+            if self.scaler is not None and self.scaler.update(not math.isfinite(norm)):
+                # Overflow on some stage: every stage drops this step's gradients.
+                self._skipped = True
+                if self.optimizer is not None:
+                    self.optimizer.zero_grad(set_to_none=True)
+                if self.lr_scheduler is not None:
+                    self.lr_scheduler.step()
+                return result
+            if clip is not None and grads and math.isfinite(norm):
                 coef = clip / (norm + 1e-6)
                 if coef < 1.0:
                     torch._foreach_mul_(grads, coef)
@@ -415,12 +434,15 @@ class StageExecutor:
         x = self._inputs[m]
         self._inputs[m] = None
         start = time.perf_counter()
-        out = call(self.module, x)
-        if self.last:
-            if self._training:
+        with autocast(self.job.precision, self.device):
+            out = call(self.module, x)
+            loss = None
+            if self.last and self._training:
                 target = self._targets[m]
                 assert target is not None
                 loss = self.job.loss_fn(out, target)
+        if self.last:
+            if loss is not None:
                 self._losses[m] = loss
                 detached = loss.detach()
                 self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
@@ -486,7 +508,8 @@ class StageExecutor:
             loss = self._losses[m]
             self._losses[m] = None
             assert loss is not None
-            (loss * self._loss_scale).backward()
+            scale = self._loss_scale * (self.scaler.scale if self.scaler is not None else 1.0)
+            (loss * scale).backward()
         else:
             outs, grads = self._outputs[m] or [], self._grads[m] or []
             self._outputs[m] = self._grads[m] = None

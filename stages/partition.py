@@ -67,6 +67,7 @@ __all__ = [
     "partition",
     "plan_split",
     "stage_aliases",
+    "stage_unit_modules",
     "stage_units",
     "tied_groups",
     "unit_names",
@@ -451,7 +452,6 @@ def plan_split(job: Job) -> SplitPlan:
     """
     from evtrain.stages.survey import SurveyUnavailable, survey
 
-
     # Split points and ties first: their errors do not need the model to run.
     ranges = None if job.balance == "compute" else partition(job)
     if ranges is not None:
@@ -664,6 +664,14 @@ def stage_units(module: nn.Module) -> range:
     units = vars(module).get("layer_range")
     assert isinstance(units, range), "not a stage module"
     return units
+
+
+def stage_unit_modules(job: Job, module: nn.Module) -> list[nn.Module]:
+    """The unit modules a stage module holds, in order (layers, or a model's kept units)."""
+    if isinstance(module, StageModule):
+        return list(module)
+    names = unit_names(job)
+    return [module.get_submodule(names[i]) for i in stage_units(module)]
 
 
 def stage_aliases(module: nn.Module) -> dict[str, str]:

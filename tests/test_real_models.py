@@ -171,3 +171,19 @@ def test_bad_model_input_is_one_line_before_any_process(tmp_path: Path) -> None:
     )
     with pytest.raises(SpecError, match="split_points"):
         load_job(write(tmp_path, "layers", 2, 2, split_points=["1"]))
+
+
+def test_activation_checkpointing_is_bitwise_equal(tmp_path: Path) -> None:
+    plain, ckpt = tmp_path / "plain", tmp_path / "ckpt"
+    for d in (plain, ckpt):
+        d.mkdir()
+    launch(write(plain, "layers", 2, 3), "--dump-weights", str(plain / "w"))
+    launch(
+        write(ckpt, "layers", 2, 3, activation_checkpointing=True),
+        "--dump-weights",
+        str(ckpt / "w"),
+    )
+    for a, b in zip(dumped(plain / "w"), dumped(ckpt / "w"), strict=True):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert torch.equal(a[key], b[key]), key
