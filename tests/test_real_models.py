@@ -7,6 +7,7 @@ from the same initial weights: the pipelined runs must train the same model.
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +25,7 @@ from evtrain.job import Job
 from evtrain.spec import load_job
 from evtrain.stages.boundary import split, take
 from evtrain.stages.partition import build_full_model, partition
+from evtrain.stages.precision import LossScaler, autocast
 
 pytestmark = pytest.mark.slow
 
@@ -42,30 +44,47 @@ def write(directory: Path, kind: str, stages: int, steps: int, **fields: Any) ->
     return spec
 
 
-def reference(job: Job, steps: int) -> dict[str, torch.Tensor]:
-    """Weights after ``steps`` single-process steps over the same microbatches."""
+def reference(job: Job, steps: int) -> tuple[dict[str, torch.Tensor], list[bool]]:
+    """Weights after ``steps`` single-process steps over the same microbatches, and which
+    steps fp16 loss scaling skipped.
+
+    Each microbatch's forward and loss run under the job's autocast and back-propagate
+    on their own, as on the stages; fp16 scales the loss and skips a step whose
+    gradient norm is not finite.
+    """
     model = build_full_model(job)
     optimizer = job.optimizer(model.parameters())
     data = job.train_tensors()
     stream = DataStream(data.num_samples, job.batch_size, job.seed)
     device = torch.device("cpu")
+    scaler = LossScaler() if job.precision == "fp16" else None
+    skipped = []
     for step in range(steps):
         index = stream.indices(step)
         inputs = split(take(data.inputs, index, device), job.microbatch_size)
         targets = split(take(data.targets, index, device), job.microbatch_size)
         optimizer.zero_grad()
-        loss = sum(job.loss_fn(model(**x), y) for x, y in zip(inputs, targets, strict=True)) / len(
-            inputs
-        )
-        assert isinstance(loss, torch.Tensor)
-        loss.backward()
+        for x, y in zip(inputs, targets, strict=True):
+            with autocast(job.precision, device):
+                loss = job.loss_fn(model(**x), y)
+            scale = scaler.scale if scaler is not None else 1.0
+            (loss * scale / len(inputs)).backward()
+        if scaler is not None:
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            scaler.unscale_(grads)
+            norm = float(torch.stack(torch._foreach_norm(grads)).square().sum().sqrt())
+            if scaler.update(not math.isfinite(norm)):
+                skipped.append(True)
+                continue
+        skipped.append(False)
         optimizer.step()
     named = dict(model.named_parameters(remove_duplicate=False))
-    return {k: v.detach().clone() for k, v in {**model.state_dict(), **named}.items()}
+    weights = {k: v.detach().clone() for k, v in {**model.state_dict(), **named}.items()}
+    return weights, skipped
 
 
-def launch(spec: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    proc, leftovers = run_launch(spec, "--quiet", *args, marker=new_marker(), timeout=180)
+def launch(spec: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    proc, leftovers = run_launch(spec, "--quiet", *args, marker=new_marker(), timeout=180, **env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert not leftovers
     return proc
@@ -91,7 +110,7 @@ def test_model_split_by_name_with_tied_embeddings_and_dict_samples(tmp_path: Pat
     # Each stage holds its own copy of the tied weight; they stayed equal.
     assert "head.out.weight" not in stage0 and "embed.tok.weight" not in stage1
     assert torch.equal(stage0["embed.tok.weight"], stage1["head.out.weight"])
-    want = reference(job, 4)
+    want, _ = reference(job, 4)
     for part in (stage0, stage1):
         for key, value in part.items():
             torch.testing.assert_close(value, want[key], rtol=0, atol=ATOL, msg=key)
@@ -125,7 +144,7 @@ def test_model_split_by_name_with_tied_embeddings_and_dict_samples(tmp_path: Pat
         write(tmp_path / "three", "model", 3, 6) if (tmp_path / "three").mkdir() is None else spec
     )
     launch(spec3, "--resume", str(ckpt.path), "--dump-weights", str(tmp_path / "w3"))
-    want6 = reference(job.with_overrides(max_steps=6), 6)
+    want6, _ = reference(job.with_overrides(max_steps=6), 6)
     parts = dumped(tmp_path / "w3")
     assert len(parts) == 3
     for part in parts:
@@ -141,7 +160,7 @@ def test_layers_passing_tuples_with_explicit_ties(tmp_path: Path) -> None:
     assert len(parts) == 3
     first, last = parts[0], parts[-1]
     assert torch.equal(first["0.tok.weight"], last["5.out.weight"])
-    want = reference(job, 4)
+    want, _ = reference(job, 4)
     for part in parts:
         for key, value in part.items():
             torch.testing.assert_close(value, want[key], rtol=0, atol=ATOL, msg=key)
@@ -177,13 +196,43 @@ def test_activation_checkpointing_is_bitwise_equal(tmp_path: Path) -> None:
     plain, ckpt = tmp_path / "plain", tmp_path / "ckpt"
     for d in (plain, ckpt):
         d.mkdir()
-    launch(write(plain, "layers", 2, 3), "--dump-weights", str(plain / "w"))
+    launch(
+        write(plain, "layers", 2, 3),
+        "--dump-weights",
+        str(plain / "w"),
+        EVTRAIN_TEST_BLOCK_CALLS=str(plain / "calls"),
+    )
     launch(
         write(ckpt, "layers", 2, 3, activation_checkpointing=True),
         "--dump-weights",
         str(ckpt / "w"),
+        EVTRAIN_TEST_BLOCK_CALLS=str(ckpt / "calls"),
     )
     for a, b in zip(dumped(plain / "w"), dumped(ckpt / "w"), strict=True):
         assert a.keys() == b.keys()
         for key in a:
             assert torch.equal(a[key], b[key]), key
+    # The blocks' forwards ran again in the backward: 4 blocks x 4 microbatches x 3 steps.
+    runs = [len((d / "calls").read_text().splitlines()) for d in (plain, ckpt)]
+    assert runs[1] - runs[0] == 4 * 4 * 3, runs
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_reduced_precision_equals_single_process(tmp_path: Path, precision: str) -> None:
+    # fp16: a loss 50 times larger overflows the scaled fp16 gradients of the first
+    # steps; the scale backs off until steps apply, and every stage skips the same ones.
+    fields: dict[str, Any] = {"precision": precision}
+    if precision == "fp16":
+        fields["loss_gain"] = 50.0
+    spec = write(tmp_path, "layers", 2, 8, **fields)
+    launch(spec, "--dump-weights", str(tmp_path / "w"))
+    job = load_job(spec)
+    want, skipped = reference(job, 8)
+    got = {k: v for part in dumped(tmp_path / "w") for k, v in part.items()}
+    if precision == "fp16":
+        assert any(skipped) and not all(skipped), skipped
+    else:
+        fp32, _ = reference(job.with_overrides(precision="fp32"), 8)
+        assert max(float((got[k] - fp32[k]).abs().max()) for k in got) > 1e-5  # it really ran
+    for key, value in got.items():
+        torch.testing.assert_close(value, want[key], rtol=0, atol=1e-5, msg=key)
