@@ -657,6 +657,16 @@ class Job:
                 "compile",
                 f"expected True, False or a dict of torch.compile options, got {self.compile!r}",
             )
+        if (
+            self.activation_checkpointing
+            and isinstance(self.compile, Mapping)
+            and self.compile.get("backend") == "eager"
+        ):
+            raise SpecError(
+                "compile",
+                "the 'eager' backend does not recompute checkpointed layers faithfully; "
+                "use backend 'aot_eager' with activation_checkpointing",
+            )
 
     def _validate_metrics(self) -> None:
         if not isinstance(self.metrics, dict):

@@ -611,3 +611,33 @@ def test_another_process_builds_the_same_weights_and_data(tmp_path: Path) -> Non
     assert all(torch.equal(v, ours[k]) for k, v in theirs["sd"].items())
     assert torch.equal(theirs["idx"], job.train_stream().indices(17))
     assert torch.equal(theirs["x"], job.train_tensors().inputs)
+
+
+def test_model_options_are_checked() -> None:
+    base = dict(
+        name="t",
+        layers=[layer(nn.Linear, 2, 2)],
+        loss_fn=nn.functional.mse_loss,
+        optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+        train_data=(torch.zeros(4, 2), torch.zeros(4, 2)),
+        batch_size=2,
+        num_microbatches=1,
+        max_steps=1,
+        stages=1,
+    )
+    bad: list[tuple[dict[str, object], str]] = [
+        ({"precision": "fp8"}, "precision"),
+        ({"activation_checkpointing": True, "compile": {"backend": "eager"}}, "compile"),
+        ({"compile": "yes"}, "compile"),
+        ({"input_keys": "x"}, "target_keys"),
+        ({"tied": [("0.weight",)]}, "tied"),
+        ({"split_points": ["0"]}, "split_points"),
+        ({"balance": "flops"}, "balance"),
+        ({"model": lambda: nn.Linear(2, 2)}, "layers"),
+    ]
+    for fields, field in bad:
+        with pytest.raises(SpecError) as err:
+            Job(**{**base, **fields})  # type: ignore[arg-type]
+        assert err.value.field == field, (fields, err.value)
+    job = Job(**{**base, "precision": "BF16", "balance": "compute"})  # type: ignore[arg-type]
+    assert job.precision == "bf16" and job.balance == "compute"
