@@ -112,3 +112,34 @@ class LaggingCheckpoint(CheckpointHook):
     async def step_ended(self, ev: StepEnded) -> None:
         await anyio.sleep(self.lag_s)
         await super().step_ended(ev)
+
+
+class StageTimesRecorder(Hook):
+    """Appends every stage's `StageStarted` (stage, layers) and every `StepEnded` of
+    every stage, with its timings, to the JSON-lines file ``path``.
+
+    `StepRecorder` keeps only the last stage's loss-carrying steps; a test that
+    compares the stages' own compute needs the steps of all of them.
+    """
+
+    def __init__(self, *, path: str, priority: int | None = None) -> None:
+        super().__init__(priority=priority)
+        self.path = Path(path)
+
+    @on(StageStarted)
+    def stage_started(self, ev: StageStarted) -> None:
+        _append(self.path, {"stage_started": ev.stage, "layers": list(ev.layers)})
+
+    @on(StepEnded)
+    def step(self, ev: StepEnded) -> None:
+        _append(
+            self.path,
+            {
+                "step": ev.step,
+                "stage": ev.stage,
+                "forward_s": ev.forward_s,
+                "backward_s": ev.backward_s,
+                "comm_wait_s": ev.comm_wait_s,
+                "duration_s": ev.duration_s,
+            },
+        )
