@@ -14,11 +14,23 @@ steps after a warm-up:
   layers with static shapes (input_args/output_args), also under elastic.
 * sequential: one process runs the same 8 microbatches one after another.
 
+A second model checks structured stage boundaries: a small pre-LN decoder
+(token + position embedding, 4 blocks of 4-head causal attention and a 4x
+MLP, a LayerNorm + linear head; width 128, sequence 32, vocabulary 256) on
+dict samples with a boolean padding mask that every block's attention uses.
+Each layer returns ``(hidden, mask)``, so the P = 2 stages (embedding + 2
+blocks | 2 blocks + head) pass that tuple across the boundary. evtrain 1F1B
+(the same machinery as above) runs against torch.distributed.pipelining's
+PipelineStage + Schedule1F1B on the same layers split the same way; M = 8
+microbatches of 4 sequences, one thread per process, cross-entropy over the
+unpadded tokens.
+
 Contenders alternate within each repeat; medians over repeats are reported.
 The bubble bound is ``P * M / (M + P - 1)`` times the sequential rate.
 The last line printed is one JSON object.
 
     python bench/pipeline_vs_torch.py [--steps 100] [--warmup 10] [--repeats 3]
+        [--transformer-steps 30] [--transformer-warmup 3]
 """
 
 from __future__ import annotations
@@ -33,11 +45,12 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 WIDTH = 512
@@ -74,6 +87,143 @@ job = Job(
     threads=1,
 )
 """
+
+
+# ------------------------------------------ transformer with tuple boundaries
+
+# Smaller than a "real" decoder on purpose: at width 256, sequence 64 and
+# microbatch 8 one step of this model takes about a second in one thread on
+# this kind of 2-core machine, too long for several alternating repeats;
+# these sizes keep a pipelined step under 100 ms, near the MLP case's.
+T_WIDTH = 128
+T_HEADS = 4
+T_SEQ = 32
+T_VOCAB = 256
+T_BLOCKS = 4
+T_MICROBATCH = 4
+T_BATCH = T_MICROBATCH * MICROBATCHES
+T_SAMPLES = 4 * T_BATCH
+T_BALANCE = (3, 3)
+"""Layers per stage: embedding + 2 blocks | 2 blocks + head, given to both contenders."""
+
+
+class Embed(nn.Module):
+    """Token + learned position embedding; passes the padding mask on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(T_VOCAB, T_WIDTH)
+        self.pos = nn.Embedding(T_SEQ, T_WIDTH)
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.tok(input_ids) + self.pos.weight, attention_mask
+
+
+class Block(nn.Module):
+    """Pre-LN causal self-attention and MLP; padded keys are masked out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(T_WIDTH)
+        self.qkv = nn.Linear(T_WIDTH, 3 * T_WIDTH)
+        self.proj = nn.Linear(T_WIDTH, T_WIDTH)
+        self.ln2 = nn.LayerNorm(T_WIDTH)
+        self.mlp = nn.Sequential(
+            nn.Linear(T_WIDTH, 4 * T_WIDTH), nn.GELU(), nn.Linear(4 * T_WIDTH, T_WIDTH)
+        )
+
+    def forward(
+        self, hidden: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        b, s, _ = hidden.shape
+        q, k, v = (
+            t.view(b, s, T_HEADS, T_WIDTH // T_HEADS).transpose(1, 2)
+            for t in self.qkv(self.ln1(hidden)).chunk(3, dim=-1)
+        )
+        # Built on the input's device: evtrain surveys the layers on meta.
+        causal = torch.ones(s, s, dtype=torch.bool, device=mask.device).tril()
+        own = torch.eye(s, dtype=torch.bool, device=mask.device)
+        # A position always sees itself, so a row is never fully masked (NaN).
+        allowed = causal & mask[:, None, None, :] | own
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+        hidden = hidden + self.proj(attn.transpose(1, 2).reshape(b, s, T_WIDTH))
+        return hidden + self.mlp(self.ln2(hidden)), mask
+
+
+class Head(nn.Module):
+    """Final LayerNorm and the vocabulary projection; the mask ends here."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(T_WIDTH)
+        self.out = nn.Linear(T_WIDTH, T_VOCAB, bias=False)
+
+    def forward(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.out(self.ln(hidden))
+
+
+def transformer_layers() -> list[Callable[[], nn.Module]]:
+    """The decoder's layers in order, as zero-argument factories."""
+    return [Embed, *([Block] * T_BLOCKS), Head]
+
+
+def transformer_samples() -> dict[str, torch.Tensor]:
+    """Random token sequences of random length, padded; labels are the next token."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, T_VOCAB, (T_SAMPLES, T_SEQ), generator=g)
+    lengths = torch.randint(T_SEQ // 4, T_SEQ + 1, (T_SAMPLES,), generator=g)
+    mask = torch.arange(T_SEQ)[None, :] < lengths[:, None]
+    labels = torch.roll(ids, -1, dims=1).masked_fill(~mask, -100)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def transformer_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over the unpadded tokens of one microbatch."""
+    return F.cross_entropy(logits.reshape(-1, T_VOCAB), labels.reshape(-1), ignore_index=-100)
+
+
+# The spec imports the model from this file, so both contenders build the
+# very same classes.
+TRANSFORMER_SPEC = f"""
+import functools
+import sys
+import torch
+sys.path.append({str(Path(__file__).resolve().parent)!r})
+import pipeline_vs_torch as bench
+from evtrain.job import Job, layer
+
+job = Job(
+    name="bench-transformer",
+    layers=[layer(f) for f in bench.transformer_layers()],
+    loss_fn=bench.transformer_loss,
+    optimizer=functools.partial(torch.optim.SGD, lr=1e-3),
+    train_data=bench.transformer_samples,
+    input_keys=("input_ids", "attention_mask"),
+    target_keys="labels",
+    batch_size={T_BATCH},
+    num_microbatches={MICROBATCHES},
+    balance={list(T_BALANCE)},
+    max_steps=10,
+    stages={STAGES},
+    threads=1,
+)
+"""
+
+
+class _Chain(nn.Module):
+    """Layers applied in turn by evtrain's calling convention (a tuple becomes positional args)."""
+
+    def __init__(self, layers: list[nn.Module]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        value: torch.Tensor | tuple[torch.Tensor, ...] = args
+        for module in self.layers:
+            value = module(*value) if isinstance(value, tuple) else module(value)
+        return value
 
 
 def _mlp_layers(start: int, stop: int) -> nn.Sequential:
@@ -160,6 +310,70 @@ def torch_worker(kind: str, steps: int, warmup: int) -> float | None:
     return steps / elapsed if rank == 0 else None
 
 
+def torch_transformer_worker(steps: int, warmup: int) -> float | None:
+    """One rank of PipelineStage + Schedule1F1B on the decoder; rank 0 returns steps/s."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    _maybe_pin()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    first, last = rank == 0, rank == world - 1
+    start = sum(T_BALANCE[:rank])
+    torch.manual_seed(rank)
+    factories = transformer_layers()[start : start + T_BALANCE[rank]]
+    module = _Chain([f() for f in factories])
+    mb = T_MICROBATCH
+    # Static shapes, as for the MLP, but torch 2.13 takes each boundary
+    # tensor's requires_grad from these examples: an example hidden state
+    # without it makes the next stage's receive buffer a non-grad tensor, so
+    # that stage skips its input gradient and the first stage silently
+    # backpropagates zeros. With the flags as at run time, torch derives the
+    # gradient metadata itself: a slot for the hidden state, none for the bool
+    # mask (requires_grad False), so the mask travels forward only and no
+    # zero gradient is sent back for it. The mask needs no kwargs detour: the
+    # tuple (hidden, mask) is the stage's positional output and the next
+    # stage's positional input.
+    hidden = torch.empty(mb, T_SEQ, T_WIDTH, requires_grad=True)
+    mask = torch.empty(mb, T_SEQ, dtype=torch.bool)
+    ids = torch.empty(mb, T_SEQ, dtype=torch.long)
+    stage = PipelineStage(
+        module,
+        rank,
+        world,
+        torch.device("cpu"),
+        input_args=(ids, mask) if first else (hidden, mask),
+        output_args=torch.empty(mb, T_SEQ, T_VOCAB, requires_grad=True) if last else (hidden, mask),
+    )
+    schedule = Schedule1F1B(stage, n_microbatches=MICROBATCHES, loss_fn=transformer_loss)
+    optimizer = torch.optim.SGD(module.parameters(), lr=1e-3)
+    data = transformer_samples()
+    batch = {k: v[:T_BATCH] for k, v in data.items()}
+    t0 = 0.0
+    for i in range(warmup + steps):
+        if i == warmup:
+            dist.barrier()
+            t0 = time.perf_counter()
+        if first:
+            schedule.step(batch["input_ids"], batch["attention_mask"])
+        elif last:
+            schedule.step(target=batch["labels"], losses=[])
+        else:
+            schedule.step()
+        if i == 0 and not any(
+            bool(p.grad.any()) for p in module.parameters() if p.grad is not None
+        ):
+            # The failure mode above is silent; refuse to time a peer that
+            # does not train every stage.
+            raise RuntimeError(f"torch stage {rank} got no gradient")
+        optimizer.step()
+        optimizer.zero_grad()
+    dist.barrier()
+    elapsed = time.perf_counter() - t0
+    dist.destroy_process_group()
+    return steps / elapsed if first else None
+
+
 def sequential_worker(steps: int, warmup: int) -> float:
     """One process, the same 8 microbatches in sequence; returns steps/s."""
     _maybe_pin()
@@ -191,7 +405,7 @@ def _removing(directory: str) -> Iterator[None]:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def run_evtrain(spec: Path, schedule: str, steps: int, warmup: int) -> float:
+def run_evtrain(spec: Path, schedule: str, steps: int, warmup: int, label: str = "") -> float:
     """Launch evtrain's stage workers with a live bus; steps/s from StepEnded events."""
     from evtrain.bus import Broker, BusAddress, Subscriber
     from evtrain.events import StepEnded, StepStarted
@@ -204,7 +418,7 @@ def run_evtrain(spec: Path, schedule: str, steps: int, warmup: int) -> float:
             spec_path=str(spec),
             overrides={"schedule": schedule, "steps": str(warmup + steps)},
             bus=str(address),
-            run_id=f"bench-{schedule}",
+            run_id=f"bench-{label or schedule}",
         )
         _launch(STAGES, worker_main, config.encode())
         events = []
@@ -244,12 +458,29 @@ def main() -> None:
         action="store_true",
         help="pin every worker process to its own core (EVTRAIN_PIN_CPU=1), all contenders",
     )
+    parser.add_argument(
+        "--transformer-steps",
+        type=int,
+        default=30,
+        help="timed steps per contender on the decoder with tuple boundaries",
+    )
+    parser.add_argument(
+        "--transformer-warmup", type=int, default=3, help="untimed decoder steps first"
+    )
     args = parser.parse_args()
     os.environ.setdefault("EVTRAIN_LOG_LEVEL", "warning")
     if args.pin:
         os.environ["EVTRAIN_PIN_CPU"] = "1"
 
-    names = ("evtrain_1f1b", "torch_1f1b", "evtrain_gpipe", "torch_gpipe", "sequential")
+    names = (
+        "evtrain_1f1b",
+        "torch_1f1b",
+        "evtrain_gpipe",
+        "torch_gpipe",
+        "sequential",
+        "evtrain_transformer",
+        "torch_transformer",
+    )
     chosen = [n for n in args.only.split(",") if n] or list(names)
     unknown = set(chosen) - set(names)
     if unknown:
@@ -258,9 +489,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="evt-bench-") as tmp:
         spec = Path(tmp) / "bench_spec.py"
         spec.write_text(SPEC)
+        transformer_spec = Path(tmp) / "bench_transformer_spec.py"
+        transformer_spec.write_text(TRANSFORMER_SPEC)
+        t_steps, t_warmup = args.transformer_steps, args.transformer_warmup
         for repeat in range(args.repeats):
             for name in results:
-                if name.startswith("evtrain_"):
+                if name == "evtrain_transformer":
+                    rate = run_evtrain(transformer_spec, "1f1b", t_steps, t_warmup, "transformer")
+                elif name == "torch_transformer":
+                    out = _launch(STAGES, torch_transformer_worker, t_steps, t_warmup)
+                    rate = float(out[0])
+                elif name.startswith("evtrain_"):
                     rate = run_evtrain(spec, name.split("_")[1], args.steps, args.warmup)
                 elif name.startswith("torch_"):
                     out = _launch(STAGES, torch_worker, name.split("_")[1], args.steps, args.warmup)
@@ -269,7 +508,7 @@ def main() -> None:
                     rate = float(_launch(1, sequential_worker, args.steps, args.warmup)[0])
                 results[name].append(rate)
                 print(
-                    f"repeat {repeat + 1}/{args.repeats}  {name:14s} {rate:6.2f} steps/s",
+                    f"repeat {repeat + 1}/{args.repeats}  {name:19s} {rate:6.2f} steps/s",
                     flush=True,
                 )
 
@@ -287,10 +526,10 @@ def main() -> None:
         else STAGES * MICROBATCHES / (MICROBATCHES + STAGES - 1) * med["sequential"]
     )
     print()
-    print(f"{'contender':14s} {'median':>8s} {'best':>8s}  runs (steps/s)")
+    print(f"{'contender':19s} {'median':>8s} {'best':>8s}  runs (steps/s)")
     for name, values in results.items():
         runs = " ".join(f"{v:.2f}" for v in values)
-        print(f"{name:14s} {statistics.median(values):8.2f} {max(values):8.2f}  {runs}")
+        print(f"{name:19s} {statistics.median(values):8.2f} {max(values):8.2f}  {runs}")
     ratio_1f1b = ratio(med["evtrain_1f1b"], med["torch_1f1b"])
     ratio_gpipe = ratio(med["evtrain_gpipe"], med["torch_gpipe"])
     per_repeat = [
@@ -307,6 +546,21 @@ def main() -> None:
     print(f"evtrain/torch GPipe {fmt(ratio_gpipe)}")
     fraction = ratio(med["evtrain_1f1b"], bound)
     print(f"bubble bound {fmt(bound)} steps/s; evtrain 1F1B reaches {fmt(fraction)} of it")
+    ratio_transformer = ratio(med["evtrain_transformer"], med["torch_transformer"])
+    per_repeat_transformer = [
+        e / t
+        for e, t in zip(
+            results.get("evtrain_transformer", []),
+            results.get("torch_transformer", []),
+            strict=False,
+        )
+    ]
+    each_transformer = " ".join(f"{r:.3f}" for r in per_repeat_transformer)
+    print(
+        f"decoder, (hidden, mask) boundary: evtrain {fmt(med['evtrain_transformer'])}, "
+        f"torch {fmt(med['torch_transformer'])} steps/s"
+    )
+    print(f"evtrain/torch 1F1B decoder {fmt(ratio_transformer)}  (per repeat: {each_transformer})")
 
     def rounded(x: float | None) -> float | None:
         return None if x is None else round(x, 3)
@@ -326,9 +580,15 @@ def main() -> None:
         "ratio_1f1b_best": rounded(best_ratio_1f1b),
         "bound_steps_per_s": rounded(bound),
         "bound_fraction_1f1b": rounded(fraction),
+        "evtrain_transformer_steps_per_s": rounded(med["evtrain_transformer"]),
+        "torch_transformer_steps_per_s": rounded(med["torch_transformer"]),
+        "ratio_transformer_tuple": rounded(ratio_transformer),
+        "ratio_transformer_tuple_per_repeat": [round(r, 3) for r in per_repeat_transformer],
         "steps": args.steps,
         "warmup": args.warmup,
         "repeats": args.repeats,
+        "transformer_steps": t_steps,
+        "transformer_warmup": t_warmup,
     }
     print(json.dumps(summary))
 
