@@ -321,6 +321,14 @@ class Job:
     or a map-style data set of ``(input, target)`` pairs; with `input_keys`, samples are
     dicts (a dict of stacked tensors, or a data set of dicts). Kept stacked in memory."""
 
+    data_loader: Mapping[str, Any] | None = None
+    """Read `train_data` and `eval_data` as map-style data sets through a
+    `torch.utils.data.DataLoader` with these options (``num_workers``,
+    ``collate_fn``, ``prefetch_factor``, ...; see `evtrain.loading`) instead of
+    stacking them in memory: only the stages that consume data read it, and
+    randomness in ``dataset[i]`` (augmentation) is seeded per sample and epoch.
+    ``{}`` uses the DataLoader's defaults (no workers)."""
+
     input_keys: str | Sequence[str] | None = None
     """For dict samples: the key whose tensor feeds the first stage, or a tuple of keys
     passed to it as keyword arguments. Keys a later stage needs (a padding mask) are
@@ -445,6 +453,8 @@ class Job:
                 put(keys, tuple(value))
         if isinstance(self.precision, str):
             put("precision", self.precision.lower())
+        if isinstance(self.data_loader, Mapping):
+            put("data_loader", dict(self.data_loader))
         if isinstance(self.hooks, Sequence) and not isinstance(self.hooks, str):
             put("hooks", tuple({"type": h} if isinstance(h, str) else h for h in self.hooks))
         if isinstance(self.metrics, Mapping):
@@ -509,6 +519,7 @@ class Job:
         if self.eval_every is not None and self.eval_data is None:
             raise SpecError("eval_every", "is set but eval_data is not")
         self._validate_metrics()
+        self._validate_data_loader()
         if self.grad_clip is not None and (
             not isinstance(self.grad_clip, float) or not self.grad_clip > 0
         ):
@@ -668,6 +679,23 @@ class Job:
                 "use backend 'aot_eager' with activation_checkpointing",
             )
 
+    def _validate_data_loader(self) -> None:
+        from evtrain.loading import LOADER_OPTIONS
+
+        if self.data_loader is None:
+            return
+        if not isinstance(self.data_loader, dict):
+            raise SpecError(
+                "data_loader", f"expected a dict of DataLoader options, got {self.data_loader!r}"
+            )
+        bad = sorted(set(self.data_loader) - LOADER_OPTIONS)
+        if bad:
+            raise SpecError(
+                "data_loader",
+                f"{', '.join(map(repr, bad))} cannot be set (batches, their size and order are "
+                f"evtrain's); allowed: {', '.join(sorted(LOADER_OPTIONS))}",
+            )
+
     def _validate_metrics(self) -> None:
         if not isinstance(self.metrics, dict):
             raise SpecError(
@@ -761,13 +789,81 @@ class Job:
             )
         return self._cache["eval"]
 
+    def _dataset(self, field: str) -> Any:
+        key = f"{field}:dataset"
+        if key not in self._cache:
+            value = getattr(self, field)
+            # A factory (a class, a partial), not a data set instance.
+            if isinstance(value, type) or (callable(value) and not hasattr(value, "__getitem__")):
+                try:
+                    value = value()
+                except Exception as exc:
+                    raise SpecError(
+                        field, f"loading the data failed: {type(exc).__name__}: {exc}"
+                    ) from exc
+            if not (hasattr(value, "__len__") and hasattr(value, "__getitem__")):
+                raise SpecError(
+                    field,
+                    "with data_loader, expected a map-style data set (len() and [i]), or a "
+                    f"callable returning one; got {type(value).__name__}",
+                )
+            if len(value) == 0:
+                raise SpecError(field, "the data set is empty")
+            self._cache[key] = value
+        return self._cache[key]
+
+    def train_dataset(self) -> Any:
+        """With `data_loader`: the training data set (built once, then cached; not read)."""
+        return self._dataset("train_data")
+
+    def eval_dataset(self) -> Any:
+        """With `data_loader`: the eval data set, or None without `eval_data`."""
+        return None if self.eval_data is None else self._dataset("eval_data")
+
+    def num_train_samples(self) -> int:
+        """Size of the training set (a data set's ``len``, or the stacked tensors')."""
+        if self.data_loader is not None:
+            return len(self.train_dataset())
+        return self.train_tensors().num_samples
+
+    def num_eval_samples(self) -> int:
+        """Size of the eval set (0 without `eval_data`)."""
+        if self.eval_data is None:
+            return 0
+        if self.data_loader is not None:
+            return len(self.eval_dataset())
+        evaluation = self.eval_tensors()
+        assert evaluation is not None
+        return evaluation.num_samples
+
+    def example_batch(self, n: int) -> tuple[Any, Any]:
+        """The first ``n`` training samples as stacked (inputs, targets): shapes and dtypes."""
+        if self.data_loader is not None:
+            from evtrain.loading import first_samples
+
+            return first_samples(
+                self.train_dataset(),
+                n,
+                self.seed,
+                self.data_loader.get("collate_fn"),
+                self.input_keys,
+                self.target_keys,
+            )
+        from evtrain.stages.boundary import map_tensors
+
+        train = self.train_tensors()
+        return (
+            map_tensors(lambda t: t[:n], train.inputs),
+            map_tensors(lambda t: t[:n], train.targets),
+        )
+
     def train_stream(self) -> DataStream:
         """The deterministic batch order for training (shuffled per epoch, last batch dropped).
 
         Loads the training set to learn its size; raises `SpecError`
         (``batch_size``) when a batch is larger than the data set.
         """
-        n = self.train_tensors().num_samples
+        n = self.num_train_samples()
         if self.batch_size > n:
             raise SpecError(
                 "batch_size", f"{self.batch_size} is larger than the training set ({n} samples)"

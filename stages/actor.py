@@ -167,6 +167,7 @@ from evtrain.events import (
 )
 from evtrain.failures import frame_location, is_communication_error, user_frames
 from evtrain.job import Job
+from evtrain.loading import make_reader
 from evtrain.reporting import Reporter, reporting
 from evtrain.spec import apply_overrides, load_job
 from evtrain.stages.boundary import BoundarySpec, TensorSpec, flatten
@@ -578,21 +579,25 @@ class StageActor:
         job, module = self.job, self.module
         assert job is not None and module is not None
         first, last = self.stage == 0, self.stage == self.num_stages - 1
-        train = job.train_tensors()
         stream = job.train_stream()
         total = job.total_steps()
-        evaluation = job.eval_tensors()
-        eval_sizes: list[int] = []
-        if evaluation is not None:
-            plan = eval_microbatches(
-                evaluation.num_samples, job.effective_eval_batch_size, job.num_microbatches
+        eval_plan: list[list[range]] = []
+        if job.eval_data is not None:
+            eval_plan = eval_microbatches(
+                job.num_eval_samples(), job.effective_eval_batch_size, job.num_microbatches
             )
-            eval_sizes = [len(r) for batch in plan for r in batch]
+        eval_sizes = [len(r) for batch in eval_plan for r in batch]
         sizes = sorted({job.microbatch_size, *eval_sizes})
+        train_reader = make_reader(job, "train", first, last, self.device, stream=stream)
+        eval_reader = (
+            make_reader(job, "eval", first, last, self.device, eval_plan=eval_plan)
+            if eval_plan
+            else None
+        )
 
         input_specs = None
         if first:
-            tree, leaves = flatten(train.inputs, "train_data")
+            tree, leaves = flatten(job.example_batch(1)[0], "train_data")
             input_specs = [
                 BoundarySpec(tree, tuple(TensorSpec((n, *t.shape[1:]), t.dtype) for t in leaves))
                 for n in sizes
@@ -629,11 +634,9 @@ class StageActor:
             tied=self.tied,
             stream=stream,
             specs=specs,
-            train_inputs=train.inputs if first else None,
-            train_targets=train.targets if last else None,
-            eval_inputs=evaluation.inputs if evaluation is not None and first else None,
-            eval_targets=evaluation.targets if evaluation is not None and last else None,
-            eval_num_samples=evaluation.num_samples if evaluation is not None else 0,
+            train=train_reader,
+            evaluation=eval_reader,
+            eval_num_samples=job.num_eval_samples(),
         )
         if not self.config.evaluate_only:
             self.writer = ShardWriter(self.stage, self.num_stages, device=self.device)
@@ -1042,12 +1045,11 @@ COMMAND_HANDLERS: dict[type[Command], Callable[[StageActor, Any, _Work], None]] 
 def _eval_batches(job: Job | None) -> int:
     if job is None:
         return 0
-    evaluation = job.eval_tensors()
-    if evaluation is None:
+    if job.eval_data is None:
         return 0
     return len(
         eval_microbatches(
-            evaluation.num_samples, job.effective_eval_batch_size, job.num_microbatches
+            job.num_eval_samples(), job.effective_eval_batch_size, job.num_microbatches
         )
     )
 

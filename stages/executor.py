@@ -41,7 +41,8 @@ from torch import nn
 
 from evtrain.data import DataStream, eval_microbatches
 from evtrain.job import Job
-from evtrain.stages.boundary import BoundarySpec, call, flatten, map_tensors, split, take
+from evtrain.loading import Reader
+from evtrain.stages.boundary import BoundarySpec, call, flatten, split
 from evtrain.stages.control import ControlResult, StepControl
 from evtrain.stages.instructions import (
     Backward,
@@ -124,8 +125,8 @@ class StageExecutor:
     ``specs`` maps every microbatch size of the run to this stage's (input,
     output) `BoundarySpec`, as agreed by `evtrain.stages.p2p.exchange_shapes`
     (the output spec is None on the last stage, which sends nothing).
-    ``train_inputs`` (a pytree of stacked tensors) is needed on the first
-    stage and ``train_targets`` on the last (likewise for eval). ``lookahead`` applies to 1F1B (see
+    ``train``/``evaluation`` read the first stage's inputs and the last
+    stage's targets (`evtrain.loading`); other stages have None. ``lookahead`` applies to 1F1B (see
     `DEFAULT_LOOKAHEAD`); ``recv_window`` bounds the receives posted ahead
     (default: all of a pass).
     """
@@ -145,10 +146,8 @@ class StageExecutor:
         stream: DataStream,
         tied: TiedWeights | None = None,
         specs: dict[int, tuple[BoundarySpec, BoundarySpec | None]],
-        train_inputs: Any,
-        train_targets: Any,
-        eval_inputs: Any = None,
-        eval_targets: Any = None,
+        train: Reader | None,
+        evaluation: Reader | None = None,
         eval_num_samples: int = 0,
         recv_window: int | None = None,
         lookahead: int = DEFAULT_LOOKAHEAD,
@@ -171,10 +170,8 @@ class StageExecutor:
         self._skipped = False
         self.stream = stream
         self.specs = specs
-        self.train_inputs = train_inputs
-        self.train_targets = train_targets
-        self.eval_inputs = eval_inputs
-        self.eval_targets = eval_targets
+        self.train = train
+        self.evaluation = evaluation
         self.eval_num_samples = eval_num_samples
         self.M = job.num_microbatches
         self.recv_window = recv_window or self.M
@@ -259,7 +256,7 @@ class StageExecutor:
             self._mb_offset = accum * self.M
             sizes = [mb] * self.M
             self._begin_pass(sizes, [in_spec] * self.M, [out_spec] * self.M)
-            self._load_batch(self.stream.indices(index, accum), train=True)
+            self._load_batch(self.stream.batch_index(index, accum))
             for handler, microbatch in self._pass_program:
                 handler(microbatch)
         lr = float(self.optimizer.param_groups[0]["lr"]) if self.optimizer is not None else None
@@ -393,14 +390,15 @@ class StageExecutor:
         self._in_leaves = self._outputs = self._grads = []
         self._batch_x = self._batch_y = []
 
-    def _load_batch(self, indices: torch.Tensor, *, train: bool) -> None:
-        inputs = self.train_inputs if train else self.eval_inputs
-        targets = self.train_targets if train else self.eval_targets
+    def _load_batch(self, batch_index: int) -> None:
+        if self.train is None:
+            return
+        inputs, targets = self.train.batch(batch_index, self.stream.batch(batch_index))
         mb = self.job.microbatch_size
-        if self.first and inputs is not None:
-            self._batch_x = split(take(inputs, indices, self.device), mb)
-        if self.last and targets is not None:
-            self._batch_y = split(take(targets, indices, self.device), mb)
+        if inputs is not None:
+            self._batch_x = split(inputs, mb)
+        if targets is not None:
+            self._batch_y = split(targets, mb)
 
     # ------------------------------------------------------------ instructions
 
@@ -571,10 +569,10 @@ class StageExecutor:
         )
         self._batch_x = []
         self._batch_y = []
-        if self.first and self.eval_inputs is not None:
-            self._batch_x = [_rows(self.eval_inputs, r, self.device) for r in batch]
-        if self.last and self.eval_targets is not None:
-            self._batch_y = [_rows(self.eval_targets, r, self.device) for r in batch]
+        if self.evaluation is not None:
+            pairs = [self.evaluation.rows(r) for r in batch]
+            self._batch_x = [x for x, _ in pairs]
+            self._batch_y = [y for _, y in pairs]
         program = self._eval_programs.get(len(batch))
         if program is None:
             program = self._compile(
@@ -595,7 +593,3 @@ class StageExecutor:
             weighted = torch.as_tensor(value, device=self.device).detach().double() * n
             previous = self._eval_sums.get(name)
             self._eval_sums[name] = weighted if previous is None else previous + weighted
-
-
-def _rows(value: Any, rows: range, device: torch.device) -> Any:
-    return map_tensors(lambda t: t[rows.start : rows.stop].to(device), value)

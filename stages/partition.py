@@ -52,7 +52,7 @@ from torch import nn
 from evtrain.data import derive_seed
 from evtrain.errors import SpecError
 from evtrain.job import Job, LayerFactory
-from evtrain.stages.boundary import call, map_tensors, spec_of, split
+from evtrain.stages.boundary import call, map_tensors, spec_of
 from evtrain.stages.tied import TiedGroup, resolve_ties
 
 __all__ = [
@@ -323,8 +323,7 @@ def partition(
 
 def example_microbatch(job: Job) -> Any:
     """The first training microbatch's inputs, as stage 0 receives them."""
-    inputs = job.train_tensors().inputs
-    return split(inputs, job.microbatch_size)[0]
+    return job.example_batch(job.microbatch_size)[0]
 
 
 def unit_costs(job: Job) -> list[float]:

@@ -1,0 +1,335 @@
+"""How a stage reads the samples `evtrain.data` chose: from memory, or through a DataLoader.
+
+Only the stages that consume data read it: the first stage the inputs, the
+last stage the targets; the others never open the data set (they learn its
+size only). Both readers give the same batches for the same indices:
+
+* `MemoryReader` — the simple case: the data set stacked in memory
+  (`evtrain.job.TensorPair`), rows gathered by index.
+* `LoaderReader` — a map-style data set read by a `torch.utils.data.DataLoader`
+  (worker processes, a collate function, prefetching) whose batch sampler
+  yields exactly `evtrain.data.DataStream`'s batches from a given batch on.
+  The data position is therefore the step, as for the stacked case: a
+  resumed or restarted run starts the sampler at the batch of its first
+  step. Randomness inside ``dataset[i]`` (augmentation) is seeded per
+  sample with ``derive_seed(seed, "sample", epoch, i)`` (torch, ``random``
+  and numpy), in whichever worker reads it, so it differs per epoch, is the
+  same across reruns and resumes, and does not depend on ``num_workers``.
+  torchdata's ``StatefulDataLoader`` is not needed for this: it saves the
+  iteration state of samplers and workers, which here is a pure function
+  of the step.
+
+Samples are ``(input, target)`` pairs, or dicts split by `Job.input_keys` and
+`Job.target_keys`; the collate function (default: torch's
+``default_collate``) stacks a batch of them.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from evtrain.data import DataStream, derive_seed
+from evtrain.errors import SpecError
+
+__all__ = [
+    "LOADER_OPTIONS",
+    "LoaderReader",
+    "MemoryReader",
+    "Reader",
+    "first_samples",
+    "make_reader",
+    "split_sample",
+]
+
+LOADER_OPTIONS: frozenset[str] = frozenset(
+    {
+        "num_workers",
+        "collate_fn",
+        "pin_memory",
+        "prefetch_factor",
+        "persistent_workers",
+        "multiprocessing_context",
+        "timeout",
+        "in_order",
+    }
+)
+"""`torch.utils.data.DataLoader` options a job may set (`Job.data_loader`); the batch
+order, batch size and shuffling are evtrain's."""
+
+
+def split_sample(
+    value: Any, input_keys: str | Sequence[str] | None, target_keys: str | Sequence[str] | None
+) -> tuple[Any, Any]:
+    """``(inputs, targets)`` of a (collated) sample: by keys for dicts, else a pair."""
+    if input_keys is None:
+        if isinstance(value, Mapping) or not isinstance(value, tuple | list) or len(value) != 2:
+            raise SpecError(
+                "train_data",
+                "samples must be (input, target) pairs, or dicts with input_keys and "
+                f"target_keys set; got {type(value).__name__}",
+            )
+        return value[0], value[1]
+    assert target_keys is not None
+    if not isinstance(value, Mapping):
+        raise SpecError(
+            "train_data", f"input_keys is set, so samples must be dicts; got {type(value).__name__}"
+        )
+
+    def pick(keys: str | Sequence[str]) -> Any:
+        for key in (keys,) if isinstance(keys, str) else keys:
+            if key not in value:
+                raise SpecError(
+                    "train_data",
+                    f"the samples have no key {key!r}; they have {', '.join(map(str, value))}",
+                )
+        return value[keys] if isinstance(keys, str) else {k: value[k] for k in keys}
+
+    return pick(input_keys), pick(target_keys)
+
+
+class Reader:
+    """What one stage reads; ``inputs``/``targets`` say which half it keeps."""
+
+    def __init__(self, *, inputs: bool, targets: bool, device: torch.device) -> None:
+        self.inputs = inputs
+        self.targets = targets
+        self.device = device
+
+    def batch(self, batch_index: int, indices: torch.Tensor) -> tuple[Any, Any]:
+        """The training batch ``batch_index`` (samples ``indices``) as (inputs, targets)."""
+        raise NotImplementedError
+
+    def rows(self, rows: range) -> tuple[Any, Any]:
+        """Evaluation samples ``rows`` (read in order, each once) as (inputs, targets)."""
+        raise NotImplementedError
+
+    def _keep(self, inputs: Any, targets: Any) -> tuple[Any, Any]:
+        from evtrain.stages.boundary import map_tensors
+
+        def move(value: Any) -> Any:
+            return map_tensors(lambda t: t.to(self.device, non_blocking=True), value)
+
+        return (
+            move(inputs) if self.inputs else None,
+            move(targets) if self.targets else None,
+        )
+
+
+class MemoryReader(Reader):
+    """Rows of stacked tensors (`evtrain.job.TensorPair`)."""
+
+    def __init__(self, pair: Any, *, inputs: bool, targets: bool, device: torch.device) -> None:
+        super().__init__(inputs=inputs, targets=targets, device=device)
+        self.pair = pair
+
+    def batch(self, batch_index: int, indices: torch.Tensor) -> tuple[Any, Any]:
+        from evtrain.stages.boundary import take
+
+        cpu = torch.device("cpu")
+        return self._keep(
+            take(self.pair.inputs, indices, cpu) if self.inputs else None,
+            take(self.pair.targets, indices, cpu) if self.targets else None,
+        )
+
+    def rows(self, rows: range) -> tuple[Any, Any]:
+        from evtrain.stages.boundary import map_tensors
+
+        def cut(value: Any) -> Any:
+            return map_tensors(lambda t: t[rows.start : rows.stop], value)
+
+        return self._keep(
+            cut(self.pair.inputs) if self.inputs else None,
+            cut(self.pair.targets) if self.targets else None,
+        )
+
+
+class _SeededSamples(Dataset[Any]):
+    """``dataset[i]`` with every RNG seeded for (epoch, i); keys are ``(epoch, i)``."""
+
+    def __init__(self, dataset: Any, seed: int, kind: str) -> None:
+        self.dataset = dataset
+        self.seed = seed
+        self.kind = kind
+
+    def __getitem__(self, key: tuple[int, int]) -> Any:
+        epoch, index = key
+        seed = derive_seed(self.seed, self.kind, epoch, index)
+        # Forked: with num_workers=0 this runs in the stage itself, whose own
+        # streams (dropout) must not move.
+        state = random.getstate()
+        np_state = _numpy_state()
+        try:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                random.seed(seed)
+                _numpy_seed(seed)
+                return self.dataset[index]
+        finally:
+            random.setstate(state)
+            _numpy_restore(np_state)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+
+def _numpy_state() -> Any:
+    try:
+        import numpy
+    except ImportError:
+        return None
+    return numpy.random.get_state()
+
+
+def _numpy_seed(seed: int) -> None:
+    try:
+        import numpy
+    except ImportError:
+        return
+    numpy.random.seed(seed % (1 << 32))
+
+
+def _numpy_restore(state: Any) -> None:
+    if state is not None:
+        import numpy
+
+        numpy.random.set_state(state)
+
+
+class _Batches(Sampler[list[tuple[int, int]]]):
+    def __init__(self, batches: Iterator[list[tuple[int, int]]]) -> None:
+        self._batches = batches
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        return self._batches
+
+
+class LoaderReader(Reader):
+    """A map-style data set read through a DataLoader (see the module docstring).
+
+    Training batches are read in order from the first one asked for; asking
+    for another than the next restarts the loader there (a rollback).
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        *,
+        seed: int,
+        options: Mapping[str, Any],
+        input_keys: str | Sequence[str] | None,
+        target_keys: str | Sequence[str] | None,
+        inputs: bool,
+        targets: bool,
+        device: torch.device,
+        stream: DataStream | None = None,
+        eval_plan: Sequence[Sequence[range]] = (),
+    ) -> None:
+        super().__init__(inputs=inputs, targets=targets, device=device)
+        self.dataset = dataset
+        self.seed = seed
+        self.options = dict(options)
+        self.input_keys = input_keys
+        self.target_keys = target_keys
+        self.stream = stream
+        self.eval_plan = [r for batch in eval_plan for r in batch]
+        self._train: Iterator[Any] | None = None
+        self._next_batch = -1
+        self._eval: Iterator[Any] | None = None
+        self._next_rows = 0
+
+    def _loader(self, kind: str, batches: Iterator[list[tuple[int, int]]]) -> Iterator[Any]:
+        loader = DataLoader(
+            _SeededSamples(self.dataset, self.seed, kind),
+            batch_sampler=_Batches(batches),
+            **self.options,
+        )
+        return iter(loader)
+
+    def _train_batches(self, first: int) -> Iterator[list[tuple[int, int]]]:
+        assert self.stream is not None
+        b = first
+        while True:
+            epoch = b // self.stream.batches_per_epoch
+            yield [(epoch, int(i)) for i in self.stream.batch(b)]
+            b += 1
+
+    def batch(self, batch_index: int, indices: torch.Tensor) -> tuple[Any, Any]:
+        if self._train is None or batch_index != self._next_batch:
+            self._train = self._loader("sample", self._train_batches(batch_index))
+        self._next_batch = batch_index + 1
+        return self._keep(*split_sample(next(self._train), self.input_keys, self.target_keys))
+
+    def rows(self, rows: range) -> tuple[Any, Any]:
+        if rows.start == 0 or self._eval is None:
+            self._eval = self._loader(
+                "eval-sample", iter([[(0, i) for i in r] for r in self.eval_plan])
+            )
+            self._next_rows = 0
+        want = self.eval_plan[self._next_rows]
+        if want != rows:
+            raise RuntimeError(f"evaluation rows {rows} read out of order (expected {want})")
+        self._next_rows += 1
+        return self._keep(*split_sample(next(self._eval), self.input_keys, self.target_keys))
+
+    def close(self) -> None:
+        """Stop the workers (they also stop with the process)."""
+        self._train = self._eval = None
+
+
+def first_samples(
+    dataset: Any,
+    n: int,
+    seed: int,
+    collate_fn: Callable[[list[Any]], Any] | None,
+    input_keys: str | Sequence[str] | None,
+    target_keys: str | Sequence[str] | None,
+) -> tuple[Any, Any]:
+    """The first ``n`` samples collated, as (inputs, targets): shapes for the specs.
+
+    Read seeded, like every other read, so the caller's random streams stay put.
+    """
+    from torch.utils.data import default_collate
+
+    collate = collate_fn or default_collate
+    seeded = _SeededSamples(dataset, seed, "example")
+    batch = [seeded[(0, i)] for i in range(min(n, len(dataset)))]
+    return split_sample(collate(batch), input_keys, target_keys)
+
+
+def make_reader(
+    job: Any,
+    kind: str,
+    first: bool,
+    last: bool,
+    device: torch.device,
+    *,
+    stream: DataStream | None = None,
+    eval_plan: Sequence[Sequence[range]] = (),
+) -> Reader | None:
+    """The reader of ``kind`` (``"train"`` or ``"eval"``) for a stage, None when it reads nothing.
+
+    Only a first or last stage reads: the data set is not opened elsewhere.
+    """
+    if not (first or last):
+        return None
+    if job.data_loader is None:
+        pair = job.train_tensors() if kind == "train" else job.eval_tensors()
+        return MemoryReader(pair, inputs=first, targets=last, device=device)
+    dataset = job.train_dataset() if kind == "train" else job.eval_dataset()
+    return LoaderReader(
+        dataset,
+        seed=job.seed,
+        options=job.data_loader,
+        input_keys=job.input_keys,
+        target_keys=job.target_keys,
+        inputs=first,
+        targets=last,
+        device=device,
+        stream=stream,
+        eval_plan=eval_plan,
+    )
