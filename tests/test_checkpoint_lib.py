@@ -766,3 +766,48 @@ if __name__ == "__main__":
         "stage": _stage_process,
         "slow-writer": _slow_writer,
     }[_mode](_cfg)
+
+
+class _RootBuffered(nn.Module):
+    """Units l0..l4 and a persistent buffer on the root, which every stage keeps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.arange(4.0))
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x) + self.table
+        return x
+
+
+def test_rng_comes_from_the_shard_of_the_first_unit_despite_shared_root_buffers(
+    tmp: Path,
+) -> None:
+    job = Job(
+        name="root",
+        model=_RootBuffered,
+        loss_fn=nn.functional.mse_loss,
+        optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+        train_data=(torch.randn(8, 4), torch.randn(8, 4)),
+        batch_size=4,
+        max_steps=1,
+        stages=3,
+        split_points=["blocks.1", "blocks.4"],
+    )
+    ranges = partition(job)
+    for k, units in enumerate(ranges):
+        module = build_stage_module(job, units)
+        seed_rngs(k)
+        w = ShardWriter(k, 3, asynchronous=False)
+        w.save(checkpoint_path_template(tmp), checkpoint_id="r", step=1, module=module)
+        assert w.wait(30)[0].ok
+        w.close()
+    commit_checkpoint(step_dir(tmp, 1), checkpoint_id="r", num_stages=3)
+    # At 5 stages, stage 3 holds blocks.3: saved by stage 1, whose RNG it takes,
+    # although "table" (its first state_dict key) is in every shard.
+    five = partition(job, 5, balance=[1, 1, 1, 1, 1])
+    module = build_stage_module(job.with_overrides(stages=5, split_points=None), five[3])
+    state = load_stage_shard(step_dir(tmp, 1), 3, module)
+    assert state.rng_restored_from == 1

@@ -280,7 +280,16 @@ def load_stage_shard(
         raise CheckpointError(
             f"checkpoint {ckpt} has no tensor(s) {', '.join(missing[:5])} needed by stage {stage}"
         )
-    first_layer_owner = owner[model_keys[0]] if model_keys else shards[0]
+    # The shard of this stage's first unit: a key only one shard holds (a root
+    # buffer kept on every stage is in all of them).
+    holders: dict[str, int] = {}
+    for shard in shards:
+        for key in shard.record.model_keys:
+            holders[key] = holders.get(key, 0) + 1
+    own = [k for k in model_keys if holders.get(k) == 1]
+    first_layer_owner = (
+        owner[own[0]] if own else (owner[model_keys[0]] if model_keys else shards[0])
+    )
     same_stage = next((s for s in shards if s.stage == stage), None)
     # Scheduler, RNG and data position: from the same stage index when it exists.
     home = same_stage or first_layer_owner
