@@ -400,12 +400,13 @@ def _check_model_stages(job: Job, ranges: Sequence[range]) -> None:
     """
     names = unit_names(job)
     value = _meta_example(job)
-    for stage, units in enumerate(ranges[:-1]):
+    for stage, units in enumerate(ranges):
         part = _on_meta("the model", job.model)
         _prune(part, names, units)
         where = f"stage {stage} ({names[units.start]}..{names[units.stop - 1]})"
         value = _on_meta_run(where, lambda part=part, value=value: call(part, value))
-        spec_of(value, where)
+        if stage < len(ranges) - 1:
+            spec_of(value, where)
 
 
 @dataclass(frozen=True)
@@ -475,7 +476,14 @@ def plan_split(job: Job) -> SplitPlan:
         try:
             _check_model_stages(job, ranges)
         except SurveyUnavailable as exc:
-            log.warning("stage outputs are checked by the stages", reason=str(exc))
+            # The whole model ran on meta, its pruned stages do not: the model's
+            # forward uses a module another stage holds.
+            raise SpecError(
+                "model",
+                f"{exc}; the whole model runs, so its forward needs a module that this "
+                "stage does not hold (keep shared modules and buffers on the root, skip "
+                "modules that are None)",
+            ) from exc
     params = tuple(sum(p.numel() for p in m.parameters()) for _, m in units)
     names = tuple(unit_names(job)) if job.model is not None else tuple(n for n, _ in units)
     return SplitPlan(names, tuple(len(r) for r in ranges), costs, params)

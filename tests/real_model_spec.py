@@ -100,6 +100,14 @@ class TinyGPT(nn.Module):
         return self.head(h, mask)
 
 
+class UnawareGPT(TinyGPT):
+    """Breaks the split contract: its forward always uses the embedding."""
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Any:
+        assert self.embed is not None
+        return super().forward(input_ids, attention_mask)
+
+
 def samples() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(0, VOCAB, (SAMPLES, SEQ), generator=g)
@@ -147,8 +155,8 @@ def make_job(
     common.update(fields)
     if split_points is not None:
         common["split_points"] = split_points  # refused for layers: a test checks it
-    if kind == "model":
-        return Job(model=TinyGPT, **common)
+    if kind in ("model", "unaware"):
+        return Job(model=TinyGPT if kind == "model" else UnawareGPT, **common)
     if kind == "bad_leaf":
         return Job(layers=[layer(Embed), layer(CountingBlock), layer(Head)], **common)
     common.setdefault("tied", [("0.tok.weight", f"{BLOCKS + 1}.out.weight")])

@@ -185,6 +185,9 @@ def test_bad_model_input_is_one_line_before_any_process(tmp_path: Path) -> None:
     assert "'0.nope.weight' is not a parameter" in refused(
         write(tmp_path, "layers", 2, 2, tied=[("0.nope.weight", "5.out.weight")])
     )
+    assert "this stage does not hold" in refused(
+        write(tmp_path, "unaware", 2, 2, split_points=["blocks.2"])
+    )
     assert "layer 1 (CountingBlock) produced a int at [1]" in refused(
         write(tmp_path, "bad_leaf", 2, 2)
     )
