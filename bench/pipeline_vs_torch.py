@@ -279,10 +279,11 @@ def torch_worker(kind: str, steps: int, warmup: int) -> float | None:
         rank,
         world,
         torch.device("cpu"),
-        input_args=(torch.empty(mb, WIDTH),),
-        output_args=torch.empty(mb, WIDTH),
-        # torch 2.13: with static shapes the backward metadata must be given
-        # too, or the first stage backpropagates a None output gradient.
+        # torch 2.13 takes requires_grad from these examples: without it on a later
+        # stage's input, that stage skips its input gradient and the first stage
+        # trains on zeros (less work than the real training evtrain does).
+        input_args=(torch.empty(mb, WIDTH, requires_grad=rank > 0),),
+        output_args=torch.empty(mb, WIDTH, requires_grad=True),
         output_grads=(torch.empty(mb, WIDTH),),
         input_grads=(torch.empty(mb, WIDTH),),
     )
