@@ -137,6 +137,16 @@ def _check_int(field: str, value: object, *, minimum: int, optional: bool = Fals
         raise SpecError(field, f"expected an integer >= {minimum}, got {value!r}")
 
 
+def _takes_total_steps(factory: Callable[..., Any]) -> bool:
+    import inspect
+
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
+    return "total_steps" in params
+
+
 def _leaves(value: Any) -> list[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         return [value]
@@ -352,7 +362,12 @@ class Job:
     `max_steps` and `epochs` is required."""
 
     lr_scheduler: SchedulerFactory | None = None
-    """``lr_scheduler(optimizer) -> LRScheduler``, stepped once after every optimizer step."""
+    """``lr_scheduler(optimizer) -> LRScheduler``, stepped once after every optimizer step.
+
+    A factory with a ``total_steps`` parameter, ``lr_scheduler(optimizer,
+    total_steps=N)``, is told the optimizer steps of the whole run (after
+    ``--steps`` / ``--epochs``, counted from step 0 also when resuming), so a
+    cosine or one-cycle schedule ends where the run ends (see `build_scheduler`)."""
 
     eval_data: DataSource | None = None
     """Evaluation data, same forms as `train_data`; read in order, every sample once."""
@@ -856,6 +871,17 @@ class Job:
             map_tensors(lambda t: t[:n], train.inputs),
             map_tensors(lambda t: t[:n], train.targets),
         )
+
+    def build_scheduler(
+        self, optimizer: torch.optim.Optimizer
+    ) -> torch.optim.lr_scheduler.LRScheduler | None:
+        """The LR scheduler of `lr_scheduler`, given ``total_steps`` when it takes them."""
+        if self.lr_scheduler is None:
+            return None
+        if _takes_total_steps(self.lr_scheduler):
+            factory: Any = self.lr_scheduler
+            return factory(optimizer, total_steps=self.total_steps())
+        return self.lr_scheduler(optimizer)
 
     def train_stream(self) -> DataStream:
         """The deterministic batch order for training (shuffled per epoch, last batch dropped).

@@ -333,6 +333,15 @@ def token_accuracy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------ the job
 
 
+def cosine(
+    optimizer: torch.optim.Optimizer, total_steps: int
+) -> torch.optim.lr_scheduler.LRScheduler:
+    """Cosine decay that reaches its minimum on the run's last step, whatever ``--steps`` says."""
+    return torch.optim.lr_scheduler.CosineAnnealingLR(
+        optimizer, T_max=max(total_steps - 1, 1), eta_min=3e-4
+    )
+
+
 def make_job() -> Job:
     """The job: the `GPT` above on 2 stages, split before block 2."""
     return Job(
@@ -343,7 +352,7 @@ def make_job() -> Job:
         target_keys="labels",
         loss_fn=lm_loss,
         optimizer=functools.partial(torch.optim.AdamW, lr=3e-3, weight_decay=0.01),
-        lr_scheduler=functools.partial(torch.optim.lr_scheduler.CosineAnnealingLR, T_max=100),
+        lr_scheduler=cosine,
         train_data=functools.partial(samples, "train"),
         eval_data=functools.partial(samples, "eval"),
         metrics={"accuracy": token_accuracy},

@@ -616,11 +616,7 @@ class StageActor:
 
         params = [p for p in module.parameters() if p.requires_grad]
         optimizer = job.optimizer(params) if params else None
-        scheduler = (
-            job.lr_scheduler(optimizer)
-            if job.lr_scheduler is not None and optimizer is not None
-            else None
-        )
+        scheduler = job.build_scheduler(optimizer) if optimizer is not None else None
         self.executor = StageExecutor(
             job=job,
             stage=self.stage,

@@ -641,3 +641,41 @@ def test_model_options_are_checked() -> None:
         assert err.value.field == field, (fields, err.value)
     job = Job(**{**base, "precision": "BF16", "balance": "compute"})  # type: ignore[arg-type]
     assert job.precision == "bf16" and job.balance == "compute"
+
+
+def cosine_to_the_end(
+    optimizer: torch.optim.Optimizer, total_steps: int
+) -> torch.optim.lr_scheduler.LRScheduler:
+    return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps - 1)
+
+
+def test_scheduler_is_told_the_run_length_after_overrides() -> None:
+    job = Job(
+        name="t",
+        layers=[layer(nn.Linear, 2, 2)],
+        loss_fn=nn.functional.mse_loss,
+        optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+        lr_scheduler=cosine_to_the_end,
+        train_data=(torch.zeros(40, 2), torch.zeros(40, 2)),
+        batch_size=4,
+        num_microbatches=1,
+        max_steps=200,
+        stages=1,
+    )
+    for overrides, steps in (({"steps": "6"}, 6), ({"epochs": "2"}, 20)):
+        run = apply_overrides(job, overrides)
+        model = nn.Linear(2, 2)
+        optimizer = run.optimizer(model.parameters())
+        scheduler = run.build_scheduler(optimizer)
+        assert scheduler is not None
+        used = []
+        for _ in range(steps):
+            used.append(optimizer.param_groups[0]["lr"])  # the lr each step trains with
+            optimizer.step()
+            scheduler.step()
+        assert used[0] == 0.1 and used[-1] == pytest.approx(0.0, abs=1e-12), (overrides, used)
+    plain = job.with_overrides(
+        lr_scheduler=functools.partial(torch.optim.lr_scheduler.StepLR, step_size=1)
+    )
+    optimizer = plain.optimizer(nn.Linear(2, 2).parameters())
+    assert isinstance(plain.build_scheduler(optimizer), torch.optim.lr_scheduler.StepLR)
