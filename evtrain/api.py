@@ -134,7 +134,8 @@ class EvalResult:
     """One evaluation of a checkpoint (also written to `output` as JSON)."""
 
     metrics: dict[str, float | None]
-    """Exactly what the last stage computed (None where a value is not finite)."""
+    """Exactly what the last stage computed (None where a value is not finite); with
+    named eval sets every name carries its set's prefix (``val/loss``)."""
     step: int
     """The checkpoint's step: the weights after that many optimizer steps."""
     samples: int
@@ -144,6 +145,8 @@ class EvalResult:
     eval_dir: Path
     """The evaluation run's own directory (its record and reports)."""
     output: Path
+    sets: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Samples of each named eval set (empty: the job has one unnamed set)."""
 
 
 def launch(
@@ -228,6 +231,7 @@ def evaluate(
         recorded=dict(result["recorded"]),
         eval_dir=Path(result["eval_dir"]),
         output=Path(result["output"]),
+        sets=dict(result["sets"]),
     )
 
 

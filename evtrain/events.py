@@ -228,21 +228,42 @@ class MicrobatchWait(MicrobatchSpan, kw_only=True, tag="microbatch.wait"):
 
 
 class EvalStarted(Event, kw_only=True, tag="eval.started"):
-    """Evaluation began at training step ``step``."""
+    """Evaluation began at training step ``step``; ``num_batches`` over all its sets."""
 
     step: Count
     stage: StageIndex
     num_batches: Count = 0
 
 
+class EvalProgress(Event, kw_only=True, tag="eval.progress"):
+    """An evaluation in progress: ``batches_done`` of ``num_batches`` (over all its sets),
+    now in set ``set`` (``""``: the single unnamed set).
+
+    The last stage publishes it with its heartbeats, about once a second while
+    it evaluates, so a long evaluation shows progress and a short one costs nothing.
+    """
+
+    step: Count
+    stage: StageIndex
+    batches_done: Count
+    num_batches: Count
+    set: str = ""
+
+
 class EvalEnded(Event, kw_only=True, tag="eval.ended"):
-    """Evaluation finished; ``metrics`` always include ``loss`` (last stage publishes)."""
+    """Evaluation finished; ``metrics`` always include ``loss`` (last stage publishes).
+
+    With named evaluation sets every name is prefixed by its set (``val/loss``,
+    ``test/accuracy``) and ``sets`` gives each set's samples by name; a single
+    unnamed set has plain names and no ``sets``. ``samples`` counts all sets.
+    """
 
     step: Count
     stage: StageIndex
     metrics: dict[str, float]
     samples: Count = 0
     duration_s: Seconds = 0.0
+    sets: dict[str, Count] = {}
 
 
 class EpochEnded(Event, kw_only=True, tag="epoch.ended"):

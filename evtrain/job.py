@@ -56,9 +56,12 @@ __all__ = [
     "SCHEDULES",
     "SPAN_MODES",
     "Job",
+    "MetricFactory",
     "TensorPair",
     "accuracy",
+    "is_metric_object",
     "layer",
+    "metric",
 ]
 
 LayerFactory = Callable[[], nn.Module]
@@ -71,6 +74,7 @@ LossFn = Callable[[Any, Any], torch.Tensor]
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
 MetricFn = Callable[[Any, Any], "float | torch.Tensor"]
+EvalWeight = Callable[[Any], "int | float | torch.Tensor"]
 DataSource = Any
 """``(inputs, targets)`` tensors; with `Job.input_keys`, a dict of stacked
 tensors by key; or a zero-argument callable returning one of those, or a
@@ -110,6 +114,52 @@ def accuracy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     A ready metric for `Job.metrics`, e.g. ``metrics={"accuracy": accuracy}``.
     """
     return (output.argmax(dim=-1) == target).float().mean()
+
+
+class MetricFactory(functools.partial[Any]):
+    """A factory of a metric object, as `metric` makes it: called once per evaluation set
+    on the last stage, so no two sets (and no two processes) share one object's state."""
+
+
+def metric(factory: Callable[..., Any], /, *args: Any, **kwargs: Any) -> MetricFactory:
+    """A metric object built where it is used: ``metric(torchmetrics.F1Score, task=...)``.
+
+    For `Job.metrics`. The object has ``update(output, target)``, ``compute()``
+    and ``reset()`` (a torchmetrics ``Metric``, or anything with those three);
+    it is built on the last stage only, once per evaluation set, instead of in
+    every process that loads the spec.
+    """
+    return MetricFactory(factory, *args, **kwargs)
+
+
+def is_metric_object(value: object) -> bool:
+    """Whether ``value`` accumulates over a whole evaluation: ``update``/``compute``/``reset``."""
+    return not isinstance(value, type) and all(
+        callable(getattr(value, name, None)) for name in ("update", "compute", "reset")
+    )
+
+
+def _takes_output_and_target(fn: Callable[..., Any]) -> bool:
+    import inspect
+
+    try:
+        inspect.signature(fn).bind(None, None)
+    except TypeError:
+        return False
+    except ValueError:  # a builtin without a signature: nothing to check
+        return True
+    return True
+
+
+def named_eval_sets(value: object) -> bool:
+    """Whether `Job.eval_data` ``value`` names several sets (a dict of data sources).
+
+    A dict of stacked tensors by key (`Job.input_keys`) is one set; a dict
+    whose values are not tensors maps set names to data sources.
+    """
+    return isinstance(value, Mapping) and not any(
+        isinstance(v, torch.Tensor) for v in value.values()
+    )
 
 
 class TensorPair(NamedTuple):
@@ -369,8 +419,14 @@ class Job:
     ``--steps`` / ``--epochs``, counted from step 0 also when resuming), so a
     cosine or one-cycle schedule ends where the run ends (see `build_scheduler`)."""
 
-    eval_data: DataSource | None = None
-    """Evaluation data, same forms as `train_data`; read in order, every sample once."""
+    eval_data: DataSource | Mapping[str, DataSource] | None = None
+    """Evaluation data, same forms as `train_data`; read in order, every sample once.
+
+    Or several named sets, ``{"val": data, "test": data}`` (each in any form
+    `train_data` takes, with the same `input_keys`/`target_keys`): every
+    evaluation runs each set in turn and reports its values as ``val/loss``,
+    ``val/accuracy``, ``test/loss``... A single unnamed set reports plain
+    ``loss``, ``accuracy``. Set names are letters, digits, ``.``, ``_``, ``-``."""
 
     eval_batch_size: int | None = None
     """Eval batch size (default `batch_size`); a multiple of `num_microbatches`. The last
@@ -379,10 +435,34 @@ class Job:
     eval_every: int | None = None
     """Evaluate every this many steps (and hooks may ask for more). Needs `eval_data`."""
 
-    metrics: Mapping[str, MetricFn] = dataclasses.field(default_factory=dict)
-    """Extra eval metrics ``fn(output, target) -> float | tensor`` (a mean over the
-    microbatch), computed on the last stage and averaged weighted by microbatch size.
-    ``loss`` is always reported and is a reserved name. See `accuracy`."""
+    metrics: Mapping[str, MetricFn | Any] = dataclasses.field(default_factory=dict)
+    """Extra eval metrics by name, computed on the last stage; ``loss`` (`loss_fn`) is
+    always reported and is a reserved name. Two kinds:
+
+    * a metric object with ``update(output, target)``, ``compute()`` and
+      ``reset()`` — a torchmetrics ``Metric`` such as ``F1Score(task="multiclass",
+      num_classes=10, average="macro")``, or `metric` ``(F1Score, ...)`` to build it
+      on the last stage only. It sees every microbatch of a set and is computed
+      once per set, so F1, AUROC or perplexity are exact. Each set gets its own
+      copy; it never synchronizes across processes (the other processes are
+      the pipeline's other stages, which hold no part of the evaluation).
+    * a plain function ``fn(output, target) -> float | tensor``: additive by
+      contract — a mean over the microbatch (like `accuracy`, MAE) that the
+      stage averages over the set weighted by microbatch size (`eval_weight`).
+      A metric that is not such a mean must be an object, or it is wrong.
+
+    A class (``F1Score`` instead of ``F1Score(...)``), an object with only some
+    of the three methods and a callable that cannot take ``(output, target)``
+    are refused with the fix."""
+
+    eval_weight: EvalWeight | None = None
+    """``eval_weight(target) -> count``: how many units `loss_fn` and the plain metrics
+    average over in one microbatch, e.g. the tokens that are not padding,
+    ``lambda y: (y != -100).sum()``. Evaluation weights each microbatch's values
+    by it, so a token-level loss is the mean over every token of the set (what
+    one process computes on the whole set), not a mean of microbatch means.
+    ``None`` weights by the samples in the microbatch. A microbatch of weight 0
+    adds nothing. Metric objects are not weighted: they see every microbatch."""
 
     grad_clip: float | None = None
     """Clip the global L2 norm of all gradients (across stages) to this value."""
@@ -534,6 +614,7 @@ class Job:
         if self.eval_every is not None and self.eval_data is None:
             raise SpecError("eval_every", "is set but eval_data is not")
         self._validate_metrics()
+        self._validate_eval_data()
         self._validate_data_loader()
         if self.grad_clip is not None and (
             not isinstance(self.grad_clip, float) or not self.grad_clip > 0
@@ -721,8 +802,52 @@ class Job:
                 raise SpecError("metrics", f"metric names must be non-empty strings, got {key!r}")
             if key == "loss":
                 raise SpecError("metrics", "'loss' is always reported; use another name")
+            if isinstance(fn, type):
+                name = fn.__name__
+                raise SpecError(
+                    "metrics",
+                    f"metric {key!r} is the class {name}; give an instance, {name}(...), or "
+                    f"metric({name}, ...)",
+                )
+            if isinstance(fn, MetricFactory) or is_metric_object(fn):
+                continue
+            methods = ("update", "compute", "reset")
+            missing = [m for m in methods if not callable(getattr(fn, m, None))]
+            if len(missing) < 3:
+                raise SpecError(
+                    "metrics",
+                    f"metric {key!r} has no {'/'.join(f'{m}()' for m in missing)}; a metric "
+                    "object needs update(output, target), compute() and reset()",
+                )
             if not callable(fn):
                 raise SpecError("metrics", f"metric {key!r} is not callable: {fn!r}")
+            if not _takes_output_and_target(fn):
+                raise SpecError(
+                    "metrics",
+                    f"metric {key!r} cannot be called as fn(output, target); a factory of a "
+                    "metric object is given as metric(factory, ...)",
+                )
+        if self.eval_weight is not None and not callable(self.eval_weight):
+            raise SpecError(
+                "eval_weight", f"expected a callable target -> count, got {self.eval_weight!r}"
+            )
+
+    def _validate_eval_data(self) -> None:
+        sets = self.eval_data
+        if not named_eval_sets(sets):
+            return
+        assert isinstance(sets, Mapping)
+        if not sets:
+            raise SpecError("eval_data", "an empty dict names no evaluation set")
+        for name, source in sets.items():
+            if not isinstance(name, str) or not _NAME_RE.match(name):
+                raise SpecError(
+                    "eval_data",
+                    f"set names are letters, digits, '.', '_' or '-' (they prefix the "
+                    f"metric names, as in 'val/loss'); got {name!r}",
+                )
+            if source is None:
+                raise SpecError("eval_data", f"set {name!r} has no data")
 
     def _validate_hooks(self) -> None:
         if not isinstance(self.hooks, tuple):
@@ -794,36 +919,74 @@ class Job:
             )
         return self._cache["train"]
 
-    def eval_tensors(self) -> TensorPair | None:
-        """The eval set as stacked ``(inputs, targets)``, or None without `eval_data`."""
+    @property
+    def eval_sets(self) -> tuple[str, ...]:
+        """Names of the evaluation sets, in order: ``()`` without `eval_data`, ``("",)``
+        for one unnamed set (its metrics carry no prefix)."""
+        if self.eval_data is None:
+            return ()
+        if named_eval_sets(self.eval_data):
+            return tuple(self.eval_data)
+        return ("",)
+
+    def eval_metric_names(self) -> tuple[str, ...]:
+        """The names an evaluation reports (besides values reported with `evtrain.report`):
+        ``loss`` and every metric, prefixed ``SET/`` for named sets."""
+        names = ("loss", *self.metrics)
+        return tuple(f"{s}/{n}" if s else n for s in self.eval_sets for n in names)
+
+    def _eval_source(self, name: str | None) -> tuple[str, Any]:
+        """The set ``name`` (None: the only one) and its data source."""
+        sets = self.eval_sets
+        if name is None:
+            if len(sets) > 1:
+                raise ValueError(f"the job has several eval sets; name one of {list(sets)}")
+            name = sets[0] if sets else ""
+        if name not in sets:
+            raise ValueError(f"no eval set {name!r}; the job has {list(sets)}")
+        return name, (self.eval_data[name] if name else self.eval_data)  # type: ignore[index]
+
+    def eval_tensors(self, name: str | None = None) -> TensorPair | None:
+        """The eval set ``name`` (None: the only one) as stacked ``(inputs, targets)``,
+        or None without `eval_data`."""
         if self.eval_data is None:
             return None
-        if "eval" not in self._cache:
-            self._cache["eval"] = _to_tensor_pair(
-                "eval_data", self.eval_data, self.input_keys, self.target_keys
-            )
-        return self._cache["eval"]
+        name, source = self._eval_source(name)
+        key = f"eval:{name}"
+        if key not in self._cache:
+            try:
+                self._cache[key] = _to_tensor_pair(
+                    "eval_data", source, self.input_keys, self.target_keys
+                )
+            except SpecError as exc:
+                if not name:
+                    raise
+                raise SpecError("eval_data", f"set {name!r}: {exc.message}") from exc
+        return self._cache[key]
 
-    def _dataset(self, field: str) -> Any:
-        key = f"{field}:dataset"
+    def _dataset(self, field: str, name: str = "") -> Any:
+        key = f"{field}:{name}:dataset"
         if key not in self._cache:
             value = getattr(self, field)
+            where = ""
+            if name:
+                value, where = value[name], f"set {name!r}: "
             # A factory (a class, a partial), not a data set instance.
             if isinstance(value, type) or (callable(value) and not hasattr(value, "__getitem__")):
                 try:
                     value = value()
                 except Exception as exc:
                     raise SpecError(
-                        field, f"loading the data failed: {type(exc).__name__}: {exc}"
+                        field, f"{where}loading the data failed: {type(exc).__name__}: {exc}"
                     ) from exc
             if not (hasattr(value, "__len__") and hasattr(value, "__getitem__")):
                 raise SpecError(
                     field,
-                    "with data_loader, expected a map-style data set (len() and [i]), or a "
-                    f"callable returning one; got {type(value).__name__}",
+                    f"{where}with data_loader, expected a map-style data set (len() and [i]), "
+                    f"or a callable returning one; got {type(value).__name__}",
                 )
             if len(value) == 0:
-                raise SpecError(field, "the data set is empty")
+                raise SpecError(field, f"{where}the data set is empty")
             self._cache[key] = value
         return self._cache[key]
 
@@ -831,9 +994,12 @@ class Job:
         """With `data_loader`: the training data set (built once, then cached; not read)."""
         return self._dataset("train_data")
 
-    def eval_dataset(self) -> Any:
-        """With `data_loader`: the eval data set, or None without `eval_data`."""
-        return None if self.eval_data is None else self._dataset("eval_data")
+    def eval_dataset(self, name: str | None = None) -> Any:
+        """With `data_loader`: the eval set ``name`` (None: the only one), or None without
+        `eval_data`."""
+        if self.eval_data is None:
+            return None
+        return self._dataset("eval_data", self._eval_source(name)[0])
 
     def num_train_samples(self) -> int:
         """Size of the training set (a data set's ``len``, or the stacked tensors')."""
@@ -841,13 +1007,13 @@ class Job:
             return len(self.train_dataset())
         return self.train_tensors().num_samples
 
-    def num_eval_samples(self) -> int:
-        """Size of the eval set (0 without `eval_data`)."""
+    def num_eval_samples(self, name: str | None = None) -> int:
+        """Size of the eval set ``name`` (None: the only one; 0 without `eval_data`)."""
         if self.eval_data is None:
             return 0
         if self.data_loader is not None:
-            return len(self.eval_dataset())
-        evaluation = self.eval_tensors()
+            return len(self.eval_dataset(name))
+        evaluation = self.eval_tensors(name)
         assert evaluation is not None
         return evaluation.num_samples
 

@@ -129,10 +129,12 @@ from evtrain.elastic_agent import (
     AttemptReport,
     LauncherCleanup,
 )
-from evtrain.errors import UsageError
+from evtrain.errors import SpecError, UsageError
 from evtrain.events import (
     CommandAcked,
     EvalEnded,
+    EvalProgress,
+    EvalStarted,
     Heartbeat,
     HookStarted,
     Message,
@@ -181,6 +183,8 @@ _TOPICS = (
     RunStarted.topic.decode(),
     RunEnded.topic.decode(),
     StepEnded.topic.decode(),
+    EvalStarted.topic.decode(),
+    EvalProgress.topic.decode(),
     EvalEnded.topic.decode(),
     StageFailed.topic.decode(),
     HookStarted.topic.decode(),
@@ -213,6 +217,32 @@ EVAL_FILE = "eval.json"
 
 def _number(value: float | None) -> str:
     return "nan" if value is None else f"{value:.6g}"
+
+
+def _check_monitored_metric(job: Any, hook: Any) -> None:
+    """A hook that watches an eval metric by a name that named eval sets never report.
+
+    With named sets every name carries its set's prefix: ``accuracy`` would
+    never arrive (a checkpoint hook would save no best checkpoint, early
+    stopping would never stop), so it is a mistake in the spec.
+    """
+    from evtrain.hooks.checkpoint import CheckpointHook
+    from evtrain.hooks.early_stopping import EarlyStopping
+
+    if isinstance(hook, CheckpointHook):
+        option, name = "best_metric", hook.best_metric
+    elif isinstance(hook, EarlyStopping):
+        option, name = "metric", hook.metric
+    else:
+        return
+    sets = [s for s in job.eval_sets if s]
+    if name is None or not sets or name not in ("loss", *job.metrics):
+        return
+    choices = " or ".join(repr(f"{s}/{name}") for s in sets)
+    raise SpecError(
+        "hooks",
+        f"hook {hook.hook_name()}: {option} {name!r} is reported per eval set; name {choices}",
+    )
 
 
 def _exit_on_signal(signum: int, frame: object) -> None:
@@ -305,9 +335,10 @@ class Launcher:
         self.run_id = options.run_id or new_run_id()
         self.run_dir: Path | None = None
         self.address: BusAddress | None = None
-        # An evaluation prints its result itself, from the last stage's own numbers.
+        # An evaluation prints its result itself, from the last stage's own numbers;
+        # its console shows only how far the evaluation got.
         self.console = RunConsole(
-            self.out, self.err, quiet=options.quiet or options.evaluate is not None
+            self.out, self.err, quiet=options.quiet, eval_lines=options.evaluate is None
         )
         self.progress = self.console.progress
         self.resume_path: Path | None = None
@@ -437,6 +468,7 @@ class Launcher:
             for spec in job.hook_specs:
                 hook = build_hook_from_spec(spec)  # UsageError naming the hook and option
                 self._checkpointing = self._checkpointing or isinstance(hook, CheckpointHook)
+                _check_monitored_metric(job, hook)
         self._resolve_paths(job)
         self.address = BusAddress.parse(opts.bus) if opts.bus else None
         self.job = job
@@ -1382,6 +1414,7 @@ class Launcher:
             "step": self.start_step,
             "metrics": dict(report.eval_metrics),
             "samples": report.eval_samples,
+            "sets": dict(report.eval_sets),
             "recorded": recorded,
             "name": self.job.name,
             "stages": self.job.stages,
@@ -1391,8 +1424,19 @@ class Launcher:
         }
         output.parent.mkdir(parents=True, exist_ok=True)
         output.write_text(json.dumps(self.evaluation, indent=2) + "\n")
-        shown = " ".join(f"{k}={_number(v)}" for k, v in report.eval_metrics.items())
-        self._say(f"eval of step {self.start_step}: {shown} ({report.eval_samples} samples)")
+        if report.eval_sets:
+            self._say(f"eval of step {self.start_step}: {report.eval_samples} samples")
+            for name, samples in report.eval_sets.items():
+                prefix = f"{name}/"
+                shown = " ".join(
+                    f"{k.removeprefix(prefix)}={_number(v)}"
+                    for k, v in report.eval_metrics.items()
+                    if k.startswith(prefix)
+                )
+                self._say(f"  {name}: {shown} ({samples} samples)")
+        else:
+            shown = " ".join(f"{k}={_number(v)}" for k, v in report.eval_metrics.items())
+            self._say(f"eval of step {self.start_step}: {shown} ({report.eval_samples} samples)")
         for name, value in recorded.items():
             self._say(f"  recorded with the checkpoint: {name}={_number(value)}")
         self._say(f"  result: {output}")

@@ -310,17 +310,19 @@ def make_reader(
     *,
     stream: DataStream | None = None,
     eval_plan: Sequence[Sequence[range]] = (),
+    eval_set: str | None = None,
 ) -> Reader | None:
     """The reader of ``kind`` (``"train"`` or ``"eval"``) for a stage, None when it reads nothing.
 
-    Only a first or last stage reads: the data set is not opened elsewhere.
+    ``eval_set`` names the eval set (`evtrain.job.Job.eval_sets`; None: the only
+    one). Only a first or last stage reads: the data set is not opened elsewhere.
     """
     if not (first or last):
         return None
     if job.data_loader is None:
-        pair = job.train_tensors() if kind == "train" else job.eval_tensors()
+        pair = job.train_tensors() if kind == "train" else job.eval_tensors(eval_set)
         return MemoryReader(pair, inputs=first, targets=last, device=device)
-    dataset = job.train_dataset() if kind == "train" else job.eval_dataset()
+    dataset = job.train_dataset() if kind == "train" else job.eval_dataset(eval_set)
     return LoaderReader(
         dataset,
         seed=job.seed,

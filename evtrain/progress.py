@@ -1,9 +1,11 @@
 """What the launcher shows of a run: header, progress, evaluations, summary.
 
 `Progress` folds the events the launcher's own subscriber receives
-(`RunStarted`, `StepEnded`, `EvalEnded`, `RunEnded`, `StageFailed`) into a
-few numbers and renders them as text: steps done / max, loss, samples/s,
-steps/s, an ETA, the latest evaluation and the end-of-run summary. Rates
+(`RunStarted`, `StepEnded`, `EvalStarted`, `EvalProgress`, `EvalEnded`,
+`RunEnded`, `StageFailed`) into a few numbers and renders them as text:
+steps done / max, loss, samples/s, steps/s, an ETA, the evaluation in
+progress (batches done / total, and its set), the latest evaluation and the
+end-of-run summary. Rates
 come from the event timestamps over a sliding window of the last stage's
 steps, so they are what the pipeline really did, not what the launcher
 happened to observe. At the end the launcher settles the count with what
@@ -20,8 +22,9 @@ even when bus events were lost.
   starts (hooks, the elastic agent and its workers) through a pipe that
   the console reads line by line, so no process writes over the bar.
 * plain (stdout is a file or a pipe): no control codes; a progress line at
-  every tenth of the run and at least every `PLAIN_INTERVAL_S` seconds, one
-  line per evaluation. The other processes write to stderr directly.
+  every tenth of the run and at least every `PLAIN_INTERVAL_S` seconds (also
+  while an evaluation runs: its batches done), one line per evaluation. The
+  other processes write to stderr directly.
 * quiet (``-q``): the header and the summary only.
 
 The bar is transient: at the end it gives way to the summary, which says
@@ -45,7 +48,16 @@ from rich.progress import BarColumn, SpinnerColumn, TaskID, TextColumn
 from rich.progress import Progress as RichProgress
 from rich.text import Text
 
-from evtrain.events import EvalEnded, Message, RunEnded, RunStarted, StageFailed, StepEnded
+from evtrain.events import (
+    EvalEnded,
+    EvalProgress,
+    EvalStarted,
+    Message,
+    RunEnded,
+    RunStarted,
+    StageFailed,
+    StepEnded,
+)
 from evtrain.hooks.formatting import fmt_bytes, per_stage, safe_text
 from evtrain.logs import LAUNCHER_CONSOLE_ENV, LOG_STREAM
 
@@ -87,7 +99,18 @@ def _rate(value: float) -> str:
 
 def _metrics(metrics: dict[str, float]) -> str:
     # Metric names come from the stages' events: shown, never interpreted.
-    ordered = sorted(metrics.items(), key=lambda kv: (kv[0] != "loss", kv[0]))
+    # Named sets ("val/loss", "test/loss") stay in the order they came, each
+    # with its loss first.
+    groups: dict[str, int] = {}
+
+    def order(item: tuple[str, float]) -> tuple[int, bool, str]:
+        group, sep, leaf = item[0].partition("/")
+        if not sep:
+            group, leaf = "", item[0]
+        # sorted() computes the keys in the input's order: first seen, first shown.
+        return groups.setdefault(group, len(groups)), leaf != "loss", item[0]
+
+    ordered = sorted(metrics.items(), key=order)
     return " ".join(f"{safe_text(key, _NAME_LIMIT)} {value:.5g}" for key, value in ordered)
 
 
@@ -103,6 +126,13 @@ class ProgressStats:
     last_loss: float | None = None
     last_lr: float | None = None
     last_eval: EvalEnded | None = None
+    evaluating: int | None = None
+    """The step of the evaluation in progress (None: none is)."""
+    eval_done: int = 0
+    """Batches that evaluation finished, over all its sets."""
+    eval_total: int = 0
+    eval_set: str = ""
+    """The set it is in (``""``: the single unnamed set)."""
     ended: RunEnded | None = None
     failures: list[StageFailed] = field(default_factory=list)
     first_step_ts: float | None = None
@@ -162,8 +192,19 @@ class Progress:
             stats.steps_done = max(stats.steps_done, msg.start_step)
         elif isinstance(msg, StepEnded):
             self._step(msg)
+        elif isinstance(msg, EvalStarted):
+            stats.evaluating, stats.eval_done, stats.eval_set = msg.step, 0, ""
+            stats.eval_total = msg.num_batches
+        elif isinstance(msg, EvalProgress):
+            if stats.evaluating != msg.step:  # its EvalStarted was missed
+                stats.evaluating, stats.eval_done = msg.step, 0
+            # Events may arrive out of order between sources, never backwards here.
+            stats.eval_done = max(stats.eval_done, msg.batches_done)
+            stats.eval_total, stats.eval_set = msg.num_batches, msg.set
         elif isinstance(msg, EvalEnded):
             stats.last_eval = msg
+            if stats.evaluating == msg.step:
+                stats.evaluating = None
         elif isinstance(msg, RunEnded):
             stats.ended = msg
         elif isinstance(msg, StageFailed):
@@ -235,9 +276,29 @@ class Progress:
         return f"step {self.steps_text()}" + (f"  {rates}" if rates else "")
 
     def eval_text(self) -> str:
-        """The latest evaluation, short: ``"eval@150 loss 0.097 accuracy 0.969"`` (or "")."""
+        """The evaluation in progress, ``"evaluating@150 12/40 val"``, else the latest one
+        short, ``"eval@150 loss 0.097 accuracy 0.969"`` (or "")."""
+        if self.stats.evaluating is not None:
+            return f"evaluating@{self.stats.evaluating} {self._eval_done_text()}"
         last = self.stats.last_eval
         return "" if last is None else f"eval@{last.step} {_metrics(last.metrics)}"
+
+    def _eval_done_text(self) -> str:
+        stats = self.stats
+        where = f" {safe_text(stats.eval_set, _NAME_LIMIT)}" if stats.eval_set else ""
+        return f"{stats.eval_done}/{stats.eval_total}{where}"
+
+    def eval_progress_line(self) -> str:
+        """The plain line of the evaluation in progress (or ""):
+        ``"evaluating step 150: 12/40 batches val"``."""
+        stats = self.stats
+        if stats.evaluating is None:
+            return ""
+        where = f" {safe_text(stats.eval_set, _NAME_LIMIT)}" if stats.eval_set else ""
+        return (
+            f"evaluating step {stats.evaluating}: {stats.eval_done}/{stats.eval_total} "
+            f"batches{where}"
+        )
 
     @staticmethod
     def eval_line(ev: EvalEnded) -> str:
@@ -324,8 +385,11 @@ class RunConsole:
         live: bool | None = None,
         interval: float = PLAIN_INTERVAL_S,
         prefix: str = "evtrain launch",
+        eval_lines: bool = True,
     ) -> None:
         self.progress = Progress()
+        self.eval_lines = eval_lines
+        """Print a line per finished evaluation (an evaluation-only run prints its own)."""
         self.out = out
         self.err = err
         self.quiet = quiet
@@ -342,6 +406,7 @@ class RunConsole:
         self._relay: _Relay | None = None
         self._last_plain = time.monotonic()
         self._plain_step = -1
+        self._plain_eval: tuple[int, int] | None = None
         self._closed = False
 
     # -- what the launcher's children need ----------------------------------------
@@ -427,11 +492,13 @@ class RunConsole:
         self.progress.update(msg)
         if self.quiet:
             return
-        if isinstance(msg, EvalEnded):
+        if isinstance(msg, EvalEnded) and self.eval_lines:
             self._emit(Progress.eval_line(msg), self.out)
         elif isinstance(msg, StepEnded) and not self.live:
             self._plain_at_mark()
-        if self._bar is not None and isinstance(msg, RunStarted | StepEnded | EvalEnded):
+        if self._bar is not None and isinstance(
+            msg, RunStarted | StepEnded | EvalStarted | EvalProgress | EvalEnded
+        ):
             self._refresh()
 
     def _refresh(self) -> None:
@@ -440,11 +507,15 @@ class RunConsole:
         if bar is None or task is None:
             return
         started = stats.num_stages is not None
+        total, completed = (stats.max_steps if started else None), stats.steps_done
+        if stats.evaluating is not None:
+            # A long evaluation fills the bar with its batches, then training resumes it.
+            total, completed = stats.eval_total or None, stats.eval_done
         bar.update(
             task,
             description=safe_text(stats.name, _NAME_LIMIT) if started else "starting",
-            total=stats.max_steps if started else None,
-            completed=stats.steps_done,
+            total=total,
+            completed=completed,
             steps=self.progress.steps_text() if started else "",
             rates=self.progress.rates_text(),
             eval=self.progress.eval_text(),
@@ -464,10 +535,23 @@ class RunConsole:
         self._emit(self.progress.line(), self.out)
 
     def tick(self, now: float | None = None) -> None:
-        """Plain mode: a progress line if none was printed for ``interval`` seconds."""
-        if self.quiet or self.live or self.progress.stats.first_step_ts is None:
+        """Plain mode: a progress line if none was printed for ``interval`` seconds.
+
+        While an evaluation runs, the line says how far it got instead (when
+        that changed since the last one).
+        """
+        if self.quiet or self.live:
             return
         now = time.monotonic() if now is None else now
+        stats = self.progress.stats
+        if stats.evaluating is not None:
+            where = (stats.evaluating, stats.eval_done)
+            if now - self._last_plain >= self.interval and where != self._plain_eval:
+                self._plain_eval, self._last_plain = where, now
+                self._emit(self.progress.eval_progress_line(), self.out)
+            return
+        if stats.first_step_ts is None:
+            return
         if now - self._last_plain >= self.interval and (
             self._plain_step != self.progress.stats.steps_done
         ):

@@ -15,6 +15,12 @@ One JSON object per line:
     {"type": "eval", "step": 49, "time": ..., "duration_s": 0.4, "samples": 256,
      "metrics": {"loss": 0.38, "accuracy": 0.91}}
 
+  with named eval sets the names carry their set's prefix and ``sets`` gives
+  each set's samples::
+
+    {"type": "eval", "step": 49, ..., "samples": 384, "sets": {"val": 256, "test": 128},
+     "metrics": {"val/loss": 0.38, "val/accuracy": 0.91, "test/loss": 0.41, ...}}
+
 ``step`` is the 0-based step index of the events; ``time`` the event's wall
 clock. Every value comes from the events, so replaying a recorded run
 (``evtrain replay RUN_DIR --hook metrics``) writes the same lines.
@@ -65,14 +71,17 @@ def step_record(merged: MergedStep) -> dict[str, Any]:
 
 def eval_record(ev: EvalEnded) -> dict[str, Any]:
     """The metrics-log line of one evaluation."""
-    return {
+    record: dict[str, Any] = {
         "type": "eval",
         "step": ev.step,
         "time": ev.ts,
         "duration_s": ev.duration_s,
         "samples": ev.samples,
-        "metrics": dict(ev.metrics),
     }
+    if ev.sets:
+        record["sets"] = dict(ev.sets)
+    record["metrics"] = dict(ev.metrics)
+    return record
 
 
 class MetricsLog(Hook):

@@ -9,8 +9,8 @@ port is logged and written to ``RUN_DIR/prometheus.port`` (or
 Naming follows the Prometheus conventions: ``evtrain_`` prefix, base units
 (seconds, bytes, ratios), ``_total`` for counters, and only bounded labels:
 ``stage`` (pipeline stages), ``metric`` (eval or reported metric names, capped
-at `MAX_METRIC_NAMES`), ``source``/``observer`` (bus processes), ``hook``,
-``status`` — never a step number or run id.
+at `MAX_METRIC_NAMES`), ``set`` (named eval sets, capped alike), ``source``/``observer``
+(bus processes), ``hook``, ``status`` — never a step number or run id.
 
 ==========================================  =======  ===================================
 metric                                      type     meaning
@@ -34,7 +34,7 @@ evtrain_comm_wait_seconds_total{stage}      counter  time blocked on p2p communi
 evtrain_bubble_ratio{stage}                 gauge    comm wait / step time, last ``window`` steps
 evtrain_peak_memory_bytes{stage}            gauge    peak memory the stage reported
 evtrain_evals_total                         counter  evaluations finished
-evtrain_eval_metric{metric}                 gauge    latest eval results (loss, accuracy...)
+evtrain_eval_metric{set,metric}             gauge    latest eval results (loss, accuracy...)
 evtrain_eval_duration_seconds               gauge    duration of the latest evaluation
 evtrain_eval_last_step                      gauge    steps done at the latest evaluation
 evtrain_checkpoints_total                   counter  checkpoints committed
@@ -300,6 +300,7 @@ class PrometheusExporter(Hook):
         self._ended_at: float | None = None
         self._waits: dict[int, deque[tuple[float, float]]] = {}
         self._metric_names = _Labels()
+        self._eval_sets = _Labels()
         self._stages = _Labels()
         self._sources = _Labels()
         self._hooks = _Labels()
@@ -373,7 +374,7 @@ class PrometheusExporter(Hook):
         )
         self.evals = Counter("evtrain_evals", "Evaluations finished.", registry=r)
         self.eval_metric = Gauge(
-            "evtrain_eval_metric", "Latest evaluation results.", ["metric"], registry=r
+            "evtrain_eval_metric", "Latest evaluation results.", ["set", "metric"], registry=r
         )
         self.eval_duration = Gauge(
             "evtrain_eval_duration_seconds", "Duration of the latest evaluation.", registry=r
@@ -733,9 +734,15 @@ class PrometheusExporter(Hook):
         self.eval_duration.set(ev.duration_s)
         self.eval_step.set(ev.step)
         for key, value in ev.metrics.items():
-            label = self._metric_names.admit(key)
-            if label is not None:
-                self.eval_metric.labels(label).set(value)
+            # "val/accuracy" is {set="val", metric="accuracy"}: one series per set
+            # under one metric name. A single unnamed set has set="", which
+            # Prometheus stores as no label at all, as before there were sets.
+            name, sep, rest = key.partition("/")
+            eval_set, metric = (name, rest) if sep and name in ev.sets else ("", key)
+            set_label = self._eval_sets.admit(eval_set)
+            label = self._metric_names.admit(metric)
+            if set_label is not None and label is not None:
+                self.eval_metric.labels(set_label, label).set(value)
 
     @on(CheckpointCommitted)
     def checkpoint_committed(self, ev: CheckpointCommitted) -> None:

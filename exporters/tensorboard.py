@@ -8,7 +8,9 @@ the events (steps done, so the first step is 1):
   ``train/NAME``;
 * ``stage{s}/forward_s``, ``stage{s}/backward_s``, ``stage{s}/comm_wait_s``,
   ``stage{s}/duration_s``, ``stage{s}/peak_memory_bytes``;
-* ``eval/NAME`` for every eval metric.
+* ``eval/NAME`` for every eval metric; with named eval sets the name carries
+  its set (``eval/val/accuracy``, ``eval/test/loss``): under ``eval/``, a set
+  called ``train`` stays apart from the training scalars.
 
 torch and tensorboard are imported only when the hook is built, and a missing
 ``tensorboard`` package is a `UsageError` naming the extra to install.

@@ -241,7 +241,9 @@ class ConsoleLog(Hook):
             "duration_s": short(ev.duration_s),
             "samples": ev.samples,
         }
-        self.log.info("eval", **_metric_fields(fields, ev.metrics, prefix="val_"))
+        # Named sets' metrics carry their own prefix (val/loss, test/loss).
+        prefix = "" if ev.sets else "val_"
+        self.log.info("eval", **_metric_fields(fields, ev.metrics, prefix=prefix))
 
     @on(CheckpointCommitted)
     def checkpoint_committed(self, ev: CheckpointCommitted) -> None:

@@ -33,7 +33,14 @@ Who publishes what:
   (`evtrain.failures`); only a worker without a launcher (no
   ``WorkerConfig.report_dir``) publishes ``RunEnded(status="failed")`` from a
   failing stage 0, when elastic has no restart left;
-* the last stage: ``EvalStarted``/``EvalEnded`` (it holds the metrics).
+* the last stage: ``EvalStarted``/``EvalEnded`` (it holds the metrics), and
+  ``EvalProgress`` with its heartbeats while it evaluates.
+
+Evaluation: at an evaluation boundary every stage runs the job's eval sets
+in order (`evtrain.job.Job.eval_sets`), one forward-only pass each. One
+``EvalEnded`` carries the metrics of all of them, prefixed ``SET/`` for
+named sets; values reported with `evtrain.report` during a set's pass get
+its prefix too. ``EvalProgress`` counts batches over all the sets.
 
 Microbatch spans (``Job.microbatch_spans``): ``"all"`` every step;
 ``"sampled"`` steps 1-5 and every 50th step; ``"off"`` never. Waits that are
@@ -149,6 +156,7 @@ from evtrain.events import (
     Command,
     EpochEnded,
     EvalEnded,
+    EvalProgress,
     EvalStarted,
     EvaluateNow,
     Event,
@@ -172,7 +180,7 @@ from evtrain.reporting import Reporter, reporting
 from evtrain.spec import apply_overrides, load_job
 from evtrain.stages.boundary import BoundarySpec, TensorSpec, flatten
 from evtrain.stages.control import ControlResult, StepControl
-from evtrain.stages.executor import Span, StageExecutor, StepStats
+from evtrain.stages.executor import EvalSet, Span, StageExecutor, StepStats
 from evtrain.stages.orders import Orders
 from evtrain.stages.p2p import Mailbox, exchange_shapes, infer_output_spec
 from evtrain.stages.partition import (
@@ -272,6 +280,9 @@ class StageActor:
         self.writer: ShardWriter | None = None
         self.start_step = 0
         self._last_loss: float | None = None
+        self._eval_progress: EvalProgress | None = None
+        """The evaluation in progress on the last stage (its batches before the current set)."""
+        self._eval_published = -1
         self.report: StageReport | None = None
         if config.report_dir is not None:
             self.report = StageReport(
@@ -397,6 +408,7 @@ class StageActor:
     async def _heartbeats(self) -> None:
         while True:
             self.publish(Heartbeat(stage=self.stage, step=self.completed, state=self.state))
+            self._publish_eval_progress()
             self._write_report()
             self._publish_shards()
             await anyio.sleep(HEARTBEAT_INTERVAL_S)
@@ -466,7 +478,8 @@ class StageActor:
             # The checkpoint's own boundary, evaluated once. No command is
             # applied there, so nothing can make this run train or save.
             step, stop_reason = start_step, None
-            await self._evaluate(step)
+            with reporting(self.reporter):  # reported values count as in training's evals
+                await self._evaluate(step)
         else:
             step, stop_reason = await self._train(start_step, total, first)
         status: Literal["completed", "stopped"] = "completed" if stop_reason is None else "stopped"
@@ -581,19 +594,18 @@ class StageActor:
         first, last = self.stage == 0, self.stage == self.num_stages - 1
         stream = job.train_stream()
         total = job.total_steps()
-        eval_plan: list[list[range]] = []
-        if job.eval_data is not None:
-            eval_plan = eval_microbatches(
-                job.num_eval_samples(), job.effective_eval_batch_size, job.num_microbatches
+        eval_sizes: set[int] = set()
+        evaluations: list[EvalSet] = []
+        for name in job.eval_sets:
+            num = job.num_eval_samples(name)
+            plan = eval_microbatches(num, job.effective_eval_batch_size, job.num_microbatches)
+            eval_sizes.update(len(r) for batch in plan for r in batch)
+            reader = make_reader(
+                job, "eval", first, last, self.device, eval_plan=plan, eval_set=name
             )
-        eval_sizes = [len(r) for batch in eval_plan for r in batch]
+            evaluations.append(EvalSet(name, reader, num))
         sizes = sorted({job.microbatch_size, *eval_sizes})
         train_reader = make_reader(job, "train", first, last, self.device, stream=stream)
-        eval_reader = (
-            make_reader(job, "eval", first, last, self.device, eval_plan=eval_plan)
-            if eval_plan
-            else None
-        )
 
         input_specs = None
         if first:
@@ -631,8 +643,7 @@ class StageActor:
             stream=stream,
             specs=specs,
             train=train_reader,
-            evaluation=eval_reader,
-            eval_num_samples=job.num_eval_samples(),
+            evaluations=evaluations,
         )
         if not self.config.evaluate_only:
             self.writer = ShardWriter(self.stage, self.num_stages, device=self.device)
@@ -960,38 +971,77 @@ class StageActor:
                 self.publish(done.to_event())
 
     async def _evaluate(self, step: int) -> dict[str, float]:
-        """Evaluate the weights after ``step`` steps; the metrics on the last stage, else {}."""
-        executor = self.executor
-        assert executor is not None
+        """Evaluate the weights after ``step`` steps on every eval set; the metrics (all
+        sets, prefixed for named ones) on the last stage, else {}."""
+        executor, job = self.executor, self.job
+        assert executor is not None and job is not None
         last = self.stage == self.num_stages - 1
         previous, self.state = self.state, "evaluating"
+        start = time.perf_counter()
+        total = _eval_batches(job)
         if last:
-            self.publish(
-                EvalStarted(step=step, stage=self.stage, num_batches=_eval_batches(self.job))
-            )
+            self.publish(EvalStarted(step=step, stage=self.stage, num_batches=total))
         self.reporter.collect()  # training-time leftovers do not belong to the eval
-        stats = await anyio.to_thread.run_sync(executor.evaluate)
-        reported = self.reporter.collect()
+        metrics: dict[str, float] = {}
+        samples: dict[str, int] = {}
+        done = 0
+        for index, evaluation in enumerate(executor.evaluations):
+            if last:
+                self._eval_progress = EvalProgress(
+                    step=step,
+                    stage=self.stage,
+                    batches_done=done,
+                    num_batches=total,
+                    set=evaluation.name,
+                )
+            stats = await anyio.to_thread.run_sync(executor.evaluate, index)
+            done += stats.num_batches
+            prefix = f"{evaluation.name}/" if evaluation.name else ""
+            values = {**self.reporter.collect(), **stats.metrics}
+            metrics.update({prefix + k: v for k, v in values.items()})
+            samples[evaluation.name] = stats.samples
+        self._eval_progress, self._eval_published = None, -1
         self.state = previous
         if not last:
             return {}
-        metrics = {**reported, **stats.metrics}
+        named = {k: v for k, v in samples.items() if k}
         if self.report is not None:
             self.report.eval_metrics = {
                 k: v if math.isfinite(v) else None for k, v in metrics.items()
             }
-            self.report.eval_step, self.report.eval_samples = step, stats.samples
+            self.report.eval_step, self.report.eval_samples = step, sum(samples.values())
+            self.report.eval_sets = named
             self._write_report()
         self.publish(
             EvalEnded(
                 step=step,
                 stage=self.stage,
                 metrics=metrics,
-                samples=stats.samples,
-                duration_s=stats.duration_s,
+                samples=sum(samples.values()),
+                duration_s=time.perf_counter() - start,
+                sets=named,
             )
         )
         return metrics
+
+    def _publish_eval_progress(self) -> None:
+        """The last stage, evaluating: how far it got, when that changed since the last one."""
+        current, executor = self._eval_progress, self.executor
+        if current is None or executor is None:
+            return
+        done = current.batches_done + executor.eval_batches_done
+        if done == self._eval_published:
+            return
+        self._eval_published = done
+        self.publish(
+            EvalProgress(
+                step=current.step,
+                stage=self.stage,
+                batches_done=min(done, current.num_batches),
+                num_batches=current.num_batches,
+                set=current.set,
+            )
+        )
 
 
 @dataclass
@@ -1039,14 +1089,16 @@ COMMAND_HANDLERS: dict[type[Command], Callable[[StageActor, Any, _Work], None]] 
 
 
 def _eval_batches(job: Job | None) -> int:
+    """Batches of one evaluation: every eval set's."""
     if job is None:
         return 0
-    if job.eval_data is None:
-        return 0
-    return len(
-        eval_microbatches(
-            job.num_eval_samples(), job.effective_eval_batch_size, job.num_microbatches
+    return sum(
+        len(
+            eval_microbatches(
+                job.num_eval_samples(name), job.effective_eval_batch_size, job.num_microbatches
+            )
         )
+        for name in job.eval_sets
     )
 
 

@@ -26,10 +26,17 @@ How instructions map to communication (see `evtrain.stages.p2p`):
 The last stage computes ``loss_fn(output, target)`` per microbatch and
 back-propagates ``loss / (M * grad_accum)``, so with a mean-reduced loss a
 step equals one single-process step on all the step's samples.
+
+Evaluation (`StageExecutor.evaluate`) runs one set at a time. The last stage
+sums ``loss`` and the plain (additive) metrics weighted by each microbatch's
+`Job.eval_weight` (its samples by default) and divides once by the set's
+total weight; metric objects (`Job.metrics`) are updated with every
+microbatch and computed once at the end of the set.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -40,7 +47,7 @@ import torch
 from torch import nn
 
 from evtrain.data import DataStream, eval_microbatches
-from evtrain.job import Job
+from evtrain.job import Job, MetricFactory, is_metric_object
 from evtrain.loading import Reader
 from evtrain.stages.boundary import BoundarySpec, call, flatten, split
 from evtrain.stages.control import ControlResult, StepControl
@@ -61,7 +68,7 @@ from evtrain.stages.precision import LossScaler, autocast
 from evtrain.stages.schedules import build_schedule
 from evtrain.stages.tied import TiedWeights
 
-__all__ = ["DEFAULT_LOOKAHEAD", "EvalStats", "Span", "StageExecutor", "StepStats"]
+__all__ = ["DEFAULT_LOOKAHEAD", "EvalSet", "EvalStats", "Span", "StageExecutor", "StepStats"]
 
 
 @dataclass(frozen=True)
@@ -99,12 +106,25 @@ class StepStats:
 
 @dataclass
 class EvalStats:
-    """One evaluation pass; ``metrics`` is empty except on the last stage."""
+    """One evaluation pass over one set; ``metrics`` is empty except on the last stage.
+
+    Metric names are the job's (``loss``, ``accuracy``), without the set's prefix.
+    """
 
     metrics: dict[str, float]
     samples: int
     num_batches: int
     duration_s: float
+
+
+@dataclass(frozen=True)
+class EvalSet:
+    """One evaluation set as a stage sees it: its name (``""`` for the single unnamed
+    set), the reader of what this stage consumes (None: it reads nothing) and its size."""
+
+    name: str
+    reader: Reader | None
+    num_samples: int
 
 
 _GradClip = float | None
@@ -147,8 +167,7 @@ class StageExecutor:
         tied: TiedWeights | None = None,
         specs: dict[int, tuple[BoundarySpec, BoundarySpec | None]],
         train: Reader | None,
-        evaluation: Reader | None = None,
-        eval_num_samples: int = 0,
+        evaluations: Sequence[EvalSet] = (),
         recv_window: int | None = None,
         lookahead: int = DEFAULT_LOOKAHEAD,
     ) -> None:
@@ -171,8 +190,10 @@ class StageExecutor:
         self.stream = stream
         self.specs = specs
         self.train = train
-        self.evaluation = evaluation
-        self.eval_num_samples = eval_num_samples
+        self.evaluations = list(evaluations)
+        self.eval_batches_done = 0
+        """Batches of the evaluation in progress finished on this stage (read by the
+        actor's heartbeats from another thread: a plain int, replaced, never mutated)."""
         self.M = job.num_microbatches
         self.recv_window = recv_window or self.M
         self.params = [p for p in module.parameters() if p.requires_grad]
@@ -212,6 +233,10 @@ class StageExecutor:
         self._backward_s = 0.0
         self._loss_sum: torch.Tensor | None = None
         self._eval_sums: dict[str, torch.Tensor] = {}
+        self._eval_weight: torch.Tensor | None = None
+        self._metric_objects: dict[str, dict[str, Any]] = {}
+        """Per eval set: the job's metric objects, this stage's own copies (last stage)."""
+        self._eval_objects: dict[str, Any] = {}
         self._training = True
 
     # ------------------------------------------------------------ compilation
@@ -530,26 +555,31 @@ class StageExecutor:
 
     # -------------------------------------------------------------- evaluation
 
-    def evaluate(self) -> EvalStats:
-        """One forward-only pass over the eval set in ``eval()`` mode without grad.
+    def evaluate(self, index: int = 0) -> EvalStats:
+        """One forward-only pass over eval set ``index`` in ``eval()`` mode without grad.
 
-        Every sample is read once (see `evtrain.data.eval_microbatches`); the
-        last stage averages ``loss`` and the job's metrics weighted by
-        microbatch size.
+        Every sample is read once (see `evtrain.data.eval_microbatches`); on
+        the last stage ``loss`` and the plain metrics are means over the set
+        weighted by `Job.eval_weight`, metric objects are computed once.
         """
         start = time.perf_counter()
         self._bind_device()
-        num_samples = self.eval_num_samples
+        evaluation = self.evaluations[index]
+        num_samples = evaluation.num_samples
         plan = eval_microbatches(num_samples, self.job.effective_eval_batch_size, self.M)
         self._training = False
         self._spans = None
         self._eval_sums = {}
+        self._eval_weight = None
+        self._eval_objects = self._objects_of(evaluation.name) if self.last else {}
+        self.eval_batches_done = 0
         was_training = self.module.training
         self.module.eval()
         try:
             with torch.no_grad():
                 for batch in plan:
-                    self._eval_batch(batch)
+                    self._eval_batch(batch, evaluation.reader)
+                    self.eval_batches_done += 1
             self.mailbox.drain_sends()
         finally:
             self._training = True
@@ -557,11 +587,38 @@ class StageExecutor:
             self._end_pass()
         metrics: dict[str, float] = {}
         if self.last and num_samples:
-            metrics = {k: float(v) / num_samples for k, v in self._eval_sums.items()}
+            metrics = self._eval_results()
         self.mailbox.reset_wait()
         return EvalStats(metrics, num_samples, len(plan), time.perf_counter() - start)
 
-    def _eval_batch(self, batch: Sequence[range]) -> None:
+    def _objects_of(self, name: str) -> dict[str, Any]:
+        """Set ``name``'s metric objects, reset: built on first use, one copy per set."""
+        objects = self._metric_objects.get(name)
+        if objects is None:
+            objects = {}
+            for key, value in self.job.metrics.items():
+                if isinstance(value, MetricFactory):
+                    objects[key] = _stage_local(value(), self.device)
+                elif is_metric_object(value):
+                    objects[key] = _stage_local(copy.deepcopy(value), self.device)
+            self._metric_objects[name] = objects
+        for obj in objects.values():
+            obj.reset()
+        return objects
+
+    def _eval_results(self) -> dict[str, float]:
+        """``loss`` and the job's metrics over the whole set, in the job's order."""
+        weight = float(self._eval_weight) if self._eval_weight is not None else 0.0
+        results: dict[str, float] = {}
+        for name in ("loss", *self.job.metrics):
+            obj = self._eval_objects.get(name)
+            if obj is not None:
+                results[name] = _one_number(name, obj.compute())
+            elif name in self._eval_sums:
+                results[name] = float(self._eval_sums[name]) / weight if weight else math.nan
+        return results
+
+    def _eval_batch(self, batch: Sequence[range], reader: Reader | None) -> None:
         sizes = [len(r) for r in batch]
         self._mb_offset = 0
         self._begin_pass(
@@ -569,8 +626,8 @@ class StageExecutor:
         )
         self._batch_x = []
         self._batch_y = []
-        if self.evaluation is not None:
-            pairs = [self.evaluation.rows(r) for r in batch]
+        if reader is not None:
+            pairs = [reader.rows(r) for r in batch]
             self._batch_x = [x for x, _ in pairs]
             self._batch_y = [y for _, y in pairs]
         program = self._eval_programs.get(len(batch))
@@ -586,10 +643,59 @@ class StageExecutor:
 
     def _eval_metrics(self, output: Any, target: Any, n: int) -> None:
         assert target is not None
-        values: dict[str, float | torch.Tensor] = {"loss": self.job.loss_fn(output, target)}
-        for name, fn in self.job.metrics.items():
-            values[name] = fn(output, target)
+        job = self.job
+        # Kept as tensors on the device: one float conversion per set, not a
+        # device synchronization per microbatch.
+        raw = n if job.eval_weight is None else job.eval_weight(target)
+        weight = torch.as_tensor(raw, device=self.device).detach().double()
+        self._eval_weight = weight if self._eval_weight is None else self._eval_weight + weight
+        values: dict[str, float | torch.Tensor] = {"loss": job.loss_fn(output, target)}
+        for name, fn in job.metrics.items():
+            obj = self._eval_objects.get(name)
+            if obj is not None:
+                obj.update(output, target)
+            else:
+                values[name] = fn(output, target)
         for name, value in values.items():
-            weighted = torch.as_tensor(value, device=self.device).detach().double() * n
+            mean = torch.as_tensor(value, device=self.device).detach().double()
+            # A microbatch of weight 0 (all padding) has a mean of 0/0: it adds nothing.
+            weighted = torch.where(weight > 0, mean * weight, torch.zeros_like(mean))
             previous = self._eval_sums.get(name)
             self._eval_sums[name] = weighted if previous is None else previous + weighted
+
+
+def _stage_local(obj: Any, device: torch.device) -> Any:
+    """A metric object made to compute on this stage alone, on its device.
+
+    torchmetrics gathers a metric's state over the default process group when
+    one exists; here that group is the pipeline, whose other stages take no
+    part in the evaluation, so a gather would wait forever.
+    """
+    modules = obj.modules() if isinstance(obj, nn.Module) else [obj]
+    for module in modules:
+        if hasattr(module, "distributed_available_fn"):
+            module.distributed_available_fn = _not_distributed
+    if isinstance(obj, nn.Module):
+        obj = obj.to(device)
+    return obj
+
+
+def _not_distributed() -> bool:
+    return False
+
+
+def _one_number(name: str, value: Any) -> float:
+    """A computed metric as a float; anything but one number is the metric's mistake."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return float(value.detach())
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    what = (
+        f"a tensor of shape {tuple(value.shape)}"
+        if isinstance(value, torch.Tensor)
+        else f"a {type(value).__name__}"
+    )
+    raise RuntimeError(
+        f"metric {name!r} computed {what}; a metric reports one number (e.g. pick an "
+        "average, or give each value its own name in Job.metrics)"
+    )

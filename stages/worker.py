@@ -135,6 +135,8 @@ class StageReport(msgspec.Struct, kw_only=True):
     a value is None where it is not finite)."""
     eval_step: int | None = None
     eval_samples: int = 0
+    eval_sets: dict[str, int] = {}
+    """Samples of each named eval set of that evaluation (empty: one unnamed set)."""
 
     def write(self, directory: str | os.PathLike[str]) -> None:
         """Replace this stage's report under ``directory`` atomically."""

@@ -13,7 +13,15 @@ from typing import Any
 
 import anyio
 
-from evtrain.events import RunEnded, RunStarted, StageStarted, StepEnded
+from evtrain.events import (
+    EvalEnded,
+    EvalProgress,
+    EvalStarted,
+    RunEnded,
+    RunStarted,
+    StageStarted,
+    StepEnded,
+)
 from evtrain.hooks.checkpoint import CheckpointHook
 from evtrain.hooks.hook import Hook, on
 
@@ -143,3 +151,34 @@ class StageTimesRecorder(Hook):
                 "duration_s": ev.duration_s,
             },
         )
+
+
+class EvalRecorder(Hook):
+    """Appends every `EvalStarted`, `EvalProgress` and `EvalEnded`, and the `RunEnded`,
+    to the JSON-lines file ``path``."""
+
+    def __init__(self, *, path: str, priority: int | None = None) -> None:
+        super().__init__(priority=priority)
+        self.path = Path(path)
+
+    @on(EvalStarted)
+    def started(self, ev: EvalStarted) -> None:
+        _append(self.path, {"eval_started": ev.step, "num_batches": ev.num_batches})
+
+    @on(EvalProgress)
+    def progress(self, ev: EvalProgress) -> None:
+        _append(
+            self.path,
+            {"progress": ev.batches_done, "of": ev.num_batches, "set": ev.set, "step": ev.step},
+        )
+
+    @on(EvalEnded)
+    def ended(self, ev: EvalEnded) -> None:
+        _append(
+            self.path,
+            {"eval_ended": ev.step, "metrics": ev.metrics, "sets": ev.sets, "samples": ev.samples},
+        )
+
+    @on(RunEnded)
+    def run_ended(self, ev: RunEnded) -> None:
+        _append(self.path, {"end": ev.status})

@@ -275,7 +275,7 @@ async def test_prometheus_exporter_serves_conventional_metrics(
     )
     assert value("evtrain_bubble_ratio", {"stage": "1"}) == pytest.approx(0.2)
     assert value("evtrain_peak_memory_bytes", {"stage": "1"}) == 150 * 1024 * 1024 + 20 * 1024
-    assert value("evtrain_eval_metric", {"metric": "loss"}) == 1.0
+    assert value("evtrain_eval_metric", {"set": "", "metric": "loss"}) == 1.0
     assert value("evtrain_evals_total") == 2
     assert value("evtrain_eval_last_step") == 20
     assert value("evtrain_step_metric", {"metric": "tokens"}) == 512.0
