@@ -103,8 +103,10 @@ class EarlyStopping(Hook):
         if self.bad_evals < self.patience or self.stopped_reason is not None:
             return
         best_at = "" if self.best_step is None else f" at step {self.best_step}"
+        # A named set's metric says its set itself ("test/loss").
+        watched = self.metric if "/" in self.metric else f"val {self.metric}"
         reason = (
-            f"early stopping: val {self.metric} did not improve for {self.bad_evals} evals "
+            f"early stopping: {watched} did not improve for {self.bad_evals} evals "
             f"(best {self.best:.6g}{best_at}, mode {self.mode}, min_delta {self.min_delta:g})"
         )
         self.stopped_reason = reason

@@ -669,7 +669,8 @@ def _stage_local(obj: Any, device: torch.device) -> Any:
 
     torchmetrics gathers a metric's state over the default process group when
     one exists; here that group is the pipeline, whose other stages take no
-    part in the evaluation, so a gather would wait forever.
+    part in the evaluation, so the gather would wait for peers that never
+    join it (until the process group's timeout).
     """
     modules = obj.modules() if isinstance(obj, nn.Module) else [obj]
     for module in modules:
