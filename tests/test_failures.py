@@ -174,7 +174,11 @@ def test_a_layer_that_raises_is_named_once_with_the_users_line(tmp_path: Path, m
     assert output.count("injected failure at step 3") == 1, output
     assert "Traceback" not in output
     consequences = [x for x in proc.stderr.splitlines() if x.startswith("  consequence:")]
-    assert len(consequences) == 1 and consequences[0].startswith("  consequence: stage 0 failed")
+    # Stage 0 notices the broken group itself, or the agent stops it first when the
+    # machine is busy: either is the one consequence, named for stage 0.
+    assert len(consequences) == 1 and re.match(
+        r"  consequence: stage 0 (failed|was killed by SIGTERM)", consequences[0]
+    ), consequences
     assert len(consequences[0]) < 200
     info = json.loads((tmp_path / "run" / "run.json").read_text())
     assert info["root_cause"] == headline.removeprefix("evtrain launch: error: ")
