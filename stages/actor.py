@@ -282,7 +282,6 @@ class StageActor:
         self._last_loss: float | None = None
         self._eval_progress: EvalProgress | None = None
         """The evaluation in progress on the last stage (its batches before the current set)."""
-        self._eval_published = -1
         self.report: StageReport | None = None
         if config.report_dir is not None:
             self.report = StageReport(
@@ -987,6 +986,8 @@ class StageActor:
         done = 0
         for index, evaluation in enumerate(executor.evaluations):
             if last:
+                # Before the heartbeats see the new set: not the last set's count on top.
+                executor.eval_batches_done = 0
                 self._eval_progress = EvalProgress(
                     step=step,
                     stage=self.stage,
@@ -1000,7 +1001,7 @@ class StageActor:
             values = {**self.reporter.collect(), **stats.metrics}
             metrics.update({prefix + k: v for k, v in values.items()})
             samples[evaluation.name] = stats.samples
-        self._eval_progress, self._eval_published = None, -1
+        self._eval_progress = None
         self.state = previous
         if not last:
             return {}
@@ -1025,14 +1026,12 @@ class StageActor:
         return metrics
 
     def _publish_eval_progress(self) -> None:
-        """The last stage, evaluating: how far it got, when that changed since the last one."""
+        """The last stage, evaluating: how far it got (with every heartbeat, so a console
+        that joins late or an event that was dropped costs at most a second)."""
         current, executor = self._eval_progress, self.executor
         if current is None or executor is None:
             return
         done = current.batches_done + executor.eval_batches_done
-        if done == self._eval_published:
-            return
-        self._eval_published = done
         self.publish(
             EvalProgress(
                 step=current.step,
