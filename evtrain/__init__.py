@@ -20,6 +20,7 @@ _EXPORTS: dict[str, str] = {
     "Job": "evtrain.job",
     "layer": "evtrain.job",
     "accuracy": "evtrain.job",
+    "metric": "evtrain.job",
     "load_job": "evtrain.spec",
     "apply_overrides": "evtrain.spec",
     "UsageError": "evtrain.errors",
@@ -61,6 +62,7 @@ __all__ = [
     "launch",
     "layer",
     "load_job",
+    "metric",
     "on",
     "report",
 ]
@@ -75,7 +77,7 @@ if TYPE_CHECKING:
     from evtrain.errors import SpecError, UsageError
     from evtrain.hooks.hook import Hook, on
     from evtrain.hooks.runner import HookRunner
-    from evtrain.job import Job, accuracy, layer
+    from evtrain.job import Job, accuracy, layer, metric
     from evtrain.reporting import report
     from evtrain.run_state import RunState
     from evtrain.spec import apply_overrides, load_job

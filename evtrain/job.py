@@ -62,6 +62,7 @@ __all__ = [
     "is_metric_object",
     "layer",
     "metric",
+    "named_eval_sets",
 ]
 
 LayerFactory = Callable[[], nn.Module]
