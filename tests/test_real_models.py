@@ -24,7 +24,7 @@ from evtrain.errors import SpecError
 from evtrain.job import Job
 from evtrain.spec import load_job
 from evtrain.stages.boundary import split, take
-from evtrain.stages.partition import build_full_model, partition
+from evtrain.stages.partition import build_full_model, partition, plan_split
 from evtrain.stages.precision import LossScaler, autocast
 
 pytestmark = pytest.mark.slow
@@ -152,11 +152,22 @@ def test_model_split_by_name_with_tied_embeddings_and_dict_samples(tmp_path: Pat
             torch.testing.assert_close(value, want6[key], rtol=0, atol=ATOL, msg=key)
 
 
-def test_layers_passing_tuples_with_explicit_ties(tmp_path: Path) -> None:
-    spec = write(tmp_path, "layers", 3, 4)
-    job = load_job(spec)
-    launch(spec, "--dump-weights", str(tmp_path / "weights"))
-    parts = dumped(tmp_path / "weights")
+@pytest.fixture(scope="module")
+def layers_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Layers passing (hidden, mask) tuples with an explicit tie, at 3 stages, 4 steps."""
+    d = tmp_path_factory.mktemp("layers")
+    launch(
+        write(d, "layers", 3, 4),
+        "--dump-weights",
+        str(d / "weights"),
+        EVTRAIN_TEST_BLOCK_CALLS=str(d / "calls"),
+    )
+    return d
+
+
+def test_layers_passing_tuples_with_explicit_ties(layers_run: Path) -> None:
+    job = load_job(layers_run / "layers_spec.py")
+    parts = dumped(layers_run / "weights")
     assert len(parts) == 3
     first, last = parts[0], parts[-1]
     assert torch.equal(first["0.tok.weight"], last["5.out.weight"])
@@ -166,58 +177,50 @@ def test_layers_passing_tuples_with_explicit_ties(tmp_path: Path) -> None:
             torch.testing.assert_close(value, want[key], rtol=0, atol=ATOL, msg=key)
 
 
-def test_bad_model_input_is_one_line_before_any_process(tmp_path: Path) -> None:
-    def refused(spec: Path) -> str:
-        proc = subprocess.run(
-            [sys.executable, "-m", "evtrain", "launch", str(spec)],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert proc.returncode == 2, proc.stdout + proc.stderr
-        lines = proc.stderr.strip().splitlines()
-        assert len(lines) == 1, proc.stderr
-        return lines[0]
-
-    assert "'blocks.9' names no unit" in refused(
-        write(tmp_path, "model", 2, 2, split_points=["blocks.9"])
-    )
-    assert "'0.nope.weight' is not a parameter" in refused(
-        write(tmp_path, "layers", 2, 2, tied=[("0.nope.weight", "5.out.weight")])
-    )
-    assert "this stage does not hold" in refused(
-        write(tmp_path, "unaware", 2, 2, split_points=["blocks.2"])
-    )
-    assert "layer 1 (CountingBlock) produced a int at [1]" in refused(
-        write(tmp_path, "bad_leaf", 2, 2)
-    )
-    with pytest.raises(SpecError, match="split_points"):
-        load_job(write(tmp_path, "layers", 2, 2, split_points=["1"]))
-
-
-def test_activation_checkpointing_is_bitwise_equal(tmp_path: Path) -> None:
-    plain, ckpt = tmp_path / "plain", tmp_path / "ckpt"
-    for d in (plain, ckpt):
-        d.mkdir()
+def test_activation_checkpointing_is_bitwise_equal(layers_run: Path, tmp_path: Path) -> None:
     launch(
-        write(plain, "layers", 2, 3),
+        write(tmp_path, "layers", 3, 4, activation_checkpointing=True),
         "--dump-weights",
-        str(plain / "w"),
-        EVTRAIN_TEST_BLOCK_CALLS=str(plain / "calls"),
+        str(tmp_path / "weights"),
+        EVTRAIN_TEST_BLOCK_CALLS=str(tmp_path / "calls"),
     )
-    launch(
-        write(ckpt, "layers", 2, 3, activation_checkpointing=True),
-        "--dump-weights",
-        str(ckpt / "w"),
-        EVTRAIN_TEST_BLOCK_CALLS=str(ckpt / "calls"),
-    )
-    for a, b in zip(dumped(plain / "w"), dumped(ckpt / "w"), strict=True):
+    for a, b in zip(dumped(layers_run / "weights"), dumped(tmp_path / "weights"), strict=True):
         assert a.keys() == b.keys()
         for key in a:
             assert torch.equal(a[key], b[key]), key
-    # The blocks' forwards ran again in the backward: 4 blocks x 4 microbatches x 3 steps.
-    runs = [len((d / "calls").read_text().splitlines()) for d in (plain, ckpt)]
-    assert runs[1] - runs[0] == 4 * 4 * 3, runs
+    # The blocks' forwards ran again in the backward: 4 blocks x 4 microbatches x 4 steps.
+    runs = [len((d / "calls").read_text().splitlines()) for d in (layers_run, tmp_path)]
+    assert runs[1] - runs[0] == 4 * 4 * 4, runs
+
+
+def test_bad_model_input_is_refused_before_any_process(tmp_path: Path) -> None:
+    # Through the CLI: one line, exit 2, before any process starts.
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "evtrain",
+            "launch",
+            str(write(tmp_path, "model", 2, 2, split_points=["blocks.9"])),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "'blocks.9' names no unit" in lines[0], proc.stderr
+    assert not (tmp_path / "run").exists()
+    # The same check, in process, for the other mistakes.
+    for kind, fields, says in (
+        ("layers", {"tied": [("0.nope.weight", "5.out.weight")]}, "'0.nope.weight' is not a"),
+        ("unaware", {"split_points": ["blocks.2"]}, "this stage does not hold"),
+        ("bad_leaf", {}, r"layer 1 \(CountingBlock\) produced a int at \[1\]"),
+    ):
+        with pytest.raises(SpecError, match=says):
+            plan_split(load_job(write(tmp_path, kind, 2, 2, **fields)))
+    with pytest.raises(SpecError, match="split_points"):
+        load_job(write(tmp_path, "layers", 2, 2, split_points=["1"]))
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
