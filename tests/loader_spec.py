@@ -63,6 +63,13 @@ class KillOnce(nn.Module):
         return x
 
 
+def cosine(
+    optimizer: torch.optim.Optimizer, total_steps: int
+) -> torch.optim.lr_scheduler.LRScheduler:
+    """Reaches its minimum (0) on the run's last step, whatever --steps says."""
+    return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps - 1)
+
+
 def make_job(
     run_dir: str,
     steps: int,
@@ -70,8 +77,10 @@ def make_job(
     kill_step: int | None = None,
     marker: str | None = None,
     hooks: list[Any] | None = None,
+    schedule: bool = False,
 ) -> Job:
     return Job(
+        lr_scheduler=cosine if schedule else None,
         name="loader",
         layers=[
             layer(nn.Linear, FEATURES, 32),

@@ -4,6 +4,7 @@ killed mid-epoch resumes with exactly the samples an uninterrupted run reads."""
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -109,3 +110,13 @@ def test_kill_mid_epoch_resumes_the_same_samples(
     got = weights(d / "w")
     for key, value in uninterrupted["weights"].items():
         assert torch.equal(got[key], value), key
+
+
+def test_a_cosine_schedule_ends_on_the_last_step_after_steps(tmp_path: Path) -> None:
+    d = tmp_path / "cosine"
+    spec = write(d, steps=200, workers=0, schedule=True, hooks=[{"type": "metrics"}])
+    launch(spec, "--steps", "5")
+    lines = [json.loads(x) for x in (d / "run" / "metrics.jsonl").read_text().splitlines()]
+    lrs = [x["lr"] for x in lines if x.get("type") == "step"]
+    assert len(lrs) == 5
+    assert lrs[0] == pytest.approx(0.1) and lrs[-1] == pytest.approx(0.0, abs=1e-9), lrs
