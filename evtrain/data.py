@@ -141,8 +141,23 @@ class DataStream:
             self._perms[epoch] = perm
         return perm
 
+    @classmethod
+    def unbounded(cls, batch_size: int, seed: int, *, grad_accum: int = 1) -> DataStream:
+        """The stream of an iterable data set: one endless epoch of batches in its own
+        order; batches have numbers but no sample indices (`batch` raises)."""
+        stream = cls(1, 1, seed, grad_accum=grad_accum, drop_last=False, shuffle=False)
+        stream.batch_size = batch_size
+        stream.batches_per_epoch = 1 << 62
+        stream.indexed = False
+        return stream
+
+    indexed: bool = True
+    """False for an iterable data set's stream (`unbounded`)."""
+
     def batch(self, batch_index: int) -> torch.Tensor:
         """Sample indices (int64, 1-D) of global batch ``batch_index``."""
+        if not self.indexed:
+            raise TypeError("an iterable data set's batches have no sample indices")
         if batch_index < 0:
             raise ValueError(f"batch_index must be >= 0, got {batch_index}")
         epoch, pos = divmod(batch_index, self.batches_per_epoch)

@@ -980,13 +980,18 @@ class Job:
                     raise SpecError(
                         field, f"{where}loading the data failed: {type(exc).__name__}: {exc}"
                     ) from exc
-            if not (hasattr(value, "__len__") and hasattr(value, "__getitem__")):
+            iterable = isinstance(value, torch.utils.data.IterableDataset)
+            if iterable and field != "train_data":
+                raise SpecError(
+                    field, f"{where}evaluation reads every sample once: give a map-style data set"
+                )
+            if not iterable and not (hasattr(value, "__len__") and hasattr(value, "__getitem__")):
                 raise SpecError(
                     field,
-                    f"{where}with data_loader, expected a map-style data set (len() and [i]), "
-                    f"or a callable returning one; got {type(value).__name__}",
+                    f"{where}with data_loader, expected a map-style (len() and [i]) or an "
+                    f"iterable data set, or a callable returning one; got {type(value).__name__}",
                 )
-            if len(value) == 0:
+            if not iterable and len(value) == 0:
                 raise SpecError(field, f"{where}the data set is empty")
             self._cache[key] = value
         return self._cache[key]
@@ -1001,6 +1006,12 @@ class Job:
         if self.eval_data is None:
             return None
         return self._dataset("eval_data", self._eval_source(name)[0])
+
+    def streams_train_data(self) -> bool:
+        """Whether the training data is an iterable data set (read in its own order)."""
+        return self.data_loader is not None and isinstance(
+            self.train_dataset(), torch.utils.data.IterableDataset
+        )
 
     def num_train_samples(self) -> int:
         """Size of the training set (a data set's ``len``, or the stacked tensors')."""
@@ -1020,6 +1031,10 @@ class Job:
 
     def example_batch(self, n: int) -> tuple[Any, Any]:
         """The first ``n`` training samples as stacked (inputs, targets): shapes and dtypes."""
+        if self.streams_train_data():
+            from evtrain.loading import first_streamed
+
+            return first_streamed(self, n)
         if self.data_loader is not None:
             from evtrain.loading import first_samples
 
@@ -1056,6 +1071,8 @@ class Job:
         Loads the training set to learn its size; raises `SpecError`
         (``batch_size``) when a batch is larger than the data set.
         """
+        if self.streams_train_data():
+            return DataStream.unbounded(self.batch_size, self.seed, grad_accum=self.grad_accum)
         n = self.num_train_samples()
         if self.batch_size > n:
             raise SpecError(
@@ -1072,6 +1089,10 @@ class Job:
         if self.epochs is None:
             assert self.max_steps is not None  # validate() guarantees one of them
             return self.max_steps
+        if self.streams_train_data():
+            raise SpecError(
+                "epochs", "an iterable data set has no length to count epochs in: set max_steps"
+            )
         steps = self.train_stream().steps_for_epochs(self.epochs)
         if steps < 1:
             raise SpecError(

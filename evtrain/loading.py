@@ -26,12 +26,14 @@ Samples are ``(input, target)`` pairs, or dicts split by `Job.input_keys` and
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+import structlog
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
 from evtrain.data import DataStream, derive_seed
 from evtrain.errors import SpecError
@@ -41,10 +43,14 @@ __all__ = [
     "LoaderReader",
     "MemoryReader",
     "Reader",
+    "StreamReader",
     "first_samples",
+    "first_streamed",
     "make_reader",
     "split_sample",
 ]
+
+log = structlog.get_logger()
 
 LOADER_OPTIONS: frozenset[str] = frozenset(
     {
@@ -100,8 +106,8 @@ class Reader:
         self.targets = targets
         self.device = device
 
-    def batch(self, batch_index: int, indices: torch.Tensor) -> tuple[Any, Any]:
-        """The training batch ``batch_index`` (samples ``indices``) as (inputs, targets)."""
+    def batch(self, batch_index: int) -> tuple[Any, Any]:
+        """The training batch ``batch_index`` as (inputs, targets)."""
         raise NotImplementedError
 
     def rows(self, rows: range) -> tuple[Any, Any]:
@@ -123,13 +129,24 @@ class Reader:
 class MemoryReader(Reader):
     """Rows of stacked tensors (`evtrain.job.TensorPair`)."""
 
-    def __init__(self, pair: Any, *, inputs: bool, targets: bool, device: torch.device) -> None:
+    def __init__(
+        self,
+        pair: Any,
+        *,
+        inputs: bool,
+        targets: bool,
+        device: torch.device,
+        stream: DataStream | None = None,
+    ) -> None:
         super().__init__(inputs=inputs, targets=targets, device=device)
         self.pair = pair
+        self.stream = stream
 
-    def batch(self, batch_index: int, indices: torch.Tensor) -> tuple[Any, Any]:
+    def batch(self, batch_index: int) -> tuple[Any, Any]:
         from evtrain.stages.boundary import take
 
+        assert self.stream is not None
+        indices = self.stream.batch(batch_index)
         cpu = torch.device("cpu")
         return self._keep(
             take(self.pair.inputs, indices, cpu) if self.inputs else None,
@@ -258,7 +275,7 @@ class LoaderReader(Reader):
             yield [(epoch, int(i)) for i in self.stream.batch(b)]
             b += 1
 
-    def batch(self, batch_index: int, indices: torch.Tensor) -> tuple[Any, Any]:
+    def batch(self, batch_index: int) -> tuple[Any, Any]:
         if self._train is None or batch_index != self._next_batch:
             self._train = self._loader("sample", self._train_batches(batch_index))
         self._next_batch = batch_index + 1
@@ -279,6 +296,112 @@ class LoaderReader(Reader):
     def close(self) -> None:
         """Stop the workers (they also stop with the process)."""
         self._train = self._eval = None
+
+
+class _OwnRng:
+    """Runs ``next()`` of an iterator under a random state of its own.
+
+    Without workers an iterable data set's code runs in the stage itself: its
+    draws must neither move the stage's streams (dropout) nor depend on them.
+    """
+
+    def __init__(self, iterator: Iterator[Any], seed: int) -> None:
+        self._iterator = iterator
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            self._state = torch.get_rng_state()
+
+    def __iter__(self) -> Iterator[Any]:
+        return self
+
+    def __next__(self) -> Any:
+        with torch.random.fork_rng(devices=[]):
+            torch.set_rng_state(self._state)
+            try:
+                return next(self._iterator)
+            finally:
+                self._state = torch.get_rng_state()
+
+
+class StreamReader(Reader):
+    """An iterable data set read through a DataLoader, in its own order.
+
+    Batch b is the b-th full batch of the stream; when the data set is
+    exhausted the next pass starts. Every pass is seeded — the DataLoader's
+    ``generator`` (which seeds each worker's torch, ``random`` and numpy)
+    and, without workers, the random state the data set's code runs under —
+    so both reading stages, and every rerun, see the same batches. The
+    position in the stream is the step: a resumed run replays the stream
+    from its start to its first batch (it reads those batches again, and
+    logs it), since an iterable data set has no index to jump to. A data
+    set that shards itself over workers (``torch.utils.data.get_worker_info``)
+    yields the same order at a fixed ``num_workers``.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        *,
+        seed: int,
+        batch_size: int,
+        options: Mapping[str, Any],
+        input_keys: str | Sequence[str] | None,
+        target_keys: str | Sequence[str] | None,
+        inputs: bool,
+        targets: bool,
+        device: torch.device,
+    ) -> None:
+        super().__init__(inputs=inputs, targets=targets, device=device)
+        self.dataset = dataset
+        self.seed = seed
+        self.batch_size = batch_size
+        self.options = dict(options)
+        self.input_keys = input_keys
+        self.target_keys = target_keys
+        self._batches: Iterator[Any] | None = None
+        self._next = -1
+
+    def _stream(self) -> Iterator[Any]:
+        for number in itertools.count():
+            generator = torch.Generator().manual_seed(derive_seed(self.seed, "pass", number))
+            loader = DataLoader(
+                self.dataset,
+                batch_size=self.batch_size,
+                drop_last=True,
+                generator=generator,
+                **self.options,
+            )
+            empty = True
+            for batch in _OwnRng(iter(loader), derive_seed(self.seed, "pass-main", number)):
+                empty = False
+                yield batch
+            if empty:
+                raise SpecError(
+                    "train_data",
+                    f"the iterable data set yields less than {self.batch_size} samples",
+                )
+
+    def batch(self, batch_index: int) -> tuple[Any, Any]:
+        if self._batches is None or batch_index != self._next:
+            self._batches = self._stream()
+            if batch_index:
+                log.info("replaying the data stream to the resume point", batches=batch_index)
+            for _ in range(batch_index):
+                next(self._batches)
+        self._next = batch_index + 1
+        return self._keep(*split_sample(next(self._batches), self.input_keys, self.target_keys))
+
+    def rows(self, rows: range) -> tuple[Any, Any]:
+        raise TypeError("an iterable data set is not evaluated")
+
+
+def first_streamed(job: Any, n: int) -> tuple[Any, Any]:
+    """The first ``n`` samples of an iterable training set (read without workers)."""
+    from torch.utils.data import default_collate
+
+    collate = job.data_loader.get("collate_fn") or default_collate
+    samples = list(itertools.islice(_OwnRng(iter(job.train_dataset()), job.seed), n))
+    return split_sample(collate(samples), job.input_keys, job.target_keys)
 
 
 def first_samples(
@@ -321,8 +444,20 @@ def make_reader(
         return None
     if job.data_loader is None:
         pair = job.train_tensors() if kind == "train" else job.eval_tensors(eval_set)
-        return MemoryReader(pair, inputs=first, targets=last, device=device)
+        return MemoryReader(pair, inputs=first, targets=last, device=device, stream=stream)
     dataset = job.train_dataset() if kind == "train" else job.eval_dataset(eval_set)
+    if isinstance(dataset, IterableDataset):
+        return StreamReader(
+            dataset,
+            seed=job.seed,
+            batch_size=job.batch_size,
+            options=job.data_loader,
+            input_keys=job.input_keys,
+            target_keys=job.target_keys,
+            inputs=first,
+            targets=last,
+            device=device,
+        )
     return LoaderReader(
         dataset,
         seed=job.seed,

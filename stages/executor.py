@@ -418,7 +418,7 @@ class StageExecutor:
     def _load_batch(self, batch_index: int) -> None:
         if self.train is None:
             return
-        inputs, targets = self.train.batch(batch_index, self.stream.batch(batch_index))
+        inputs, targets = self.train.batch(batch_index)
         mb = self.job.microbatch_size
         if inputs is not None:
             self._batch_x = split(inputs, mb)

@@ -11,11 +11,12 @@ from __future__ import annotations
 import functools
 import os
 import signal
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from evtrain.job import Job, layer
 
@@ -41,6 +42,19 @@ class Augmented(Dataset[dict[str, torch.Tensor]]):
             with open(reads, "a") as f:
                 f.write(f"{os.environ.get('RANK', '?')} {i} {float(noise[0]):.9f}\n")
         return {"x": x, "y": self.y[i]}
+
+
+class Streamed(IterableDataset[dict[str, torch.Tensor]]):
+    """The same samples as an iterable data set, each worker yielding its share."""
+
+    def __init__(self) -> None:
+        self.samples = Augmented()
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        info = get_worker_info()
+        start, step = (info.id, info.num_workers) if info is not None else (0, 1)
+        for i in range(start, SAMPLES, step):
+            yield self.samples[i]
 
 
 class KillOnce(nn.Module):
@@ -78,6 +92,7 @@ def make_job(
     marker: str | None = None,
     hooks: list[Any] | None = None,
     schedule: bool = False,
+    iterable: bool = False,
 ) -> Job:
     return Job(
         lr_scheduler=cosine if schedule else None,
@@ -94,7 +109,7 @@ def make_job(
         stages=3,
         loss_fn=nn.functional.cross_entropy,
         optimizer=functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9),
-        train_data=Augmented,
+        train_data=Streamed if iterable else Augmented,
         data_loader={"num_workers": workers},
         input_keys="x",
         target_keys="y",

@@ -120,3 +120,23 @@ def test_a_cosine_schedule_ends_on_the_last_step_after_steps(tmp_path: Path) -> 
     lrs = [x["lr"] for x in lines if x.get("type") == "step"]
     assert len(lrs) == 5
     assert lrs[0] == pytest.approx(0.1) and lrs[-1] == pytest.approx(0.0, abs=1e-9), lrs
+
+
+def test_an_iterable_data_set_restarts_mid_stream_to_the_same_weights(tmp_path: Path) -> None:
+    plain, killed = tmp_path / "plain", tmp_path / "killed"
+    launch(write(plain, steps=8, workers=2, iterable=True), "--dump-weights", str(plain / "w"))
+    spec = write(
+        killed,
+        steps=8,
+        workers=2,
+        iterable=True,
+        kill_step=7,  # the second pass over the stream, batch 1 of 6
+        marker=str(tmp_path / "killed.marker"),
+        hooks=[{"type": "checkpoint", "every_steps": 2}],
+    )
+    launch(spec, "--max-restarts", "1", "--dump-weights", str(killed / "w"))
+    assert (tmp_path / "killed.marker").exists()
+    want, got = weights(plain / "w"), weights(killed / "w")
+    assert want.keys() == got.keys()
+    for key, value in want.items():
+        assert torch.equal(got[key], value), key
