@@ -446,20 +446,7 @@ def make_reader(
         pair = job.train_tensors() if kind == "train" else job.eval_tensors(eval_set)
         return MemoryReader(pair, inputs=first, targets=last, device=device, stream=stream)
     dataset = job.train_dataset() if kind == "train" else job.eval_dataset(eval_set)
-    if isinstance(dataset, IterableDataset):
-        return StreamReader(
-            dataset,
-            seed=job.seed,
-            batch_size=job.batch_size,
-            options=job.data_loader,
-            input_keys=job.input_keys,
-            target_keys=job.target_keys,
-            inputs=first,
-            targets=last,
-            device=device,
-        )
-    return LoaderReader(
-        dataset,
+    common: dict[str, Any] = dict(
         seed=job.seed,
         options=job.data_loader,
         input_keys=job.input_keys,
@@ -467,6 +454,7 @@ def make_reader(
         inputs=first,
         targets=last,
         device=device,
-        stream=stream,
-        eval_plan=eval_plan,
     )
+    if isinstance(dataset, IterableDataset):
+        return StreamReader(dataset, batch_size=job.batch_size, **common)
+    return LoaderReader(dataset, stream=stream, eval_plan=eval_plan, **common)
