@@ -22,7 +22,19 @@ when it feeds the same microbatches one after another.
 
 The data are scikit-learn's bundled handwritten digits (1,797 grey 8x8
 images, 10 classes), upsampled to 16x16; every fifth image is held out.
-Held-out accuracy passes 95 % within the first hundred steps.
+They are a map-style data set (`Digits`) read through a DataLoader with two
+worker processes (``data_loader``), which augments every training image
+with a random crop of the image padded by `CROP_PAD` pixels and a random
+left-right flip (`crop_and_flip`). evtrain seeds each sample's draws by the
+epoch and the sample, so an image is cropped and flipped differently in
+every epoch, the same in every rerun and with any number of workers, and a
+resumed run draws what an uninterrupted one would have.
+
+Held-out accuracy reaches about 95 % in the 150 steps. Augmentation does
+not pay in so short a run, it is here to show the mechanics: with crops
+alone it reached 98 %, without augmentation 99 % (one run each). Mirroring
+suits natural images more than digits, whose mirror images are not always
+digits of the same class.
 """
 
 from __future__ import annotations
@@ -33,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from sklearn.datasets import load_digits
 from torch import nn
+from torch.utils.data import Dataset
 
 from evtrain.job import Job, accuracy, layer
 
@@ -40,6 +53,10 @@ IMAGE_SIZE = 16
 CLASSES = 10
 EVAL_EVERY_NTH = 5
 """Every 5th image is held out for evaluation."""
+CROP_PAD = 2
+"""Pixels of background added around a training image before a random crop."""
+BACKGROUND = -1.0
+"""The value of a blank pixel after `digits` centres the images."""
 
 
 def digits(part: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,6 +71,36 @@ def digits(part: str) -> tuple[torch.Tensor, torch.Tensor]:
     keep = held_out if part == "eval" else ~held_out
     # Centred around zero, so the stem's first convolution starts from a sensible scale.
     return (images[keep] - 0.5) / 0.5, labels[keep]
+
+
+def crop_and_flip(image: torch.Tensor) -> torch.Tensor:
+    """A random ``IMAGE_SIZE`` crop of ``image`` ``(C, H, W)`` padded by `CROP_PAD` pixels of
+    background (a shift of up to 2 pixels each way), mirrored left-right half the time.
+
+    Draws from torch's global generator, which evtrain seeds per sample and epoch.
+    """
+    padded = F.pad(image, (CROP_PAD,) * 4, value=BACKGROUND)
+    top, left = torch.randint(0, 2 * CROP_PAD + 1, (2,)).tolist()
+    out = padded[:, top : top + IMAGE_SIZE, left : left + IMAGE_SIZE]
+    if torch.rand(()) < 0.5:
+        out = out.flip(-1)
+    return out
+
+
+class Digits(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """The images of `digits` as ``(image, label)`` samples; ``augment`` crops and flips
+    every image at random (`crop_and_flip`) as it is read."""
+
+    def __init__(self, part: str, augment: bool = False) -> None:
+        self.images, self.labels = digits(part)
+        self.augment = augment
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        image = self.images[index]
+        return (crop_and_flip(image) if self.augment else image), self.labels[index]
 
 
 class Stem(nn.Module):
@@ -127,8 +174,11 @@ def make_job() -> Job:
             torch.optim.SGD, lr=0.1, momentum=0.9, weight_decay=5e-4, nesterov=True
         ),
         lr_scheduler=functools.partial(torch.optim.lr_scheduler.CosineAnnealingLR, T_max=150),
-        train_data=functools.partial(digits, "train"),
-        eval_data=functools.partial(digits, "eval"),
+        train_data=functools.partial(Digits, "train", augment=True),
+        eval_data=functools.partial(Digits, "eval"),
+        # Forked workers: `Digits` is defined in this spec file, which a fresh
+        # (forkserver or spawn) worker could not import to unpickle it.
+        data_loader={"num_workers": 2, "multiprocessing_context": "fork"},
         metrics={"accuracy": accuracy},
         batch_size=64,
         num_microbatches=4,

@@ -383,6 +383,54 @@ def test_resnet_blocks_cost_alike_while_their_parameters_grow(resnet: ModuleType
     assert x.shape == (8, resnet.CLASSES)
 
 
+def _crops(resnet: ModuleType, image: torch.Tensor) -> list[tuple[int, int, bool, torch.Tensor]]:
+    """Every crop `crop_and_flip` may return for ``image``: (top, left, flipped, crop)."""
+    pad, size = resnet.CROP_PAD, resnet.IMAGE_SIZE
+    padded = F.pad(image, (pad,) * 4, value=resnet.BACKGROUND)
+    out = []
+    for top, left, flipped in itertools.product(range(2 * pad + 1), range(2 * pad + 1), (0, 1)):
+        crop = padded[:, top : top + size, left : left + size]
+        out.append((top, left, bool(flipped), crop.flip(-1) if flipped else crop))
+    return out
+
+
+def test_resnet_augments_by_random_crops_and_flips_drawn_from_the_seed(
+    resnet: ModuleType,
+) -> None:
+    images, labels = resnet.digits("train")
+    augmented = resnet.Digits("train", augment=True)
+    plain = resnet.Digits("eval")
+    assert len(augmented) == len(labels) and len(plain) == len(resnet.digits("eval")[1])
+    # Held-out images are read as they are.
+    image, label = plain[3]
+    assert torch.equal(image, resnet.digits("eval")[0][3]) and label == resnet.digits("eval")[1][3]
+
+    drawn = set()
+    for seed in range(40):
+        torch.manual_seed(seed)
+        image, label = augmented[7]
+        torch.manual_seed(seed)
+        again, _ = augmented[7]
+        assert torch.equal(image, again)  # the same seed, the same crop and flip
+        assert image.shape == (1, resnet.IMAGE_SIZE, resnet.IMAGE_SIZE) and label == labels[7]
+        matches = [c[:3] for c in _crops(resnet, images[7]) if torch.equal(c[3], image)]
+        assert matches, seed  # a shifted crop of the padded image, mirrored or not
+        drawn.update(matches)
+    assert {flipped for _, _, flipped in drawn} == {False, True}
+    assert len({(top, left) for top, left, _ in drawn}) > 5
+
+
+def test_resnet_job_reads_augmented_digits_through_the_data_loader(resnet: ModuleType) -> None:
+    job = resnet.make_job()
+    assert job.data_loader is not None and job.data_loader["num_workers"] == 2
+    train, evaluation = job.train_dataset(), job.eval_dataset()
+    assert isinstance(train, resnet.Digits) and train.augment
+    assert isinstance(evaluation, resnet.Digits) and not evaluation.augment
+    inputs, targets = job.example_batch(4)
+    assert inputs.shape == (4, 1, resnet.IMAGE_SIZE, resnet.IMAGE_SIZE)
+    assert targets.shape == (4,) and targets.dtype == torch.int64
+
+
 # ------------------------------------------------------------------ a Llama-style decoder
 #
 # Written as Llama and torchtitan write theirs, but for the split-by-name
