@@ -136,40 +136,41 @@ def flatten(value: Any, where: str = "the layer") -> tuple[_Tree, list[torch.Ten
     ``where`` names the producer in the `SpecError` for an unsupported leaf.
     """
     leaves: list[torch.Tensor] = []
-
-    def walk(node: Any, path: str) -> _Tree:
-        if isinstance(node, torch.Tensor):
-            if node.dtype not in _NAMES:
-                raise SpecError(
-                    "layers",
-                    f"{where} returned a {node.dtype} tensor at {path or 'the top'}; "
-                    "it cannot cross a stage boundary",
-                )
-            leaves.append(node)
-            return len(leaves) - 1
-        if node is None:
-            return None
-        if isinstance(node, tuple | list):
-            return {
-                "t" if isinstance(node, tuple) else "l": [
-                    walk(v, f"{path}[{i}]") for i, v in enumerate(node)
-                ]
-            }
-        if isinstance(node, dict):
-            for key in node:
-                if not isinstance(key, str):
-                    raise SpecError(
-                        "layers", f"{where} returned a dict with a non-string key {key!r}"
-                    )
-            return {"d": {k: walk(v, f"{path}[{k!r}]") for k, v in node.items()}}
-        raise SpecError(
-            "layers",
-            f"{_describe(where, node)} at {path or 'the top'}; only tensors, or tuples, "
-            "lists and dicts of tensors, can cross a stage boundary",
-        )
-
-    tree = walk(value, "")
+    tree = _walk(value, "", where, leaves)
     return tree, leaves
+
+
+def _walk(node: Any, path: str, where: str, leaves: list[torch.Tensor]) -> _Tree:
+    # A module-level function, not a closure over ``leaves``: a recursive
+    # closure is a reference cycle that would keep every leaf (activations,
+    # whole batches) alive until the cyclic garbage collector runs.
+    if isinstance(node, torch.Tensor):
+        if node.dtype not in _NAMES:
+            raise SpecError(
+                "layers",
+                f"{where} returned a {node.dtype} tensor at {path or 'the top'}; "
+                "it cannot cross a stage boundary",
+            )
+        leaves.append(node)
+        return len(leaves) - 1
+    if node is None:
+        return None
+    if isinstance(node, tuple | list):
+        return {
+            "t" if isinstance(node, tuple) else "l": [
+                _walk(v, f"{path}[{i}]", where, leaves) for i, v in enumerate(node)
+            ]
+        }
+    if isinstance(node, dict):
+        for key in node:
+            if not isinstance(key, str):
+                raise SpecError("layers", f"{where} returned a dict with a non-string key {key!r}")
+        return {"d": {k: _walk(v, f"{path}[{k!r}]", where, leaves) for k, v in node.items()}}
+    raise SpecError(
+        "layers",
+        f"{_describe(where, node)} at {path or 'the top'}; only tensors, or tuples, "
+        "lists and dicts of tensors, can cross a stage boundary",
+    )
 
 
 def unflatten(tree: _Tree, tensors: Sequence[torch.Tensor]) -> Any:

@@ -64,3 +64,18 @@ def test_split_cuts_every_leaf() -> None:
 def test_boundary_spec_knows_when_gradients_flow() -> None:
     ints = BoundarySpec(0, (TensorSpec((2,), torch.int64),))
     assert not ints.carries_grad
+
+
+def test_flattening_keeps_no_reference_to_the_leaves() -> None:
+    import gc
+    import weakref
+
+    gc.disable()  # only reference counting may free it
+    try:
+        t = torch.zeros(1000)
+        ref = weakref.ref(t)
+        parts = split({"x": t, "y": (t, None)}, 250)
+        del t, parts
+        assert ref() is None
+    finally:
+        gc.enable()
