@@ -98,6 +98,24 @@ def split_sample(
     return pick(input_keys), pick(target_keys)
 
 
+def _worker_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """The DataLoader options, with workers forked unless the job says otherwise.
+
+    A stage process is started by spawn or forkserver, so that is also its
+    DataLoader's default: each worker would be a fresh interpreter importing
+    torch again (~250 MB each), and one that cannot unpickle a data set class
+    defined in the spec file, which is not an importable module. A forked
+    worker inherits both.
+    """
+    out = dict(options)
+    if out.get("num_workers", 0) and "multiprocessing_context" not in out:
+        import multiprocessing
+
+        if "fork" in multiprocessing.get_all_start_methods():
+            out["multiprocessing_context"] = "fork"
+    return out
+
+
 class Reader:
     """What one stage reads; ``inputs``/``targets`` say which half it keeps."""
 
@@ -249,7 +267,7 @@ class LoaderReader(Reader):
         super().__init__(inputs=inputs, targets=targets, device=device)
         self.dataset = dataset
         self.seed = seed
-        self.options = dict(options)
+        self.options = _worker_options(options)
         self.input_keys = input_keys
         self.target_keys = target_keys
         self.stream = stream
@@ -355,7 +373,7 @@ class StreamReader(Reader):
         self.dataset = dataset
         self.seed = seed
         self.batch_size = batch_size
-        self.options = dict(options)
+        self.options = _worker_options(options)
         self.input_keys = input_keys
         self.target_keys = target_keys
         self._batches: Iterator[Any] | None = None

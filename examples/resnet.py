@@ -176,9 +176,7 @@ def make_job() -> Job:
         lr_scheduler=functools.partial(torch.optim.lr_scheduler.CosineAnnealingLR, T_max=150),
         train_data=functools.partial(Digits, "train", augment=True),
         eval_data=functools.partial(Digits, "eval"),
-        # Forked workers: `Digits` is defined in this spec file, which a fresh
-        # (forkserver or spawn) worker could not import to unpickle it.
-        data_loader={"num_workers": 2, "multiprocessing_context": "fork"},
+        data_loader={"num_workers": 2},
         metrics={"accuracy": accuracy},
         batch_size=64,
         num_microbatches=4,

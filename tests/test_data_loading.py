@@ -140,3 +140,24 @@ def test_an_iterable_data_set_restarts_mid_stream_to_the_same_weights(tmp_path: 
     assert want.keys() == got.keys()
     for key, value in want.items():
         assert torch.equal(got[key], value), key
+
+
+def test_a_data_set_defined_in_the_spec_file_reaches_the_workers(tmp_path: Path) -> None:
+    spec = tmp_path / "spec.py"
+    spec.write_text(
+        "import functools, torch\n"
+        "from torch import nn\n"
+        "from torch.utils.data import Dataset\n"
+        "from evtrain.job import Job, layer\n"
+        "class Pairs(Dataset):\n"
+        "    def __len__(self):\n"
+        "        return 32\n"
+        "    def __getitem__(self, i):\n"
+        "        return torch.full((4,), float(i)), torch.zeros(1)\n"
+        "job = Job(name='inline', layers=[layer(nn.Linear, 4, 1)], stages=1,\n"
+        "          loss_fn=nn.functional.mse_loss,\n"
+        "          optimizer=functools.partial(torch.optim.SGD, lr=0.01),\n"
+        "          train_data=Pairs, data_loader={'num_workers': 2}, batch_size=8,\n"
+        f"          num_microbatches=1, max_steps=3, run_dir={str(tmp_path / 'run')!r})\n"
+    )
+    assert "run completed: 3/3 steps" in launch(spec)
