@@ -54,7 +54,8 @@ class Proc:
     """What was sampled of one process of the launch."""
 
     name: str
-    rank: str | None
+    parent: int
+    """The parent's pid: a DataLoader worker's is its stage process."""
     baseline_hwm: int | None = None
     """``VmHWM`` at the first sample after `BASELINE_STEP` steps were done."""
     hwm: int = 0
@@ -66,14 +67,6 @@ class Proc:
 def _status(pid: int) -> dict[str, str]:
     with open(f"/proc/{pid}/status") as fh:
         return dict(line.split(":\t", 1) for line in fh.read().splitlines() if ":\t" in line)
-
-
-def _rank(pid: int) -> str | None:
-    with open(f"/proc/{pid}/environ", "rb") as fh:
-        for item in fh.read().split(b"\0"):
-            if item.startswith(b"RANK="):
-                return item[5:].decode()
-    return None
 
 
 def _uses(pid: int, path: Path) -> tuple[bool, bool]:
@@ -108,7 +101,7 @@ def _watch(
                 status = _status(pid)
                 info = seen.get(pid)
                 if info is None:
-                    info = seen[pid] = Proc(status["Name"], _rank(pid))
+                    info = seen[pid] = Proc(status["Name"], int(status["PPid"]))
                 # A DataLoader worker names itself once it started.
                 info.name = status["Name"]
                 info.hwm = max(info.hwm, int(status["VmHWM"].split()[0]) * 1024)
@@ -180,12 +173,13 @@ def test_a_file_many_times_the_margin_streams_with_bounded_rss(
             f"while a {FILE_MIB} MiB file streamed (bound: {MARGIN_MIB} MiB)"
         )
 
+    stage_of = {e["pid"]: e["stage"] for e in events if e["type"] == "stage.started"}
     workers = {pid: p for pid, p in seen.items() if p.name == "pt_data_worker"}
-    assert sorted(p.rank for p in workers.values()) == ["0", "0", "1", "1"], seen
+    assert sorted(stage_of.get(p.parent) for p in workers.values()) == [0, 0, 1, 1], seen
     for pid, worker in workers.items():
         assert worker.baseline_hwm is not None, (pid, worker)
         assert worker.hwm <= worker.baseline_hwm + margin, (
-            f"a worker of stage {worker.rank} grew by "
+            f"a worker of stage {stage_of.get(worker.parent)} grew by "
             f"{(worker.hwm - worker.baseline_hwm) / MIB:.0f} MiB (bound: {MARGIN_MIB} MiB)"
         )
         # Each worker reads through its own descriptor, never through a mapping.
