@@ -287,6 +287,23 @@ def run_launch(
     return proc, leftovers
 
 
+def run_eval(
+    spec: Path, checkpoint: Path, output: Path, timeout: float = 90.0
+) -> tuple[subprocess.CompletedProcess[str], list[int]]:
+    """Run ``evtrain eval SPEC --checkpoint CKPT --output FILE``; returns it and its leftovers."""
+    marker = new_marker()
+    cmd = [sys.executable, "-m", "evtrain", "eval", str(spec)]
+    cmd += ["--checkpoint", str(checkpoint), "--output", str(output)]
+    try:
+        done = subprocess.run(
+            cmd, env=launch_env(marker), capture_output=True, text=True, timeout=timeout
+        )
+    finally:
+        left = wait_no_marked(marker, timeout=10.0)
+        kill_marked(marker)
+    return done, left
+
+
 def start_launch(spec: Path, *args: str, marker: str, **env: str) -> subprocess.Popen[str]:
     """Start ``evtrain launch`` in the background (its own session, output captured)."""
     return subprocess.Popen(

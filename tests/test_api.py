@@ -25,6 +25,7 @@ from launch_helpers import (
     kill_marked,
     launch_env,
     new_marker,
+    run_eval,
     wait_no_marked,
     write_eval_spec,
 )
@@ -139,16 +140,7 @@ def test_evtrain_eval_prints_the_metrics_and_writes_them_as_json(
     recorded = evals_of(run)
     ckpt = min((c for c in list_checkpoints(run) if c.committed), key=lambda c: c.step)
     output = tmp_path / "scores.json"
-    marker = new_marker()
-    cmd = [sys.executable, "-m", "evtrain", "eval", str(trained.spec)]
-    cmd += ["--checkpoint", str(ckpt.path), "--output", str(output)]
-    try:
-        done = subprocess.run(
-            cmd, env=launch_env(marker), capture_output=True, text=True, timeout=90
-        )
-    finally:
-        left = wait_no_marked(marker, timeout=10.0)
-        kill_marked(marker)
+    done, left = run_eval(trained.spec, ckpt.path, output)
     assert done.returncode == 0, done.stdout + done.stderr
     assert left == []
     saved = json.loads(output.read_text())

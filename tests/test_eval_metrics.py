@@ -22,8 +22,6 @@ from __future__ import annotations
 import io
 import json
 import math
-import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,9 +32,9 @@ import pytest
 import torch
 from launch_helpers import (
     kill_marked,
-    launch_env,
     new_marker,
     read_records,
+    run_eval,
     run_launch,
     start_launch,
     wait_for_records,
@@ -316,16 +314,7 @@ def test_evtrain_eval_reproduces_both_sets_and_prints_them(
         key=lambda c: c.step,
     )
     output = tmp_path / "scores.json"
-    marker = new_marker()
-    cmd = [sys.executable, "-m", "evtrain", "eval", str(trained.spec)]
-    cmd += ["--checkpoint", str(ckpt.path), "--output", str(output)]
-    try:
-        done = subprocess.run(
-            cmd, env=launch_env(marker), capture_output=True, text=True, timeout=90
-        )
-    finally:
-        left = wait_no_marked(marker, timeout=10.0)
-        kill_marked(marker)
+    done, left = run_eval(trained.spec, ckpt.path, output)
     assert done.returncode == 0, done.stdout + done.stderr
     assert left == []
     saved = json.loads(output.read_text())
