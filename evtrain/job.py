@@ -481,6 +481,13 @@ class Job:
     stages: int = 2
     """Number of pipeline stages P (at most the number of layers)."""
 
+    data_parallel: int = 1
+    """Replicas D of the pipeline (data parallelism): P x D processes on a (pp, dp)
+    device mesh. Every replica reads its own ``batch_size / D`` samples of each batch
+    and each stage's replicas average their gradients with DDP's reducer, so a step
+    equals one on the whole batch; `batch_size` is the global batch and must be a
+    multiple of ``num_microbatches * data_parallel``."""
+
     balance: Sequence[int] | str | None = None
     """Layers (or units of `model`) per stage, e.g. ``[3, 2]``; or ``"params"`` to balance
     the parameter count, ``"compute"`` to balance estimated training FLOPs (measured on
@@ -599,6 +606,13 @@ class Job:
             raise SpecError(
                 "num_microbatches",
                 f"{self.num_microbatches} does not divide batch_size {self.batch_size}",
+            )
+        _check_int("data_parallel", self.data_parallel, minimum=1)
+        if self.batch_size % (self.num_microbatches * self.data_parallel):
+            raise SpecError(
+                "data_parallel",
+                f"batch_size {self.batch_size} does not split into {self.data_parallel} "
+                f"replicas x {self.num_microbatches} microbatches",
             )
         _check_int("max_steps", self.max_steps, minimum=1, optional=True)
         _check_int("epochs", self.epochs, minimum=1, optional=True)
@@ -878,8 +892,19 @@ class Job:
 
     @property
     def microbatch_size(self) -> int:
-        """Samples per training microbatch (``batch_size // num_microbatches``)."""
-        return self.batch_size // self.num_microbatches
+        """Samples per training microbatch of one replica
+        (``batch_size // (num_microbatches * data_parallel)``)."""
+        return self.batch_size // (self.num_microbatches * self.data_parallel)
+
+    @property
+    def replica_batch_size(self) -> int:
+        """Samples of each batch one replica reads (``batch_size // data_parallel``)."""
+        return self.batch_size // self.data_parallel
+
+    @property
+    def world_size(self) -> int:
+        """Processes of the run: ``stages * data_parallel``."""
+        return self.stages * self.data_parallel
 
     @property
     def samples_per_step(self) -> int:

@@ -186,6 +186,13 @@ OVERRIDES: dict[str, Override] = {
     for o in (
         Override("stages", "stages", _parse_int, "an integer", "pipeline stages P"),
         Override(
+            "dp",
+            "data_parallel",
+            _parse_int,
+            "an integer",
+            "data-parallel replicas D of the pipeline (P x D processes)",
+        ),
+        Override(
             "microbatches",
             "num_microbatches",
             _parse_int,

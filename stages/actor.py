@@ -140,6 +140,7 @@ from torch import nn
 from evtrain.bus.address import BusAddress
 from evtrain.bus.commands import CommandLedger, CommandReceiver
 from evtrain.bus.publisher import Publisher
+from evtrain.bus.security import curve_from_env
 from evtrain.bus.subscriber import Subscriber
 from evtrain.checkpoint import CheckpointError, format_checkpoint_path
 from evtrain.checkpoint.loader import agree_on_resume, load_stage_shard, load_weights
@@ -311,14 +312,17 @@ class StageActor:
         self._write_report()
         if self.config.bus is not None:
             address = BusAddress.parse(self.config.bus)
+            # A CURVE bus: the launcher names its key directory in the environment.
+            curve = curve_from_env()
             self.publisher = Publisher(
                 address.endpoint("events_in"),
                 source=f"stage/{self.stage}",
                 run_id=self.config.run_id,
+                curve=curve,
             )
             self.ledger = CommandLedger(self.stage, self.publisher)
             if self.stage == 0:
-                self._receiver = CommandReceiver(address.endpoint("commands_out"))
+                self._receiver = CommandReceiver(address.endpoint("commands_out"), curve=curve)
                 self._verdicts = Subscriber(
                     address.endpoint("events_out"),
                     [
@@ -326,6 +330,7 @@ class StageActor:
                         CheckpointFailed.topic.decode(),
                         StageStopped.topic.decode(),
                     ],
+                    curve=curve,
                 )
         failure: BaseException | None = None
         try:
