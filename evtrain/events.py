@@ -49,6 +49,8 @@ MAX_INT = 2**53 - 1
 """Largest value of any integer field."""
 MAX_STAGES = 1024
 """More pipeline stages than any model is split into."""
+MAX_REPLICAS = 1024
+"""More data-parallel replicas of one pipeline than any run has."""
 MAX_SECONDS = 1_000_000.0
 """Longest duration a field may hold (11.6 days: no step, save or evaluation takes that)."""
 MAX_TIMESTAMP = 16_725_225_600.0
@@ -57,6 +59,9 @@ MAX_TIMESTAMP = 16_725_225_600.0
 Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_INT)]
 StageIndex = Annotated[int, msgspec.Meta(ge=0, lt=MAX_STAGES)]
 NumStages = Annotated[int, msgspec.Meta(ge=1, le=MAX_STAGES)]
+ReplicaIndex = Annotated[int, msgspec.Meta(ge=0, lt=MAX_REPLICAS)]
+"""A stage's data-parallel replica (0 without data parallelism)."""
+NumReplicas = Annotated[int, msgspec.Meta(ge=1, le=MAX_REPLICAS)]
 Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_SECONDS)]
 Timestamp = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_TIMESTAMP)]
 
@@ -116,6 +121,8 @@ class RunStarted(Event, kw_only=True, tag="run.started"):
     batch_size: Count
     start_step: Count = 0
     run_dir: str = ""
+    data_parallel: NumReplicas = 1
+    """Replicas D of the pipeline; every stage runs on D processes."""
 
 
 class RunEnded(Event, kw_only=True, tag="run.ended"):
@@ -132,6 +139,7 @@ class StageStarted(Event, kw_only=True, tag="stage.started"):
     """A stage worker built its slice of the model and is ready to train."""
 
     stage: StageIndex
+    replica: ReplicaIndex = 0
     num_stages: NumStages
     rank: Count
     host: str
@@ -145,6 +153,7 @@ class StageStopped(Event, kw_only=True, tag="stage.stopped"):
     """A stage worker left the run normally."""
 
     stage: StageIndex
+    replica: ReplicaIndex = 0
     status: str
     reason: str = ""
 
@@ -153,6 +162,7 @@ class StageFailed(Event, kw_only=True, tag="stage.failed"):
     """A stage worker raised; ``traceback`` is the formatted exception."""
 
     stage: StageIndex
+    replica: ReplicaIndex = 0
     error: str
     traceback: str
     step: Count | None = None
@@ -162,6 +172,7 @@ class Heartbeat(Event, kw_only=True, tag="heartbeat"):
     """Periodic liveness signal of a stage (or any process)."""
 
     stage: StageIndex | None = None
+    replica: ReplicaIndex = 0
     step: Count = 0
     state: str = "running"
 
@@ -174,6 +185,7 @@ class StepStarted(Event, kw_only=True, tag="step.started"):
 
     step: Count
     stage: StageIndex
+    replica: ReplicaIndex = 0
 
 
 class StepEnded(Event, kw_only=True, tag="step.ended"):
@@ -186,6 +198,7 @@ class StepEnded(Event, kw_only=True, tag="step.ended"):
 
     step: Count
     stage: StageIndex
+    replica: ReplicaIndex = 0
     loss: float | None = None
     lr: float | None = None
     grad_norm: float | None = None
@@ -204,6 +217,7 @@ class MicrobatchSpan(Event, kw_only=True):
 
     step: Count
     stage: StageIndex
+    replica: ReplicaIndex = 0
     microbatch: Annotated[int, msgspec.Meta(ge=-1, le=MAX_INT)]
     """The microbatch, or -1 for a wait outside any microbatch (control at a step end)."""
     start: Timestamp
