@@ -117,12 +117,33 @@ def _worker_options(options: Mapping[str, Any]) -> dict[str, Any]:
 
 
 class Reader:
-    """What one stage reads; ``inputs``/``targets`` say which half it keeps."""
+    """What one stage reads; ``inputs``/``targets`` say which half it keeps.
 
-    def __init__(self, *, inputs: bool, targets: bool, device: torch.device) -> None:
+    ``replica`` of ``replicas`` (data parallelism) takes its contiguous share
+    of every training batch: samples ``[r*B/D, (r+1)*B/D)`` of the batch's
+    ``B``. The shares are a pure function of the batch, like the batch itself,
+    so a resume at another D reads the same global batches.
+    """
+
+    def __init__(
+        self,
+        *,
+        inputs: bool,
+        targets: bool,
+        device: torch.device,
+        replica: int = 0,
+        replicas: int = 1,
+    ) -> None:
         self.inputs = inputs
         self.targets = targets
         self.device = device
+        self.replica = replica
+        self.replicas = replicas
+
+    def _share(self, batch_size: int) -> slice:
+        """The rows of a training batch of ``batch_size`` that this replica reads."""
+        n = batch_size // self.replicas
+        return slice(self.replica * n, (self.replica + 1) * n)
 
     def batch(self, batch_index: int) -> tuple[Any, Any]:
         """The training batch ``batch_index`` as (inputs, targets)."""
@@ -155,8 +176,12 @@ class MemoryReader(Reader):
         targets: bool,
         device: torch.device,
         stream: DataStream | None = None,
+        replica: int = 0,
+        replicas: int = 1,
     ) -> None:
-        super().__init__(inputs=inputs, targets=targets, device=device)
+        super().__init__(
+            inputs=inputs, targets=targets, device=device, replica=replica, replicas=replicas
+        )
         self.pair = pair
         self.stream = stream
 
@@ -165,6 +190,7 @@ class MemoryReader(Reader):
 
         assert self.stream is not None
         indices = self.stream.batch(batch_index)
+        indices = indices[self._share(len(indices))]
         cpu = torch.device("cpu")
         return self._keep(
             take(self.pair.inputs, indices, cpu) if self.inputs else None,
@@ -263,8 +289,12 @@ class LoaderReader(Reader):
         device: torch.device,
         stream: DataStream | None = None,
         eval_plan: Sequence[Sequence[range]] = (),
+        replica: int = 0,
+        replicas: int = 1,
     ) -> None:
-        super().__init__(inputs=inputs, targets=targets, device=device)
+        super().__init__(
+            inputs=inputs, targets=targets, device=device, replica=replica, replicas=replicas
+        )
         self.dataset = dataset
         self.seed = seed
         self.options = _worker_options(options)
@@ -290,7 +320,8 @@ class LoaderReader(Reader):
         b = first
         while True:
             epoch = b // self.stream.batches_per_epoch
-            yield [(epoch, int(i)) for i in self.stream.batch(b)]
+            indices = self.stream.batch(b)
+            yield [(epoch, int(i)) for i in indices[self._share(len(indices))]]
             b += 1
 
     def batch(self, batch_index: int) -> tuple[Any, Any]:
@@ -368,8 +399,12 @@ class StreamReader(Reader):
         inputs: bool,
         targets: bool,
         device: torch.device,
+        replica: int = 0,
+        replicas: int = 1,
     ) -> None:
-        super().__init__(inputs=inputs, targets=targets, device=device)
+        super().__init__(
+            inputs=inputs, targets=targets, device=device, replica=replica, replicas=replicas
+        )
         self.dataset = dataset
         self.seed = seed
         self.batch_size = batch_size
@@ -407,7 +442,15 @@ class StreamReader(Reader):
             for _ in range(batch_index):
                 next(self._batches)
         self._next = batch_index + 1
-        return self._keep(*split_sample(next(self._batches), self.input_keys, self.target_keys))
+        batch = next(self._batches)
+        if self.replicas > 1:
+            # Every replica reads the whole stream (it has no index to skip by)
+            # and keeps its share.
+            from evtrain.stages.boundary import map_tensors
+
+            rows = self._share(self.batch_size)
+            batch = map_tensors(lambda t: t[rows], batch)
+        return self._keep(*split_sample(batch, self.input_keys, self.target_keys))
 
     def rows(self, rows: range) -> tuple[Any, Any]:
         raise TypeError("an iterable data set is not evaluated")
@@ -452,17 +495,23 @@ def make_reader(
     stream: DataStream | None = None,
     eval_plan: Sequence[Sequence[range]] = (),
     eval_set: str | None = None,
+    replica: int = 0,
 ) -> Reader | None:
     """The reader of ``kind`` (``"train"`` or ``"eval"``) for a stage, None when it reads nothing.
 
     ``eval_set`` names the eval set (`evtrain.job.Job.eval_sets`; None: the only
     one). Only a first or last stage reads: the data set is not opened elsewhere.
+    A training reader reads ``replica``'s share of every batch (`Reader`);
+    evaluation reads whole sets (replica 0 evaluates).
     """
     if not (first or last):
         return None
+    share: dict[str, int] = (
+        {"replica": replica, "replicas": job.data_parallel} if kind == "train" else {}
+    )
     if job.data_loader is None:
         pair = job.train_tensors() if kind == "train" else job.eval_tensors(eval_set)
-        return MemoryReader(pair, inputs=first, targets=last, device=device, stream=stream)
+        return MemoryReader(pair, inputs=first, targets=last, device=device, stream=stream, **share)
     dataset = job.train_dataset() if kind == "train" else job.eval_dataset(eval_set)
     common: dict[str, Any] = dict(
         seed=job.seed,
@@ -472,6 +521,7 @@ def make_reader(
         inputs=first,
         targets=last,
         device=device,
+        **share,
     )
     if isinstance(dataset, IterableDataset):
         return StreamReader(dataset, batch_size=job.batch_size, **common)

@@ -181,7 +181,9 @@ from evtrain.reporting import Reporter, reporting
 from evtrain.spec import apply_overrides, load_job
 from evtrain.stages.boundary import BoundarySpec, TensorSpec, flatten
 from evtrain.stages.control import ControlResult, StepControl
+from evtrain.stages.data_parallel import Replicas
 from evtrain.stages.executor import EvalSet, Span, StageExecutor, StepStats
+from evtrain.stages.mesh import Place, StageGroups, build_groups
 from evtrain.stages.orders import Orders
 from evtrain.stages.p2p import Mailbox, exchange_shapes, infer_output_spec
 from evtrain.stages.partition import (
@@ -255,8 +257,11 @@ class StageActor:
     def __init__(self, config: WorkerConfig, ranks: RankInfo) -> None:
         self.config = config
         self.ranks = ranks
+        self.place = Place.of_rank(ranks.rank, ranks.world_size, 1)
+        """Known once the job is loaded (`_load_job`): it says how many replicas there are."""
         self.stage = ranks.rank
         self.num_stages = ranks.world_size
+        self.replica = 0
         self.completed = 0
         self.state = "starting"
         self.publisher: Publisher | None = None
@@ -266,6 +271,8 @@ class StageActor:
         self.control: StepControl | None = None
         self.module: nn.Module | None = None
         self.tied: TiedWeights | None = None
+        self.groups: StageGroups | None = None
+        self.replicas: Replicas | None = None
         self.device = torch.device("cpu")
         self._receiver: CommandReceiver | None = None
         self._verdicts: Subscriber | None = None
@@ -286,6 +293,7 @@ class StageActor:
         self.report: StageReport | None = None
         if config.report_dir is not None:
             self.report = StageReport(
+                rank=ranks.rank,
                 stage=self.stage,
                 pid=os.getpid(),
                 attempt=_restart_count(),
@@ -310,18 +318,26 @@ class StageActor:
     async def run(self) -> None:
         """Set up, train, publish; re-raise a failure after reporting and publishing it."""
         self._write_report()
+        try:
+            # The job says which stage and replica this rank is, which the
+            # events name from the first one on.
+            await anyio.to_thread.run_sync(self._load_job)
+        except BaseException as exc:
+            self._report_failure(exc)
+            raise
         if self.config.bus is not None:
             address = BusAddress.parse(self.config.bus)
             # A CURVE bus: the launcher names its key directory in the environment.
             curve = curve_from_env()
             self.publisher = Publisher(
                 address.endpoint("events_in"),
-                source=f"stage/{self.stage}",
+                source=f"stage/{self.stage}" + (f"/{self.replica}" if self.replica else ""),
                 run_id=self.config.run_id,
                 curve=curve,
             )
-            self.ledger = CommandLedger(self.stage, self.publisher)
-            if self.stage == 0:
+            # Replica 0 answers for its stage: one acknowledgement per stage.
+            self.ledger = CommandLedger(self.stage, None if self.replica else self.publisher)
+            if self.place.rank == 0:
                 self._receiver = CommandReceiver(address.endpoint("commands_out"), curve=curve)
                 self._verdicts = Subscriber(
                     address.endpoint("events_out"),
@@ -403,15 +419,23 @@ class StageActor:
             log.debug("stage failed", stage=self.stage, error=error)
         else:
             log.error("stage failed", stage=self.stage, error=error)
-        self.publish(StageFailed(stage=self.stage, error=error, traceback=text, step=step))
-        if self.report is None and self.stage == 0 and not _restart_pending():
+        self.publish(
+            StageFailed(
+                stage=self.stage, replica=self.replica, error=error, traceback=text, step=step
+            )
+        )
+        if self.report is None and self.place.rank == 0 and not _restart_pending():
             # Without a launcher nobody else ends the run for the hooks; a
             # launcher publishes RunEnded itself, naming the root cause.
             self.publish(RunEnded(status="failed", reason=error, step=self.completed))
 
     async def _heartbeats(self) -> None:
         while True:
-            self.publish(Heartbeat(stage=self.stage, step=self.completed, state=self.state))
+            self.publish(
+                Heartbeat(
+                    stage=self.stage, replica=self.replica, step=self.completed, state=self.state
+                )
+            )
             self._publish_eval_progress()
             self._write_report()
             self._publish_shards()
@@ -442,6 +466,7 @@ class StageActor:
         self.publish(
             StageStarted(
                 stage=self.stage,
+                replica=self.replica,
                 num_stages=self.num_stages,
                 rank=self.ranks.rank,
                 host=socket.gethostname(),
@@ -460,7 +485,7 @@ class StageActor:
         # and a coordinator's checkpoint plan, which it sends on RunStarted, is
         # awaited so that it applies from the first step.
         start_step = self.start_step
-        if self.stage == 0:
+        if self.place.rank == 0:
             self.publish(
                 RunStarted(
                     name=job.name,
@@ -470,6 +495,7 @@ class StageActor:
                     max_steps=start_step if self.config.evaluate_only else total,
                     batch_size=job.batch_size,
                     start_step=start_step,
+                    data_parallel=job.data_parallel,
                     run_dir=str(job.run_dir),
                 )
             )
@@ -496,11 +522,18 @@ class StageActor:
         if self.writer is not None:
             for done in await anyio.to_thread.run_sync(self.writer.wait):
                 self.publish(done.to_event())
-        self.publish(StageStopped(stage=self.stage, status=status, reason=stop_reason or ""))
+        self.publish(
+            StageStopped(
+                stage=self.stage,
+                replica=self.replica,
+                status=status,
+                reason=stop_reason or "",
+            )
+        )
         await anyio.to_thread.run_sync(self._finish)
         await self._await_the_end()
         self._write_report(status)
-        if self.stage == 0:
+        if self.place.rank == 0:
             self.publish(RunEnded(status=status, reason=stop_reason or "", step=self.completed))
         if self.writer is not None:
             self.writer.close()
@@ -528,19 +561,31 @@ class StageActor:
 
     # ------------------------------------------------------------------- setup
 
-    def _setup(self) -> None:
-        """Load the job, join the process groups, build this stage's slice (blocking)."""
+    def _load_job(self) -> None:
+        """Load the job and place this rank on the (pp, dp) mesh (blocking)."""
         config = self.config
         job = apply_overrides(load_job(config.spec_path), config.overrides)
         if config.device is not None:
             job = apply_overrides(job, {"device": config.device})
-        if job.stages != self.num_stages:
+        if job.world_size != self.ranks.world_size:
             raise SpecError(
                 "stages",
-                f"the job has {job.stages} stages but {self.num_stages} stage workers were "
-                "started (one process per stage)",
+                f"the job has {job.stages} stages x {job.data_parallel} replicas but "
+                f"{self.ranks.world_size} stage workers were started (one process per stage "
+                "and replica)",
             )
         self.job = job
+        self.place = Place.of_rank(self.ranks.rank, job.stages, job.data_parallel)
+        self.stage, self.num_stages = self.place.stage, self.place.num_stages
+        self.replica = self.place.replica
+        self.ledger = CommandLedger(self.stage, None)
+        if self.report is not None:
+            self.report.stage, self.report.replica = self.stage, self.replica
+
+    def _setup(self) -> None:
+        """Join the process groups, build this stage's slice (blocking)."""
+        job = self.job
+        assert job is not None
         if os.environ.get("EVTRAIN_PIN_CPU") == "1":  # opt-in, see the module docstring
             cpus = sorted(os.sched_getaffinity(0))
             os.sched_setaffinity(0, {cpus[self.ranks.local_rank % len(cpus)]})
@@ -554,40 +599,38 @@ class StageActor:
             dist.init_process_group(
                 backend,
                 rank=self.ranks.rank,
-                world_size=self.num_stages,
+                world_size=self.ranks.world_size,
                 timeout=PROCESS_GROUP_TIMEOUT,
                 device_id=self.device if cuda else None,
             )
-        act_group = grad_group = control_group = None
-        if self.num_stages > 1:
-            act_group = dist.group.WORLD
-            # Gradients get their own group (own connections / communicators).
-            grad_group = dist.new_group(backend=backend, timeout=PROCESS_GROUP_TIMEOUT)
-            # Control messages always go over gloo, even on CUDA.
-            control_group = dist.new_group(backend="gloo", timeout=PROCESS_GROUP_TIMEOUT)
+        self.groups = build_groups(self.place, self.device, backend, PROCESS_GROUP_TIMEOUT)
         ranges = partition(job)
         # Per-stage RNG for randomness inside layers (dropout); layer init is
         # seeded per layer by build_stage_module, independent of the partition.
-        torch.manual_seed(derive_seed(job.seed, "stage", self.stage))
+        replica_key = () if self.place.replica == 0 else ("replica", self.place.replica)
+        torch.manual_seed(derive_seed(job.seed, "stage", self.stage, *replica_key))
         self.module = build_stage_module(job, ranges[self.stage], self.device)
         self.module.train()
         if job.activation_checkpointing:
             for unit in stage_unit_modules(job, self.module):
                 checkpoint_layer(unit)
         compile_module(self.module, job.compile)
-        self.tied = TiedWeights(tied_groups(job, ranges), self.stage, self.module, backend)
+        self.tied = TiedWeights(tied_groups(job, ranges), self.place, self.module, backend)
         self.tied.sync()
+        trainable = any(p.requires_grad for p in self.module.parameters())
+        if self.groups.replicas is not None and trainable:
+            self.replicas = Replicas(self.module, self.groups.replicas, self.device)
         self._mailbox = Mailbox(
-            stage=self.stage,
-            num_stages=self.num_stages,
+            prev=self.place.prev,
+            next=self.place.next,
             device=self.device,
-            act_group=act_group,
-            grad_group=grad_group,
+            act_group=self.groups.pipeline,
+            grad_group=self.groups.pipeline_grads,
         )
         self.control = StepControl(
-            rank=self.stage,
-            world_size=self.num_stages,
-            group=control_group,
+            rank=self.place.rank,
+            world_size=self.place.world_size,
+            group=self.groups.control,
             receiver=self._receiver,
         )
 
@@ -609,7 +652,9 @@ class StageActor:
             )
             evaluations.append(EvalSet(name, reader, num))
         sizes = sorted({job.microbatch_size, *eval_sizes})
-        train_reader = make_reader(job, "train", first, last, self.device, stream=stream)
+        train_reader = make_reader(
+            job, "train", first, last, self.device, stream=stream, replica=self.replica
+        )
 
         input_specs = None
         if first:
@@ -621,8 +666,8 @@ class StageActor:
         units = stage_units(module)
         where = f"stage {self.stage} (units {units.start}..{units.stop - 1})"
         in_specs, out_specs = exchange_shapes(
-            stage=self.stage,
-            num_stages=self.num_stages,
+            prev=self.place.prev,
+            next=self.place.next,
             input_specs=input_specs,
             output_spec_of=lambda spec: self._infer(spec, where),
             group=self._mailbox.act_group,
@@ -644,12 +689,14 @@ class StageActor:
             mailbox=self._mailbox,
             control=self.control,  # type: ignore[arg-type]
             tied=self.tied,
+            replicas=self.replicas,
+            place=self.place,
             stream=stream,
             specs=specs,
             train=train_reader,
             evaluations=evaluations,
         )
-        if not self.config.evaluate_only:
+        if not self.config.evaluate_only and self.replica == 0:
             self.writer = ShardWriter(self.stage, self.num_stages, device=self.device)
         self.orders = Orders(
             last_step=total,
@@ -716,7 +763,7 @@ class StageActor:
         job, executor = self.job, self.executor
         assert job is not None and executor is not None
         spans = spans_enabled(job.microbatch_spans, step)
-        self.publish(StepStarted(step=step, stage=self.stage))
+        self.publish(StepStarted(step=step, stage=self.stage, replica=self.replica))
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         self._in_step = True
@@ -734,6 +781,7 @@ class StageActor:
             StepEnded(
                 step=step,
                 stage=self.stage,
+                replica=self.replica,
                 loss=stats.loss,
                 lr=stats.lr,
                 grad_norm=stats.grad_norm,
@@ -752,12 +800,19 @@ class StageActor:
     def _span_event(self, step: int, span: Span) -> Event:
         start, end = self._wall(span.start), self._wall(span.end)
         mb = span.microbatch
+        stage, replica = self.stage, self.replica
         if span.kind == "wait":
             return MicrobatchWait(
-                step=step, stage=self.stage, microbatch=mb, start=start, end=end, op=span.op
+                step=step,
+                stage=stage,
+                replica=replica,
+                microbatch=mb,
+                start=start,
+                end=end,
+                op=span.op,
             )
         kind = MicrobatchForward if span.kind == "forward" else MicrobatchBackward
-        return kind(step=step, stage=self.stage, microbatch=mb, start=start, end=end)
+        return kind(step=step, stage=stage, replica=replica, microbatch=mb, start=start, end=end)
 
     def _peak_memory(self) -> int:
         if self.device.type == "cuda":
@@ -773,7 +828,7 @@ class StageActor:
         orders, job = self.orders, self.job
         assert orders is not None and job is not None
         fresh = step > self.start_step and not final
-        if self.stage == 0 and fresh:
+        if self.place.rank == 0 and fresh:
             for epoch in orders.epochs_ended(step):
                 self.publish(EpochEnded(epoch=epoch, step=step))
         work = _Work(step=step, evaluate=scheduled_eval or (fresh and orders.evaluation_due(step)))
@@ -833,7 +888,7 @@ class StageActor:
     def _share_metric(self, value: float) -> float:
         """The last stage's ``value`` on every stage (blocking, collective)."""
         assert self.control is not None
-        return self.control.share(value, src=self.num_stages - 1)
+        return self.control.share(value, src=self.place.rank_of(self.num_stages - 1, 0))
 
     async def _save_due(self, work: _Work, metric: float | None, *, periodic: bool) -> None:
         """Save what this boundary owes: the plan's reasons and the commanded checkpoints.
@@ -873,14 +928,16 @@ class StageActor:
 
     async def _save(self, step: int, save: _Save) -> None:
         """Start (or, when this directory holds this step already, re-announce) one save."""
+        if self.replica:
+            return  # replica 0 writes the stage's shard: the replicas' weights are equal
         key = (step, str(save.path))
         done = self._saves.get(key)
         if done is not None:
-            if self.stage == 0 and (save.fulfils or save.checkpoint_id != done):
+            if self.place.rank == 0 and (save.fulfils or save.checkpoint_id != done):
                 self.publish(save.requested(step, done, [save.checkpoint_id, *save.fulfils]))
             return
         self._saves[key] = save.checkpoint_id
-        if self.stage == 0:
+        if self.place.rank == 0:
             self.publish(save.requested(step, save.checkpoint_id, save.fulfils))
             if self.orders is not None and self.orders.plan is not None:
                 self._awaiting.add(save.checkpoint_id)
@@ -946,12 +1003,13 @@ class StageActor:
         subscriber = self._verdicts
         if subscriber is None:
             return
-        stopped: set[int] = set()
+        stopped: set[tuple[int, int]] = set()
+        everyone = {(s, r) for s in range(self.num_stages) for r in range(self.place.replicas)}
         deadline = time.monotonic() + _coordinator_timeout_s()
-        while time.monotonic() < deadline and (self._awaiting or len(stopped) < self.num_stages):
+        while time.monotonic() < deadline and (self._awaiting or stopped < everyone):
             for msg in await subscriber.receive(timeout=0.2):
                 if isinstance(msg, StageStopped) and msg.run_id == self.config.run_id:
-                    stopped.add(msg.stage)
+                    stopped.add((msg.stage, msg.replica))
                 elif isinstance(msg, CheckpointCommitted) or (
                     isinstance(msg, CheckpointFailed) and msg.stage is None
                 ):
@@ -962,10 +1020,10 @@ class StageActor:
                 checkpoint_ids=sorted(self._awaiting),
                 waited_s=_coordinator_timeout_s(),
             )
-        if len(stopped) < self.num_stages:
+        if stopped < everyone:
             log.warning(
                 "not every stage's last events came back from the bus",
-                missing=sorted(set(range(self.num_stages)) - stopped),
+                missing=sorted(everyone - stopped),
             )
 
     def _publish_shards(self) -> None:
@@ -979,6 +1037,8 @@ class StageActor:
         sets, prefixed for named ones) on the last stage, else {}."""
         executor, job = self.executor, self.job
         assert executor is not None and job is not None
+        if self.replica:
+            return {}  # replica 0's pipeline evaluates the whole set, once
         last = self.stage == self.num_stages - 1
         previous, self.state = self.state, "evaluating"
         start = time.perf_counter()

@@ -1,11 +1,15 @@
 """The per-step control exchange: one tiny message round at every step boundary.
 
-At the `OptimizerStep` of every step all stages share, over the gloo
-*control group* (gloo even on CUDA, so it never queues behind NCCL work),
-three numbers:
+At the `OptimizerStep` of every step all processes (every stage of every
+data-parallel replica) share, over the gloo *control group* (gloo even on
+CUDA, so it never queues behind NCCL work), four numbers:
 
 * the squared L2 norm of their gradients — the sum is the squared *global*
-  gradient norm, used for clipping and reported as ``grad_norm``;
+  gradient norm, used for clipping and reported as ``grad_norm``. The
+  replicas of a stage hold the same averaged gradients, so only replica 0
+  contributes its stage's;
+* each replica's step loss divided by the number of replicas, from the last
+  stages — the sum is the global mean loss, reported as ``loss``;
 * the byte length of the commands stage 0 received since the last boundary
   (only stage 0 polls the bus, so only it contributes; repeats of earlier
   commands too, so that every stage can answer a retry — see
@@ -22,10 +26,11 @@ runs its algorithm's message rounds only once the last stage arrives, and
 the last to arrive is the first stage (it runs the final backward), whose
 next forward the whole pipeline then waits for. Here every stage *posts its
 receives early* (`prepare`, called at the start of each step) and, at the
-boundary, sends its three numbers to every other stage: when the first stage
+boundary, sends its numbers to every other process: when the first stage
 arrives its peers' numbers are already there, so it does not wait at all.
-Every stage adds the contributions in rank order, so the sums are bitwise
-identical everywhere. (P-1 sends per stage: fine for pipeline depths.)
+Every process adds the contributions in rank order, so the sums are bitwise
+identical everywhere. (PxD - 1 sends per process: fine for a few dozen
+processes; hundreds would want a tree.)
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ from evtrain.stages import p2p
 __all__ = ["ControlExchange", "ControlResult", "StepControl"]
 
 _list_of_bytes = msgspec.msgpack.Decoder(list[bytes])
-_FIELDS = 3  # squared grad norm, command bytes, signal
+_FIELDS = 4  # squared grad norm, command bytes, signal, loss share
 
 
 @dataclass
@@ -57,6 +62,8 @@ class ControlResult:
     """Commands to apply at this boundary, in arrival order."""
     signalled: bool = False
     """Some stage received SIGTERM/SIGINT: stop after this step."""
+    loss: float = 0.0
+    """The step's loss, averaged over the data-parallel replicas (0 at boundary 0)."""
 
 
 class ControlExchange:
@@ -89,12 +96,15 @@ class ControlExchange:
                 total += buffer
         for work in self._sends:
             work.wait()
-        sq_norm, length, signals = total.tolist()
+        sq_norm, length, signals, loss = total.tolist()
         commands: list[Command] = []
         if int(length):
             commands = control._broadcast_commands(self._payload, int(length))
         return ControlResult(
-            grad_norm=math.sqrt(max(sq_norm, 0.0)), commands=commands, signalled=signals > 0
+            grad_norm=math.sqrt(max(sq_norm, 0.0)),
+            commands=commands,
+            signalled=signals > 0,
+            loss=loss,
         )
 
 
@@ -137,7 +147,9 @@ class StepControl:
                 posted[peer] = (buffer, p2p.posted(dist.irecv(buffer, src=peer, group=self.group)))
         self._posted = posted
 
-    def start(self, local_sq_norm: float, signalled: bool) -> ControlExchange:
+    def start(
+        self, local_sq_norm: float, signalled: bool, loss_share: float = 0.0
+    ) -> ControlExchange:
         """Send this stage's numbers to every peer without waiting.
 
         The caller may do independent work (the optimizer step when no
@@ -149,7 +161,8 @@ class StepControl:
             if commands:
                 payload = msgspec.msgpack.encode([encode(c) for c in commands])
         own = torch.tensor(
-            [local_sq_norm, float(len(payload)), 1.0 if signalled else 0.0], dtype=torch.float64
+            [local_sq_norm, float(len(payload)), 1.0 if signalled else 0.0, loss_share],
+            dtype=torch.float64,
         )
         self.prepare()
         receives, self._posted = self._posted or {}, None

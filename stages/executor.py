@@ -19,13 +19,18 @@ How instructions map to communication (see `evtrain.stages.p2p`):
 * `SendActivation` / `SendGrad` post an ``isend`` and never wait for it; the
   sends are waited on once, at the end of the step, when every peer has
   certainly posted the matching receive (so this cannot deadlock).
+* `ReduceGrads` makes the gradients final: with data parallelism DDP's
+  reducer (`evtrain.stages.data_parallel`) has averaged them over the
+  stage's replicas during the step's last backward, which is the one it arms;
+  here the tied weights' gradients are summed over their stages.
 * `OptimizerStep` is the step boundary: the per-step control exchange
-  (global gradient norm, commands, signals — `evtrain.stages.control`),
-  clipping, the optimizer and LR-scheduler steps.
+  (global gradient norm, global mean loss, commands, signals —
+  `evtrain.stages.control`), clipping, the optimizer and LR-scheduler steps.
 
 The last stage computes ``loss_fn(output, target)`` per microbatch and
 back-propagates ``loss / (M * grad_accum)``, so with a mean-reduced loss a
-step equals one single-process step on all the step's samples.
+step equals one single-process step on all the step's samples (DDP divides
+by the D replicas, each of which reads ``1/D`` of every batch).
 
 Evaluation (`StageExecutor.evaluate`) runs one set at a time. The last stage
 sums ``loss`` and the plain (additive) metrics weighted by each microbatch's
@@ -51,6 +56,7 @@ from evtrain.job import Job, MetricFactory, is_metric_object
 from evtrain.loading import Reader
 from evtrain.stages.boundary import BoundarySpec, call, flatten, split
 from evtrain.stages.control import ControlResult, StepControl
+from evtrain.stages.data_parallel import Replicas
 from evtrain.stages.instructions import (
     Backward,
     Forward,
@@ -63,6 +69,7 @@ from evtrain.stages.instructions import (
     SendActivation,
     SendGrad,
 )
+from evtrain.stages.mesh import Place
 from evtrain.stages.p2p import Mailbox, PendingRecv
 from evtrain.stages.precision import LossScaler, autocast
 from evtrain.stages.schedules import build_schedule
@@ -81,7 +88,7 @@ class Span:
     start: float
     end: float
     op: str = ""
-    """For waits: ``recv_act``, ``recv_grad``, ``send`` or ``control``."""
+    """For waits: ``recv_act``, ``recv_grad``, ``send``, ``reduce`` or ``control``."""
 
 
 @dataclass
@@ -165,6 +172,8 @@ class StageExecutor:
         control: StepControl,
         stream: DataStream,
         tied: TiedWeights | None = None,
+        replicas: Replicas | None = None,
+        place: Place | None = None,
         specs: dict[int, tuple[BoundarySpec, BoundarySpec | None]],
         train: Reader | None,
         evaluations: Sequence[EvalSet] = (),
@@ -183,6 +192,8 @@ class StageExecutor:
         self.mailbox = mailbox
         self.control = control
         self.tied = tied if tied else None
+        self.replicas = replicas
+        self.place = place or Place(stage, 0, num_stages, 1)
         self.scaler = LossScaler() if job.precision == "fp16" else None
         """Dynamic loss scale (fp16); the skip decision is the global norm's, so every
         stage skips the same steps."""
@@ -201,12 +212,18 @@ class StageExecutor:
         """Set (from another thread) when this process got SIGTERM/SIGINT."""
 
         self.lookahead = lookahead if job.schedule == "1f1b" else 0
-        program = build_schedule(job.schedule, stage, num_stages, self.M, lookahead=self.lookahead)
-        if not program or not isinstance(program[-1], OptimizerStep):
-            raise RuntimeError("a training schedule must end with OptimizerStep")
-        # grad_accum passes run the program without its OptimizerStep; the
-        # boundary runs once after the last pass.
-        self._pass_program = self._compile(program[:-1])
+        program = build_schedule(
+            job.schedule, stage, num_stages, self.M, lookahead=self.lookahead, reduce_grads=True
+        )
+        if program[-2:] != [ReduceGrads(), OptimizerStep()]:
+            raise RuntimeError("a training schedule must end with ReduceGrads, OptimizerStep")
+        # grad_accum passes run the program without its last two instructions;
+        # the reduction and the boundary run once, after the last pass.
+        self._pass_program = self._compile(program[:-2])
+        backwards = [i.microbatch for i in program if isinstance(i, Backward)]
+        self._last_backward = backwards[-1] if backwards else -1
+        """The microbatch whose backward ends the pass: the one the reducer is armed for."""
+        self._final_pass = False
         self._eval_programs: dict[int, list[tuple[Callable[[int], None], int]]] = {}
         self._loss_scale = 1.0 / (self.M * job.grad_accum)
 
@@ -253,10 +270,8 @@ class StageExecutor:
         }
         compiled = []
         for instruction in program:
-            if isinstance(instruction, ReduceGrads):
-                raise NotImplementedError("ReduceGrads is reserved for data parallelism")
-            if isinstance(instruction, OptimizerStep):
-                raise RuntimeError("OptimizerStep may only end a training program")
+            if isinstance(instruction, ReduceGrads | OptimizerStep):
+                raise RuntimeError(f"{instruction} may only end a training program")
             compiled.append((handlers[type(instruction)], instruction.microbatch))
         return compiled
 
@@ -279,24 +294,27 @@ class StageExecutor:
         in_spec, out_spec = self.specs[mb]
         for accum in range(self.job.grad_accum):
             self._mb_offset = accum * self.M
+            self._final_pass = accum == self.job.grad_accum - 1
             sizes = [mb] * self.M
             self._begin_pass(sizes, [in_spec] * self.M, [out_spec] * self.M)
             self._load_batch(self.stream.batch_index(index, accum))
             for handler, microbatch in self._pass_program:
                 handler(microbatch)
+        self._final_pass = False
+        self._reduce_grads()
         lr = float(self.optimizer.param_groups[0]["lr"]) if self.optimizer is not None else None
-        control = self._optimizer_step()
+        local_loss = None
+        if self.last and self._loss_sum is not None:
+            local_loss = float(self._loss_sum) / (self.M * self.job.grad_accum)
+        control = self._optimizer_step(local_loss)
         drain_start, drain_end = self.mailbox.drain_sends()
         if self._spans is not None and drain_end - drain_start > 1e-4:
             self._spans.append(Span("wait", -1, drain_start, drain_end, "send"))
         self._end_pass()
         skipped, self._skipped = self._skipped, False
-        loss = None
-        if self.last and self._loss_sum is not None:
-            loss = float(self._loss_sum) / (self.M * self.job.grad_accum)
         return StepStats(
             step=step,
-            loss=loss,
+            loss=control.loss if self.last else None,
             lr=lr,
             grad_norm=control.grad_norm,
             samples=self.job.samples_per_step,
@@ -316,10 +334,24 @@ class StageExecutor:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
 
-    def _optimizer_step(self) -> ControlResult:
-        """The step boundary: control exchange, clipping, optimizer and scheduler."""
-        if self.tied is not None:
-            self.tied.reduce_grads()
+    def _reduce_grads(self) -> None:
+        """`ReduceGrads`: the replicas' average is in (DDP finalized it at the end of
+        the last backward); sum the tied weights' gradients over their stages."""
+        if self.tied is None:
+            return
+        start = time.perf_counter()
+        self.tied.reduce_grads()
+        end = time.perf_counter()
+        self.mailbox.wait_s += end - start
+        if self._spans is not None:
+            self._spans.append(Span("wait", -1, start, end, "reduce"))
+
+    def _optimizer_step(self, local_loss: float | None) -> ControlResult:
+        """The step boundary: control exchange, clipping, optimizer and scheduler.
+
+        ``local_loss`` is this replica's step loss (last stage only); the
+        exchange returns the mean over the replicas.
+        """
         grads = [p.grad for p in self.params if p.grad is not None]
         if self.scaler is not None and grads:
             self.scaler.unscale_(grads)
@@ -328,12 +360,14 @@ class StageExecutor:
             excluded = self.tied.norm_excluded
             counted = [p.grad for p in self.params if p.grad is not None and id(p) not in excluded]
         sq_norm = 0.0
-        if counted:
+        # The replicas hold the same averaged gradients: replica 0 counts them once.
+        if counted and self.place.replica == 0:
             norms = torch._foreach_norm(counted)
             sq_norm = float(torch.stack(norms).double().square().sum())
+        loss_share = 0.0 if local_loss is None else local_loss / self.place.replicas
         clip: _GradClip = self.job.grad_clip
         start = time.perf_counter()
-        exchange = self.control.start(sq_norm, self.stop_requested)
+        exchange = self.control.start(sq_norm, self.stop_requested, loss_share)
         if clip is None and self.scaler is None:
             # Nothing here needs the global norm: overlap the exchange's
             # latency with the optimizer step.
@@ -457,8 +491,13 @@ class StageExecutor:
         x = self._inputs[m]
         self._inputs[m] = None
         start = time.perf_counter()
+        replicas = self.replicas if self._training else None
         with autocast(self.job.precision, self.device):
-            out = call(self.module, x)
+            if replicas is None:
+                out = call(self.module, x)
+            else:
+                with replicas.accumulating():
+                    out = call(replicas.module, x)
             loss = None
             if self.last and self._training:
                 target = self._targets[m]
@@ -527,18 +566,29 @@ class StageExecutor:
 
     def _backward(self, m: int) -> None:
         start = time.perf_counter()
+        tensors: list[torch.Tensor]
+        grads: list[torch.Tensor] | None
         if self.last:
             loss = self._losses[m]
             self._losses[m] = None
             assert loss is not None
             scale = self._loss_scale * (self.scaler.scale if self.scaler is not None else 1.0)
-            (loss * scale).backward()
+            tensors, grads = [loss * scale], None
         else:
-            outs, grads = self._outputs[m] or [], self._grads[m] or []
+            outs, received = self._outputs[m] or [], self._grads[m] or []
             self._outputs[m] = self._grads[m] = None
-            pairs = [(o, g) for o, g in zip(outs, grads, strict=True) if o.requires_grad]
-            if pairs:
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            pairs = [(o, g) for o, g in zip(outs, received, strict=True) if o.requires_grad]
+            tensors, grads = [o for o, _ in pairs], [g for _, g in pairs]
+        if tensors:
+            replicas = self.replicas
+            if replicas is None:
+                torch.autograd.backward(tensors, grads)
+            elif self._final_pass and m == self._last_backward:
+                replicas.arm(tensors)  # this backward reduces, overlapped with itself
+                torch.autograd.backward(tensors, grads)
+            else:
+                with replicas.accumulating():
+                    torch.autograd.backward(tensors, grads)
         end = time.perf_counter()
         self._backward_s += end - start
         if self._spans is not None:

@@ -99,8 +99,9 @@ class SendGrad(_MicrobatchInstruction, frozen=True):
 
 
 class ReduceGrads(_Base, frozen=True):
-    """All-reduce gradients across data-parallel replicas (reserved; the
-    pipeline schedules do not emit it)."""
+    """Make this step's gradients final: averaged over the stage's data-parallel
+    replicas, summed over the stages holding a tied weight. Comes after the
+    stage's last backward, before `OptimizerStep`."""
 
     code: ClassVar[str] = "RED"
 

@@ -105,8 +105,8 @@ def infer_output_spec(
 
 def exchange_shapes(
     *,
-    stage: int,
-    num_stages: int,
+    prev: int | None,
+    next: int | None,
     input_specs: Sequence[BoundarySpec] | None,
     output_spec_of: Callable[[BoundarySpec], BoundarySpec],
     group: dist.ProcessGroup | None,
@@ -114,28 +114,29 @@ def exchange_shapes(
 ) -> tuple[list[BoundarySpec], list[BoundarySpec | None]]:
     """Agree on every boundary shape of the run, once, before training.
 
-    ``input_specs`` (stage 0 only) are the input specs for each distinct
+    ``prev``/``next`` are the global ranks of the neighbour stages (None at the
+    ends). ``input_specs`` (stage 0 only) are the input specs for each distinct
     microbatch size, in an order every stage knows; the other stages receive
     theirs in one message from the previous stage. ``output_spec_of``
     maps an input spec to this stage's output spec; the last stage sends
     nothing and does not call it. Returns ``(input specs, output specs)``,
     index-aligned; the output specs are None on the last stage.
     """
-    if stage == 0:
+    if prev is None:
         assert input_specs is not None
         inputs = list(input_specs)
     else:
         size = torch.zeros(1, dtype=torch.int64, device=device)
-        dist.recv(size, src=stage - 1, group=group)
+        dist.recv(size, src=prev, group=group)
         data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-        dist.recv(data, src=stage - 1, group=group)
+        dist.recv(data, src=prev, group=group)
         inputs = decode_specs(data)
-    if stage == num_stages - 1:
+    if next is None:
         return inputs, [None] * len(inputs)
     outputs = [output_spec_of(spec) for spec in inputs]
     data = encode_specs(outputs).to(device)
-    dist.send(torch.tensor([data.numel()], dtype=torch.int64, device=device), stage + 1, group)
-    dist.send(data, stage + 1, group)
+    dist.send(torch.tensor([data.numel()], dtype=torch.int64, device=device), next, group)
+    dist.send(data, next, group)
     return inputs, list(outputs)
 
 
@@ -151,26 +152,19 @@ class PendingRecv:
 class Mailbox:
     """One stage's posted receives and unfinished sends, with wait-time accounting.
 
-    ``prev``/``next`` are the neighbour ranks (None at the ends). Activations
-    use ``act_group``, gradients ``grad_group``.
+    ``prev``/``next`` are the global ranks of the neighbour stages of this
+    replica (None at the ends). Activations use ``act_group``, gradients
+    ``grad_group``.
     """
 
-    stage: int
-    num_stages: int
+    prev: int | None
+    next: int | None
     device: torch.device
     act_group: dist.ProcessGroup | None
     grad_group: dist.ProcessGroup | None
     wait_s: float = 0.0
     """Seconds blocked in ``wait()`` since the last `reset_wait`."""
     _sends: list[tuple[dist.Work, torch.Tensor]] = field(default_factory=list)
-
-    @property
-    def prev(self) -> int | None:
-        return self.stage - 1 if self.stage > 0 else None
-
-    @property
-    def next(self) -> int | None:
-        return self.stage + 1 if self.stage < self.num_stages - 1 else None
 
     def post_recv_activation(self, spec: BoundarySpec) -> PendingRecv:
         """Post the receives of one activation's leaves from the previous stage."""

@@ -10,8 +10,11 @@ backward block:
 where `L` (LoadMicrobatch) is on the first stage (inputs) and on the last
 stage (targets for the loss) — both when P=1 —, `RA` on every stage but the
 first, `SA`/`RG` on every stage but the last, and `SG` on every stage but the
-first. A step ends with one `OptimizerStep`; `ReduceGrads` is left to data
-parallelism and never emitted here.
+first. A step ends with one `OptimizerStep`. With ``reduce_grads=True`` (what
+the stage runtime asks for) a `ReduceGrads` comes just before it, after the
+stage's last backward: the point where the stage's gradients are final —
+averaged over its data-parallel replicas and summed over the stages of its
+tied weights (DeepSpeed's ReduceTiedGrads and ReduceGrads).
 
 The two schedules only differ in how the blocks interleave:
 
@@ -48,6 +51,7 @@ from evtrain.stages.instructions import (
     OptimizerStep,
     RecvActivation,
     RecvGrad,
+    ReduceGrads,
     SendActivation,
     SendGrad,
 )
@@ -126,6 +130,7 @@ def build_schedule(
     *,
     forward_only: bool = False,
     lookahead: int = 0,
+    reduce_grads: bool = False,
 ) -> list[Instruction]:
     """The instruction list stage `stage` of `num_stages` runs for one step.
 
@@ -141,6 +146,9 @@ def build_schedule(
     gradient round trip in the steady state; the price is ``lookahead``
     more stored activations on those stages. 0 is textbook PipeDream-Flush.
     The stage runtime uses 1 (see `evtrain.stages.executor`).
+
+    ``reduce_grads`` puts `ReduceGrads` between the last backward and the
+    `OptimizerStep` (see the module docstring).
     """
     kind = parse_schedule(schedule)
     _check_shape(stage, num_stages, num_microbatches)
@@ -177,6 +185,8 @@ def build_schedule(
             program += bwd(i)
         for m in range(M - warmup, M):
             program += bwd(m)
+    if reduce_grads:
+        program.append(ReduceGrads())
     program.append(OptimizerStep())
     return program
 

@@ -2,8 +2,11 @@
 
 The model is the one the stage executor implements:
 
-* Compute (`Forward`, `Backward`) takes `forward_cost` / `backward_cost` time;
-  loads, communication, `ReduceGrads` and `OptimizerStep` take none.
+* Compute (`Forward`, `Backward`) takes `forward_cost` / `backward_cost` time,
+  `ReduceGrads` ``reduce_cost`` (the part of the gradient reduction not
+  hidden behind the last backward); loads, communication and `OptimizerStep`
+  take none. A stage's data-parallel replicas run the same program in step,
+  so one pipeline stands for all of them.
 * Between neighbours there are four FIFO channels (activations s -> s+1,
   gradients s+1 -> s), matched in order as torch.distributed point-to-point
   messages are. A send is buffered: it never blocks (the executor posts it and
@@ -141,6 +144,7 @@ class _Stage:
         self.forwarded: set[int] = set()
         self.backwarded: set[int] = set()
         self.optimizer_steps = 0
+        self.reduced = False
         self.in_flight = 0
         self.peak = 0
         self.busy = 0.0
@@ -156,11 +160,14 @@ def simulate(
     backward_cost: float = 1.0,
     *,
     rendezvous_sends: bool = False,
+    reduce_grads: bool = False,
+    reduce_cost: float = 0.0,
 ) -> SimulationResult:
     """Build every stage's program for `schedule` ("gpipe" or "1f1b") and
     simulate one step; see `simulate_programs`."""
     programs = [
-        build_schedule(schedule, s, num_stages, num_microbatches) for s in range(num_stages)
+        build_schedule(schedule, s, num_stages, num_microbatches, reduce_grads=reduce_grads)
+        for s in range(num_stages)
     ]
     return simulate_programs(
         programs,
@@ -168,6 +175,7 @@ def simulate(
         forward_cost,
         backward_cost,
         rendezvous_sends=rendezvous_sends,
+        reduce_cost=reduce_cost,
     )
 
 
@@ -178,6 +186,7 @@ def simulate_programs(
     backward_cost: float = 1.0,
     *,
     rendezvous_sends: bool = False,
+    reduce_cost: float = 0.0,
 ) -> SimulationResult:
     """Simulate one step of arbitrary per-stage programs (`programs[s]` for
     stage s) over `num_microbatches` microbatches.
@@ -187,7 +196,11 @@ def simulate_programs(
     end the step with exactly one `OptimizerStep`. Raises `DeadlockError` or
     `ScheduleError` as described in the module docstring.
     """
-    for name, cost in (("forward_cost", forward_cost), ("backward_cost", backward_cost)):
+    for name, cost in (
+        ("forward_cost", forward_cost),
+        ("backward_cost", backward_cost),
+        ("reduce_cost", reduce_cost),
+    ):
         if not math.isfinite(cost) or cost < 0:
             raise UsageError(f"{name} must be a finite number >= 0, got {cost!r}")
     if not programs:
@@ -288,7 +301,10 @@ def simulate_programs(
                 st.backwarded.add(m)
                 st.in_flight -= 1
             case ReduceGrads():
-                pass  # data parallelism is not simulated
+                if len(st.backwarded) != M or st.reduced:
+                    raise fail(s, ins, "gradients must be reduced once, after all M backwards")
+                st.clock += reduce_cost
+                st.reduced = True
             case OptimizerStep():
                 if len(st.backwarded) != M or st.optimizer_steps:
                     raise fail(s, ins, "optimizer step must come once, after all M backwards")

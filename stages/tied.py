@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from evtrain.errors import SpecError
+from evtrain.stages.mesh import Place
 
 __all__ = ["TiedGroup", "TiedWeights", "resolve_ties"]
 
@@ -106,23 +107,27 @@ class TiedWeights:
     """
 
     def __init__(
-        self, groups: Sequence[TiedGroup], stage: int, module: nn.Module, backend: str
+        self, groups: Sequence[TiedGroup], place: Place, module: nn.Module, backend: str
     ) -> None:
         present = dict(module.named_parameters(remove_duplicate=False))
         self._local: list[tuple[nn.Parameter, dist.ProcessGroup, int]] = []
+        """(parameter, group of its stages in this replica, global rank of the owner)."""
         self.norm_excluded: set[int] = set()
         """ids of local parameters whose norm another stage counts."""
         for group in groups:
             if len(group.stages) < 2:
                 continue
-            pg = dist.new_group(ranks=list(group.stages), backend=backend)
-            if stage not in group.stages:
-                continue
-            param = next(present[n] for n in group.names if n in present)
-            assert pg is not None
-            self._local.append((param, pg, group.owner))
-            if group.owner != stage:
-                self.norm_excluded.add(id(param))
+            # A group per replica: each replica's pipeline keeps its own copies equal.
+            for replica in range(place.replicas):
+                ranks = [place.rank_of(s, replica) for s in group.stages]
+                pg = dist.new_group(ranks=ranks, backend=backend)
+                if replica != place.replica or place.stage not in group.stages:
+                    continue
+                param = next(present[n] for n in group.names if n in present)
+                assert pg is not None
+                self._local.append((param, pg, place.rank_of(group.owner)))
+                if group.owner != place.stage:
+                    self.norm_excluded.add(id(param))
 
     def __bool__(self) -> bool:
         return bool(self._local)

@@ -9,11 +9,11 @@ The contract with the launcher (``evtrain launch``) is three names:
 * `worker_main(config_json)` — module-level, so elastic can import it in the
   child process. It reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
   ``MASTER_ADDR`` and ``MASTER_PORT`` from the environment as torchrun /
-  elastic set them; rank r runs pipeline stage r (world size == stages P; no
-  data parallelism yet).
+  elastic set them; rank r runs pipeline stage ``r // D`` of replica ``r % D``
+  (world size PxD, `evtrain.stages.mesh`).
 
 * `StageReport` — what a worker tells the launcher without the bus: the
-  actor keeps ``WorkerConfig.report_dir/attempt-{a}/stage-{r}.json`` up to date (at
+  actor keeps ``WorkerConfig.report_dir/attempt-{a}/rank-{r}.json`` up to date (at
   start, about once a second while training, at the end, and when it fails,
   before anything is published), so the launcher knows every stage's steps,
   status and failure even when the bus is lost. A worker killed by a signal
@@ -100,13 +100,16 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
 
 
 class StageReport(msgspec.Struct, kw_only=True):
-    """One stage's own account of itself, in ``report_dir/attempt-{attempt}/stage-{stage}.json``.
+    """One stage's own account of itself, in ``report_dir/attempt-{attempt}/rank-{rank}.json``.
 
     One directory per attempt: the reports of a failed attempt stay readable
     after elastic restarted the workers.
     """
 
+    rank: int
+    """Global rank: stage ``rank // D``, replica ``rank % D`` (`evtrain.stages.mesh`)."""
     stage: int
+    replica: int = 0
     pid: int
     attempt: int = 0
     """Elastic's restart count of the worker group this process belongs to."""
@@ -141,7 +144,7 @@ class StageReport(msgspec.Struct, kw_only=True):
     def write(self, directory: str | os.PathLike[str]) -> None:
         """Replace this stage's report under ``directory`` atomically."""
         self.updated = time.time()
-        path = _attempt_dir(directory, self.attempt) / f"stage-{self.stage}.json"
+        path = _attempt_dir(directory, self.attempt) / f"rank-{self.rank}.json"
         path.parent.mkdir(exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         tmp.write_bytes(msgspec.json.encode(self))
@@ -153,10 +156,11 @@ def _attempt_dir(directory: str | os.PathLike[str], attempt: int) -> Path:
 
 
 def read_stage_reports(directory: str | os.PathLike[str], attempt: int) -> dict[int, StageReport]:
-    """Every readable stage report of ``attempt`` under ``directory``, by stage."""
+    """Every readable stage report of ``attempt`` under ``directory``, by global rank
+    (the stage itself without data parallelism)."""
     reports: dict[int, StageReport] = {}
     try:
-        paths = list(_attempt_dir(directory, attempt).glob("stage-*.json"))
+        paths = list(_attempt_dir(directory, attempt).glob("rank-*.json"))
     except OSError:
         return reports
     for path in paths:
@@ -164,7 +168,7 @@ def read_stage_reports(directory: str | os.PathLike[str], attempt: int) -> dict[
             report = msgspec.json.decode(path.read_bytes(), type=StageReport)
         except (OSError, msgspec.DecodeError, msgspec.ValidationError):
             continue
-        reports[report.stage] = report
+        reports[report.rank] = report
     return reports
 
 

@@ -188,7 +188,7 @@ def _checkpoint_hook_pid(marker: str) -> int | None:
 def _step_reached(run: Path) -> int:
     """The highest step any stage reported so far (from the stage status files)."""
     best = 0
-    for report in run.glob("launches/*/attempt-*/stage-*.json"):
+    for report in run.glob("launches/*/attempt-*/rank-*.json"):
         try:
             best = max(best, int(json.loads(report.read_text()).get("step", 0)))
         except (OSError, ValueError):

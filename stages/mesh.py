@@ -1,0 +1,110 @@
+"""Where a process sits in the run: pipeline stage x data-parallel replica.
+
+A run is P stages x D replicas on a 2-D `torch.distributed.device_mesh.DeviceMesh`
+with dimensions ``("pp", "dp")``. Global rank ``r`` is stage ``r // D``,
+replica ``r % D`` — the pipeline dimension outermost, as Megatron-LM and
+torchtitan order it — so the D replicas of a stage hold consecutive ranks and,
+with whole stages per node, reduce their gradients inside one machine while
+activations cross machines.
+
+The groups one process uses:
+
+* ``pipeline`` — its replica's P stages, for activations (the mesh's ``pp``
+  group). ``pipeline_grads`` — the same ranks again, for gradients: a group of
+  its own has its own connections, so a gradient never queues behind an
+  activation.
+* ``replicas`` — its stage's D replicas (the mesh's ``dp`` group), over which
+  DDP's reducer averages the gradients.
+* ``control`` — every process, always gloo (the per-step control exchange,
+  `evtrain.stages.control`).
+
+`dist.new_group` is collective over all ranks: every process creates every
+group, in the same order, and keeps its own.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+__all__ = ["Place", "StageGroups", "build_groups"]
+
+
+@dataclass(frozen=True)
+class Place:
+    """One process's coordinates on the (pp, dp) mesh."""
+
+    stage: int
+    replica: int
+    num_stages: int
+    replicas: int
+
+    @classmethod
+    def of_rank(cls, rank: int, num_stages: int, replicas: int) -> Place:
+        """The place of global rank ``rank`` (stage ``rank // D``, replica ``rank % D``)."""
+        stage, replica = divmod(rank, replicas)
+        return cls(stage, replica, num_stages, replicas)
+
+    @property
+    def rank(self) -> int:
+        return self.rank_of(self.stage)
+
+    @property
+    def world_size(self) -> int:
+        return self.num_stages * self.replicas
+
+    def rank_of(self, stage: int, replica: int | None = None) -> int:
+        """Global rank of ``stage`` in ``replica`` (default: this process's replica)."""
+        return stage * self.replicas + (self.replica if replica is None else replica)
+
+    @property
+    def prev(self) -> int | None:
+        """Global rank of the previous stage of this replica (None on the first stage)."""
+        return self.rank_of(self.stage - 1) if self.stage > 0 else None
+
+    @property
+    def next(self) -> int | None:
+        """Global rank of the next stage of this replica (None on the last stage)."""
+        return self.rank_of(self.stage + 1) if self.stage < self.num_stages - 1 else None
+
+    def describe(self) -> str:
+        """``stage 1`` or, with data parallelism, ``stage 1 replica 0``."""
+        if self.replicas == 1:
+            return f"stage {self.stage}"
+        return f"stage {self.stage} replica {self.replica}"
+
+
+@dataclass
+class StageGroups:
+    """The process groups of one process (see the module docstring); None with one process."""
+
+    mesh: DeviceMesh | None
+    pipeline: dist.ProcessGroup | None
+    pipeline_grads: dist.ProcessGroup | None
+    replicas: dist.ProcessGroup | None
+    control: dist.ProcessGroup | None
+
+
+def build_groups(
+    place: Place, device: torch.device, backend: str, timeout: datetime.timedelta
+) -> StageGroups:
+    """Create the mesh and every group (collective: all processes call it, in step)."""
+    if place.world_size == 1:
+        return StageGroups(None, None, None, None, None)
+    mesh = init_device_mesh(
+        device.type, (place.num_stages, place.replicas), mesh_dim_names=("pp", "dp")
+    )
+    pipeline = mesh.get_group("pp") if place.num_stages > 1 else None
+    replicas = mesh.get_group("dp") if place.replicas > 1 else None
+    pipeline_grads = None
+    for replica in range(place.replicas):
+        ranks = [place.rank_of(s, replica) for s in range(place.num_stages)]
+        group = dist.new_group(ranks, backend=backend, timeout=timeout)
+        if replica == place.replica and place.num_stages > 1:
+            pipeline_grads = group
+    control = dist.new_group(backend="gloo", timeout=timeout)
+    return StageGroups(mesh, pipeline, pipeline_grads, replicas, control)
