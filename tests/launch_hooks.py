@@ -136,7 +136,10 @@ class StageTimesRecorder(Hook):
 
     @on(StageStarted)
     def stage_started(self, ev: StageStarted) -> None:
-        _append(self.path, {"stage_started": ev.stage, "layers": list(ev.layers)})
+        _append(
+            self.path,
+            {"stage_started": ev.stage, "replica": ev.replica, "layers": list(ev.layers)},
+        )
 
     @on(StepEnded)
     def step(self, ev: StepEnded) -> None:
@@ -145,6 +148,9 @@ class StageTimesRecorder(Hook):
             {
                 "step": ev.step,
                 "stage": ev.stage,
+                "replica": ev.replica,
+                "loss": ev.loss,
+                "samples": ev.samples,
                 "forward_s": ev.forward_s,
                 "backward_s": ev.backward_s,
                 "comm_wait_s": ev.comm_wait_s,
