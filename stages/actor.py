@@ -727,7 +727,14 @@ class StageActor:
             resume = job.run_dir if config.resume == "latest" else config.resume
             path = agree_on_resume(resume)
         if path is not None:
-            state = load_stage_shard(path, self.stage, module, optimizer, scheduler)
+            # A checkpoint holds replica 0's random state: the others draw their
+            # own (dropout masks independent of replica 0's), seeded by the step.
+            state = load_stage_shard(
+                path, self.stage, module, optimizer, scheduler, restore_rng=self.replica == 0
+            )
+            if self.replica:
+                seed = derive_seed(job.seed, "stage", self.stage, "replica", self.replica)
+                torch.manual_seed(derive_seed(seed, "resumed", state.step))
             scaler = self.executor.scaler if self.executor is not None else None
             if scaler is not None and "loss_scaler" in state.extra:
                 scaler.load_state_dict(state.extra["loss_scaler"])
