@@ -82,11 +82,12 @@ class DeadlockError(ScheduleError):
 
 
 class Span(NamedTuple):
-    """One compute interval on a stage's timeline."""
+    """One interval on a stage's timeline: a microbatch's compute, or the step's
+    gradient reduction (``"reduce"``, microbatch -1; not counted as busy)."""
 
     start: float
     end: float
-    kind: Literal["forward", "backward"]
+    kind: Literal["forward", "backward", "reduce"]
     microbatch: int
 
 
@@ -303,6 +304,8 @@ def simulate_programs(
             case ReduceGrads():
                 if len(st.backwarded) != M or st.reduced:
                     raise fail(s, ins, "gradients must be reduced once, after all M backwards")
+                if reduce_cost:
+                    st.spans.append(Span(st.clock, st.clock + reduce_cost, "reduce", -1))
                 st.clock += reduce_cost
                 st.reduced = True
             case OptimizerStep():

@@ -318,3 +318,41 @@ def test_bad_simulation_input() -> None:
         simulate("1f1b", 2, 2, backward_cost=-1.0)
     with pytest.raises(UsageError, match="num_microbatches"):
         bubble_fraction(2, 0)
+
+
+# --- data parallelism: the gradient reduction --------------------------------
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize(("P", "M"), [(1, 3), (2, 4), (4, 8)])
+def test_reduce_grads_comes_after_the_last_backward(schedule: str, P: int, M: int) -> None:
+    for stage in range(P):
+        prog = build_schedule(schedule, stage, P, M, reduce_grads=True)
+        assert prog[-2:] == [ReduceGrads(), OptimizerStep()]
+        assert Counter(type(i) for i in prog)[ReduceGrads] == 1
+        last_backward = max(i for i, ins in enumerate(prog) if isinstance(ins, Backward))
+        assert prog.index(ReduceGrads()) > last_backward
+        # Without it, the same program minus the reduction.
+        assert [i for i in prog if i != ReduceGrads()] == build_schedule(schedule, stage, P, M)
+
+
+def test_simulated_reduction_adds_its_cost_after_the_pipeline_drains() -> None:
+    P, M = 3, 6
+    plain = simulate("1f1b", P, M)
+    reduced = simulate("1f1b", P, M, reduce_grads=True, reduce_cost=0.5)
+    assert reduced.makespan == plain.makespan + 0.5
+    for stage, timeline in enumerate(reduced.timelines):
+        spans = [s for s in timeline if s.kind == "reduce"]
+        assert len(spans) == 1 and spans[0].microbatch == -1
+        assert spans[0].start >= max(s.end for s in timeline if s.kind == "backward"), stage
+    # The reduction is communication, not compute: the bubble grows.
+    assert reduced.bubble_fraction > plain.bubble_fraction
+
+
+def test_simulator_rejects_a_reduction_before_the_last_backward() -> None:
+    programs = [build_schedule("gpipe", s, 2, 2, reduce_grads=True) for s in range(2)]
+    early = list(programs[1])
+    early.remove(ReduceGrads())
+    early.insert(early.index(Backward(1)), ReduceGrads())
+    with pytest.raises(ScheduleError, match="reduced once, after all M backwards"):
+        simulate_programs([programs[0], early], 2)
