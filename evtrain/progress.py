@@ -8,7 +8,10 @@ progress (batches done / total, and its set), the latest evaluation and the
 end-of-run summary. Rates
 come from the event timestamps over a sliding window of the last stage's
 steps, so they are what the pipeline really did, not what the launcher
-happened to observe. At the end the launcher settles the count with what
+happened to observe. With data parallelism those are replica 0's: every
+replica reports the same steps, the global batch and the mean loss, so
+counting theirs too would count each step once per replica; a stage's peak
+memory is that of its highest replica. At the end the launcher settles the count with what
 the stages themselves reported (`Progress.settle`), so the summary is right
 even when bus events were lost.
 
@@ -120,6 +123,8 @@ class ProgressStats:
 
     name: str = ""
     num_stages: int | None = None
+    data_parallel: int | None = None
+    """Replicas of every stage (None before `RunStarted`)."""
     max_steps: int | None = None
     start_step: int = 0
     steps_done: int = 0
@@ -187,6 +192,7 @@ class Progress:
                 stats.ended = None
             stats.name = msg.name
             stats.num_stages = msg.num_stages
+            stats.data_parallel = msg.data_parallel
             stats.max_steps = msg.max_steps
             stats.start_step = msg.start_step
             stats.steps_done = max(stats.steps_done, msg.start_step)
@@ -212,15 +218,20 @@ class Progress:
 
     def _step(self, msg: StepEnded) -> None:
         stats = self.stats
+        if stats.data_parallel is not None and msg.replica >= stats.data_parallel:
+            return  # no process of this run
         if msg.peak_memory_bytes is not None:
             stats.peak_memory[msg.stage] = max(
                 msg.peak_memory_bytes, stats.peak_memory.get(msg.stage, 0)
             )
         # Only the last stage knows the loss; it is also the one that finishes a
         # step last, so its events time the pipeline. Before RunStarted told us
-        # the stage count, the loss marks the last stage.
+        # the stage count, the loss marks the last stage. Of its replicas,
+        # replica 0 speaks for the run.
         last = stats.num_stages - 1 if stats.num_stages else None
-        if (last is not None and msg.stage != last) or (last is None and msg.loss is None):
+        if msg.replica or (last is not None and msg.stage != last):
+            return
+        if last is None and msg.loss is None:
             return
         # Steps are numbered from 1 (step k reads batch k - 1): step k ended = k done.
         stats.steps_done = max(stats.steps_done, msg.step)

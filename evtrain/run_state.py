@@ -8,6 +8,12 @@ pipeline stage of the run (stage numbers are checked against the run's
 ``num_stages``, at most the schema's `MAX_STAGES`) and per hook process (the
 latest `MAX_HOOKS`), plus the latest eval, checkpoint and end. Events that name
 a stage the run does not have are ignored and counted in `RunState.ignored`.
+
+With data parallelism every stage runs on ``data_parallel`` replicas. Replica
+0 publishes what a run without replicas publishes, so the state is replica 0's:
+the stage and step entries of replicas > 0 describe the same stages and steps
+and are not folded in (a state stays one entry per stage however many replicas
+run). An event of a replica the run does not have is ignored and counted.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from evtrain.events import (
+    MAX_REPLICAS,
     MAX_STAGES,
     CheckpointCommitted,
     EvalEnded,
@@ -38,6 +45,8 @@ STATE_TOPICS: tuple[str, ...] = (
 
 MAX_HOOKS = 64
 """Most hook processes the state remembers; the one attached longest ago goes first."""
+MAX_PLACES = 1024
+"""Most stage processes, (stage, replica) pairs, a consumer keeps figures of each for."""
 
 
 @dataclass
@@ -47,13 +56,15 @@ class RunState:
     run: RunStarted | None = None
     ended: RunEnded | None = None
     stages: dict[int, StageStarted] = field(default_factory=dict)
+    """Replica 0's `StageStarted` of each stage."""
     last_step: dict[int, StepEnded] = field(default_factory=dict)
+    """Replica 0's latest `StepEnded` of each stage."""
     last_eval: EvalEnded | None = None
     last_checkpoint: CheckpointCommitted | None = None
     hooks: dict[str, HookStarted] = field(default_factory=dict)
     """The latest `HookStarted` of each hook process, by source, oldest first."""
     ignored: int = 0
-    """Events not folded in: stage numbers or stage counts outside the run's shape."""
+    """Events not folded in: stage or replica numbers, or stage counts, outside the run's shape."""
 
     def update(self, msg: Message) -> None:
         """Fold one message into the state (messages of other types are ignored).
@@ -62,19 +73,20 @@ class RunState:
         hold for messages built in-process.
         """
         if isinstance(msg, StepEnded):  # by far the most frequent: first
-            if self._stage_known(msg.stage):
-                self.last_step[msg.stage] = msg
-            else:
+            if not (self._stage_known(msg.stage) and self._replica_known(msg.replica)):
                 self.ignored += 1
+            elif msg.replica == 0:
+                self.last_step[msg.stage] = msg
         elif isinstance(msg, RunStarted):
             self._start(msg)
         elif isinstance(msg, RunEnded):
             self.ended = msg
         elif isinstance(msg, StageStarted):
-            if _shape_valid(msg.num_stages) and self._stage_known(msg.stage, msg.num_stages):
-                self.stages[msg.stage] = msg
-            else:
+            known = _shape_valid(msg.num_stages) and self._stage_known(msg.stage, msg.num_stages)
+            if not (known and self._replica_known(msg.replica)):
                 self.ignored += 1
+            elif msg.replica == 0:
+                self.stages[msg.stage] = msg
         elif isinstance(msg, EvalEnded):
             self.last_eval = msg
         elif isinstance(msg, CheckpointCommitted):
@@ -86,7 +98,7 @@ class RunState:
                 del self.hooks[next(iter(self.hooks))]
 
     def _start(self, msg: RunStarted) -> None:
-        if not _shape_valid(msg.num_stages):
+        if not (_shape_valid(msg.num_stages) and 1 <= msg.data_parallel <= MAX_REPLICAS):
             self.ignored += 1
             return
         if self.run is None or self.run.run_id != msg.run_id:
@@ -113,6 +125,28 @@ class RunState:
         elif num_stages is None:
             num_stages = self.num_stages or MAX_STAGES
         return 0 <= stage < num_stages
+
+    def _replica_known(self, replica: int) -> bool:
+        """Whether ``replica`` may be a replica of the run (any in the schema's range before
+        the run is known)."""
+        limit = self.run.data_parallel if self.run is not None else MAX_REPLICAS
+        return 0 <= replica < limit
+
+    def place_problem(self, stage: int, replica: int) -> str | None:
+        """Why (``stage``, ``replica``) is no process of the known run; None if it may be one."""
+        run = self.run
+        if run is None:
+            return None
+        if stage >= run.num_stages:
+            return "stage beyond the run's num_stages"
+        if replica >= run.data_parallel:
+            return "replica beyond the run's data_parallel"
+        return None
+
+    @property
+    def data_parallel(self) -> int | None:
+        """Replicas of every stage, if the run is known."""
+        return self.run.data_parallel if self.run is not None else None
 
     @property
     def num_stages(self) -> int | None:
@@ -144,3 +178,8 @@ class RunState:
 
 def _shape_valid(num_stages: int) -> bool:
     return 1 <= num_stages <= MAX_STAGES
+
+
+def stage_source(stage: int, replica: int = 0) -> str:
+    """The publisher source of a stage process: ``stage/1``, or ``stage/1/2`` for replica 2."""
+    return f"stage/{stage}/{replica}" if replica else f"stage/{stage}"

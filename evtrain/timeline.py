@@ -15,6 +15,12 @@ turns them into
   colours, waits grey and hatched, idle time white, so the pipeline bubble is
   what stays white.
 
+With data parallelism every stage process has its own track: a run of P
+stages x D replicas has P x D of them, named ``stage 1 · replica 0``, the
+replicas of a stage next to each other (a run without replicas keeps the
+names ``stage 0``, ``stage 1``). A replica's wait for the gradient reduction
+at the end of a step is a wait like any other: ``wait reduce``.
+
 `spans_from_simulation` gives the same spans for a simulated step
 (`evtrain.stages.simulator.SimulationResult`), so the renderer can be
 checked against a timeline known exactly. ``evtrain timeline RUN_DIR`` is the
@@ -89,7 +95,7 @@ _NO_SPANS_HINT = (
 
 @dataclass(frozen=True, slots=True)
 class TimelineSpan:
-    """One interval on one stage's track; ``start``/``end`` in seconds."""
+    """One interval on one stage process's track; ``start``/``end`` in seconds."""
 
     stage: int
     kind: SpanKind
@@ -98,9 +104,11 @@ class TimelineSpan:
     step: int = 0
     microbatch: int = 0
     op: str = ""
-    """For waits: what the stage waited for (``recv_act``, ``recv_grad``...)."""
+    """For waits: what the stage waited for (``recv_act``, ``recv_grad``, ``reduce``...)."""
     source: str = ""
-    """The publishing process (``stage/1``), to tell replicas of a stage apart."""
+    """The publishing process (``stage/1``, ``stage/1/2``)."""
+    replica: int = 0
+    """The stage's data-parallel replica (0 without data parallelism)."""
 
     @property
     def duration(self) -> float:
@@ -193,9 +201,10 @@ def spans_from_events(events: Iterable[object]) -> list[TimelineSpan]:
                 microbatch=ev.microbatch,
                 op=ev.op if isinstance(ev, MicrobatchWait) else "",
                 source=ev.source,
+                replica=ev.replica,
             )
         )
-    spans.sort(key=lambda s: (s.start, s.stage))
+    spans.sort(key=lambda s: (s.start, s.stage, s.replica))
     return spans
 
 
@@ -210,11 +219,14 @@ class RecordedRun:
 
     @property
     def title(self) -> str:
-        """``"digits: 2 stages, 4 microbatches, 1f1b"`` (or ``"evtrain"`` without run info)."""
+        """``"digits: 2 stages, 4 microbatches, 1f1b"`` (or ``"evtrain"`` without run info);
+        with data parallelism ``"digits: 2 stages x 2 replicas, ..."``."""
         if self.run is None:
             return "evtrain"
         r = self.run
-        return f"{r.name}: {r.num_stages} stages, {r.num_microbatches} microbatches, {r.schedule}"
+        replicas = f" x {r.data_parallel} replicas" if r.data_parallel > 1 else ""
+        shape = f"{r.num_stages} stages{replicas}"
+        return f"{r.name}: {shape}, {r.num_microbatches} microbatches, {r.schedule}"
 
 
 def load_run(run_dir: str | Path) -> RecordedRun:
@@ -284,28 +296,31 @@ def filter_steps(spans: Iterable[TimelineSpan], steps: StepRange | None) -> list
 # ------------------------------------------------------------------ tracks
 
 
-def _tracks(spans: Sequence[TimelineSpan]) -> dict[tuple[int, str], int]:
-    """(stage, source) -> track number, in stage order.
+def _tracks(spans: Sequence[TimelineSpan]) -> dict[tuple[int, int], int]:
+    """(stage, replica) -> track number, in stage order, then replica.
 
-    One source per stage (the usual case) gives track == stage; replicas of
-    a stage (data parallelism) get a track each, next to each other.
+    Without replicas, track == stage; the replicas of a stage (data
+    parallelism) get a track each, next to each other.
     """
-    keys = sorted({(s.stage, s.source) for s in spans})
-    per_stage: dict[int, int] = {}
-    for stage, _ in keys:
-        per_stage[stage] = per_stage.get(stage, 0) + 1
-    if all(n == 1 for n in per_stage.values()):
+    keys = sorted({(s.stage, s.replica) for s in spans})
+    if all(replica == 0 for _, replica in keys):
         return {key: key[0] for key in keys}
     return {key: i for i, key in enumerate(keys)}
 
 
-def _track_name(stage: int, source: str, replicated: bool) -> str:
-    return f"stage {stage} ({source})" if replicated and source else f"stage {stage}"
+def _track_names(tracks: dict[tuple[int, int], int]) -> dict[int, str]:
+    """Track number -> ``stage 1``, or ``stage 1 · replica 0`` when some stage has replicas."""
+    replicated = any(replica for _, replica in tracks)
+    return {
+        tid: f"stage {stage} · replica {replica}" if replicated else f"stage {stage}"
+        for (stage, replica), tid in tracks.items()
+    }
 
 
 def stage_busy_fractions(spans: Sequence[TimelineSpan]) -> dict[int, dict[str, float]]:
     """Per stage: the shares of step time spent in ``forward``, ``backward``, ``wait`` and
-    ``idle`` (the rest: the pipeline bubble plus host overhead).
+    ``idle`` (the rest: the pipeline bubble plus host overhead); with replicas,
+    over all of them together.
 
     Step time is the sum over the steps shown of each step's window, from its
     earliest span on any stage to its latest; the gaps between steps
@@ -321,7 +336,8 @@ def stage_busy_fractions(spans: Sequence[TimelineSpan]) -> dict[int, dict[str, f
     out: dict[int, dict[str, float]] = {}
     for stage in sorted({s.stage for s in spans}):
         mine = [s for s in spans if s.stage == stage]
-        total = step_time * (len({s.source for s in mine}) or 1)
+        # Each replica of the stage spends the whole step time: shares are of their sum.
+        total = step_time * len({s.replica for s in mine})
         fractions = {
             kind: (sum(s.duration for s in mine if s.kind == kind) / total if total > 0 else 0.0)
             for kind in KIND_COLOURS
@@ -337,17 +353,18 @@ def stage_busy_fractions(spans: Sequence[TimelineSpan]) -> dict[int, dict[str, f
 def chrome_trace(spans: Sequence[TimelineSpan], *, title: str = "evtrain") -> dict[str, Any]:
     """The spans as a Chrome/Perfetto trace object (``{"traceEvents": [...]}``).
 
-    One process (pid 0, named ``title``), one thread per stage track;
-    ``ts``/``dur`` in microseconds relative to the earliest span; ``args``
-    carry step, microbatch and (for waits) the operation.
+    One process (pid 0, named ``title``), one thread per stage process's
+    track; ``ts``/``dur`` in microseconds relative to the earliest span;
+    ``args`` carry step, microbatch, replica (with data parallelism) and (for
+    waits) the operation.
     """
     tracks = _tracks(spans)
-    replicated = len(tracks) != len({stage for stage, _ in tracks})
+    names = _track_names(tracks)
+    replicated = any(replica for _, replica in tracks)
     events: list[dict[str, Any]] = [
         {"name": "process_name", "ph": "M", "pid": 0, "tid": 0, "args": {"name": title}},
     ]
-    for (stage, source), tid in sorted(tracks.items(), key=lambda kv: kv[1]):
-        name = _track_name(stage, source, replicated)
+    for tid, name in sorted(names.items()):
         events.append(
             {"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": name}}
         )
@@ -363,6 +380,8 @@ def chrome_trace(spans: Sequence[TimelineSpan], *, title: str = "evtrain") -> di
     t0 = min((s.start for s in spans), default=0.0)
     for s in spans:
         args: dict[str, Any] = {"step": s.step, "microbatch": s.microbatch}
+        if replicated:
+            args["replica"] = s.replica
         if s.kind == "wait":
             args["op"] = s.op
         events.append(
@@ -373,7 +392,7 @@ def chrome_trace(spans: Sequence[TimelineSpan], *, title: str = "evtrain") -> di
                 "ts": round((s.start - t0) * 1e6, 3),
                 "dur": round(s.duration * 1e6, 3),
                 "pid": 0,
-                "tid": tracks[(s.stage, s.source)],
+                "tid": tracks[(s.stage, s.replica)],
                 "args": args,
             }
         )
@@ -420,7 +439,7 @@ def _step_offsets(
 
 
 def draw_timeline(ax: Axes, spans: Sequence[TimelineSpan], *, title: str | None = None) -> None:
-    """Draw the spans onto ``ax``: one row per stage track (stage 0 on top), x in ms.
+    """Draw the spans onto ``ax``: one row per stage process's track (stage 0 on top), x in ms.
 
     Row ``i`` covers ``y`` from ``i - 0.4`` to ``i + 0.4``. x is milliseconds
     since the start of the first step shown; with several steps, each step is
@@ -432,7 +451,6 @@ def draw_timeline(ax: Axes, spans: Sequence[TimelineSpan], *, title: str | None 
     from matplotlib.patches import Patch
 
     tracks = _tracks(spans)
-    replicated = len(tracks) != len({stage for stage, _ in tracks})
     offsets, step_starts = _step_offsets(spans)
 
     def x_ms(s: TimelineSpan) -> float:
@@ -443,7 +461,7 @@ def draw_timeline(ax: Axes, spans: Sequence[TimelineSpan], *, title: str | None 
     # One collection per (kind, track): thousands of spans still draw quickly.
     bars: dict[tuple[str, int], list[tuple[float, float]]] = {}
     for s in spans:
-        bars.setdefault((s.kind, tracks[(s.stage, s.source)]), []).append(
+        bars.setdefault((s.kind, tracks[(s.stage, s.replica)]), []).append(
             (x_ms(s), s.duration * 1e3)
         )
     for kind in ("wait", "forward", "backward"):
@@ -463,7 +481,7 @@ def draw_timeline(ax: Axes, spans: Sequence[TimelineSpan], *, title: str | None 
         if s.kind != "wait" and s.duration * 1e3 > end_ms / 60:
             ax.text(
                 x_ms(s) + s.duration * 1e3 / 2,
-                tracks[(s.stage, s.source)],
+                tracks[(s.stage, s.replica)],
                 s.label,
                 ha="center",
                 va="center",
@@ -476,7 +494,7 @@ def draw_timeline(ax: Axes, spans: Sequence[TimelineSpan], *, title: str | None 
             x = start * 1e3
             ax.axvline(x, color="#999999", linewidth=0.6, linestyle="--", zorder=0)
             ax.text(x, -0.6, f" step {step}", fontsize=7, color="#666666", va="bottom")
-    names = {tid: _track_name(stage, source, replicated) for (stage, source), tid in tracks.items()}
+    names = _track_names(tracks)
     ax.set_yticks(sorted(names), [names[t] for t in sorted(names)])
     ax.set_ylim(max(names, default=0) + 0.6, -0.8)
     ax.set_xlim(0, end_ms * 1.01)

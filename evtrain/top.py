@@ -19,6 +19,9 @@ stages (`StepMerger`), forward / backward / wait / other shares of step time
 bubble as that stage sees it (what the Prometheus exporter calls
 ``evtrain_bubble_ratio``); the pipeline line sets the share of all stages
 together against what the schedule predicts, ``(P - 1) / (M + P - 1)``.
+With data parallelism every replica of a stage has its own row (its own step
+times, shares, memory and heartbeat), and the run's figures count each step
+once.
 
 Hooks publish no heartbeats: a hook process is known from its `HookStarted`,
 seen from whatever it publishes after (errors, gaps, checkpoints), and, on an
@@ -71,9 +74,10 @@ from evtrain.events import (
 from evtrain.hooks.formatting import fmt_bytes, fmt_duration, safe_text
 from evtrain.hooks.hook import Hook, on
 from evtrain.hooks.runner import HookRunner
-from evtrain.hooks.step_merge import MergedStep, StepMerger, StepWindow
+from evtrain.hooks.step_merge import MergedStep, Place, StepMerger, StepWindow, step_problem
 from evtrain.hooks.timer import StageTimes
 from evtrain.logs import LOG_STREAM
+from evtrain.run_state import MAX_PLACES
 from evtrain.stages.schedules import bubble_fraction, parse_schedule
 
 __all__ = ["TopModel", "TopView", "render", "watch"]
@@ -107,7 +111,7 @@ def _put(bounded: MutableMapping[K, V], key: K, value: V, limit: int = MAX_SOURC
 
 @dataclass(frozen=True)
 class StageView:
-    """One pipeline stage as the dashboard shows it."""
+    """One stage process (a pipeline stage, or one replica of it) as the dashboard shows it."""
 
     stage: int
     status: str
@@ -122,6 +126,7 @@ class StageView:
     """Peak memory of its latest step."""
     heartbeat_age_s: float | None
     error: str = ""
+    replica: int = 0
 
 
 @dataclass(frozen=True)
@@ -166,6 +171,8 @@ class RunView:
     schedule: str = ""
     num_stages: int | None = None
     num_microbatches: int | None = None
+    data_parallel: int = 1
+    """Replicas of every stage."""
     max_steps: int | None = None
     step: int | None = None
     loss: float | None = None
@@ -203,6 +210,9 @@ class _Stage:
     heartbeat_at: float | None = None
     ended: str = ""
     error: str = ""
+    started: bool = False
+    last: StepEnded | None = None
+    """The latest step event of a replica > 0 (replica 0's is in the run's state)."""
 
 
 class TopModel(Hook):
@@ -226,7 +236,7 @@ class TopModel(Hook):
         self._run_id = run_id
         self._merger.reset()
         self._window = StepWindow(WINDOW)
-        self._stages: dict[int, _Stage] = {}
+        self._stages: dict[Place, _Stage] = {}
         self._drops: dict[str, int] = {}
         self._gaps: dict[str, int] = {}
         self._commits = 0
@@ -234,11 +244,15 @@ class TopModel(Hook):
         self._last_failure = ""
         self._saving: dict[str, int] = {}
 
-    def _stage(self, stage: int) -> _Stage | None:
-        expected = self.state.num_stages
-        if expected is not None and stage >= expected:
-            return None  # not a stage of this run: nothing to show for it
-        return self._stages.setdefault(stage, _Stage())
+    def _stage(self, stage: int, replica: int) -> _Stage | None:
+        state = self.state
+        expected = state.num_stages
+        if (expected is not None and stage >= expected) or state.place_problem(stage, replica):
+            return None  # not a stage process of this run: nothing to show for it
+        place = (stage, replica)
+        if place not in self._stages and len(self._stages) >= MAX_PLACES:
+            return None
+        return self._stages.setdefault(place, _Stage())
 
     def _seen(self, ev: Event) -> None:
         if ev.source.startswith("hook/"):
@@ -263,18 +277,23 @@ class TopModel(Hook):
 
     @on(StageStarted)
     def stage_started(self, ev: StageStarted) -> None:
-        """A stage (re)joined: it is no longer stopped or failed."""
-        stage = self._stage(ev.stage) if self.of_this_run(ev) else None
+        """A stage process (re)joined: it is no longer stopped or failed."""
+        stage = self._stage(ev.stage, ev.replica) if self.of_this_run(ev) else None
         if stage is not None:
             stage.ended = stage.error = ""
+            stage.started = True
 
     @on(StepEnded)
     def step_ended(self, ev: StepEnded) -> None:
-        """Steps complete across stages enter the run's and each stage's window."""
+        """Steps complete across stages enter the run's and each stage process's window."""
+        if ev.replica and step_problem(ev, self.state) is None:
+            stage = self._stage(ev.stage, ev.replica)
+            if stage is not None:
+                stage.last = ev
         for merged in self._merger.add(ev):
             self._window.add(merged)
-            for index, sev in merged.stages.items():
-                stage = self._stage(index)
+            for place, sev in merged.events.items():
+                stage = self._stage(*place)
                 if stage is not None:
                     stage.recent.append(sev)
 
@@ -284,21 +303,21 @@ class TopModel(Hook):
         self._seen(ev)
         if ev.stage is None or not self.of_this_run(ev):
             return
-        stage = self._stage(ev.stage)
+        stage = self._stage(ev.stage, ev.replica)
         if stage is not None:
             stage.heartbeat, stage.heartbeat_at = ev, time.time()
 
     @on(StageStopped)
     def stage_stopped(self, ev: StageStopped) -> None:
-        """The stage left the run."""
-        stage = self._stage(ev.stage) if self.of_this_run(ev) else None
+        """The stage process left the run."""
+        stage = self._stage(ev.stage, ev.replica) if self.of_this_run(ev) else None
         if stage is not None:
             stage.ended = "stopped"
 
     @on(StageFailed)
     def stage_failed(self, ev: StageFailed) -> None:
-        """The stage raised."""
-        stage = self._stage(ev.stage) if self.of_this_run(ev) else None
+        """The stage process raised."""
+        stage = self._stage(ev.stage, ev.replica) if self.of_this_run(ev) else None
         if stage is not None:
             stage.ended, stage.error = "failed", ev.error
 
@@ -389,6 +408,7 @@ class TopModel(Hook):
             schedule=run.schedule,
             num_stages=run.num_stages,
             num_microbatches=run.num_microbatches,
+            data_parallel=run.data_parallel,
             max_steps=run.max_steps or None,
             step=state.step,
             loss=last.loss if last is not None else None,
@@ -409,22 +429,24 @@ class TopModel(Hook):
 
     def _stage_views(self, now: float) -> tuple[StageView, ...]:
         state = self.state
-        count = state.num_stages or 0
-        indices = sorted(set(range(count)) | set(self._stages) | set(state.last_step))
+        count, replicas = state.num_stages or 0, state.data_parallel or 1
+        run_places = {(s, d) for s in range(count) for d in range(replicas)}
+        places = sorted(run_places | set(self._stages) | {(s, 0) for s in state.last_step})
         running = state.run is not None and state.ended is None
         views = []
-        for index in indices:
-            stage = self._stages.get(index, _Stage())
-            last = state.last_step.get(index)
+        for index, replica in places:
+            stage = self._stages.get((index, replica), _Stage())
+            last = stage.last if replica else state.last_step.get(index)
             times = StageTimes()
             for ev in stage.recent:
                 times.add(ev.duration_s, ev.forward_s, ev.backward_s, ev.comm_wait_s)
             durations = [ev.duration_s for ev in stage.recent]
             beat_age = None if stage.heartbeat_at is None else max(0.0, now - stage.heartbeat_at)
-            started = index in state.stages
+            started = stage.started or (replica == 0 and index in state.stages)
             views.append(
                 StageView(
                     stage=index,
+                    replica=replica,
                     status=self._stage_status(stage, beat_age, started, running),
                     step=last.step if last is not None else None,
                     step_time_s=statistics.median(durations) if durations else None,
@@ -595,8 +617,11 @@ def _run_part(run: RunView, bus: str) -> list[RenderableType]:
         f"{_seconds(run.step_time_s)}/step",
         f"ETA {fmt_duration(run.eta_s)}" if run.eta_s is not None else "",
     )
+    shape = f"{run.schedule}, {run.num_stages} stages x {run.num_microbatches} microbatches"
+    if run.data_parallel > 1:
+        shape += f", {run.data_parallel} replicas"
     pipeline = _joined(
-        _text(f"{run.schedule}, {run.num_stages} stages x {run.num_microbatches} microbatches", 80),
+        _text(shape, 80),
         "bubble "
         + ("-" if run.bubble is None else f"{run.bubble:.0%}")
         + ("" if run.bubble_theory is None else f" (theory {run.bubble_theory:.0%})"),
@@ -618,14 +643,17 @@ def _table() -> Table:
 
 def _stage_part(stages: tuple[StageView, ...]) -> list[RenderableType]:
     table = _table()
-    for name in ("stage", "status", "step", "step time", "fwd", "bwd", "wait", "other"):
+    replicated = any(view.replica for view in stages)
+    columns = ("stage", "replica") if replicated else ("stage",)
+    for name in (*columns, "status", "step", "step time", "fwd", "bwd", "wait", "other"):
         table.add_column(name, justify="left" if name == "status" else "right")
     table.add_column("memory", justify="right")
     table.add_column("heartbeat", justify="right")
     errors: list[RenderableType] = []
     for view in stages:
+        place = (str(view.stage), str(view.replica)) if replicated else (str(view.stage),)
         table.add_row(
-            str(view.stage),
+            *place,
             _status(view.status),
             "-" if view.step is None else str(view.step),
             _seconds(view.step_time_s),
@@ -637,9 +665,8 @@ def _stage_part(stages: tuple[StageView, ...]) -> list[RenderableType]:
             _age(view.heartbeat_age_s),
         )
         if view.error:
-            errors.append(
-                _joined(Text(f"stage {view.stage}:", "bold red"), _text(view.error, 2 * _TEXT))
-            )
+            where = f"stage {view.stage}" + (f" replica {view.replica}" if view.replica else "")
+            errors.append(_joined(Text(f"{where}:", "bold red"), _text(view.error, 2 * _TEXT)))
     return [table, *errors]
 
 

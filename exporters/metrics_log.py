@@ -10,6 +10,13 @@ One JSON object per line:
                       "comm_wait_s": 0.004, "peak_memory_bytes": null}, "1": {...}},
      ...values reported with evtrain.report...}
 
+  ``stages`` holds replica 0's times; with data parallelism the other
+  replicas' times follow by replica, then stage (one line per step still:
+  ``loss`` and ``samples`` are the run's, whichever replica reported them)::
+
+    {"type": "step", "step": 9, ..., "stages": {"0": {...}, "1": {...}},
+     "replicas": {"1": {"0": {"duration_s": 0.05, ...}, "1": {...}}}}
+
 * per evaluation::
 
     {"type": "eval", "step": 49, "time": ..., "duration_s": 0.4, "samples": 256,
@@ -41,6 +48,16 @@ from evtrain.hooks.step_merge import MergedStep, StepMerger
 FILENAME = "metrics.jsonl"
 
 
+def _times(ev: StepEnded) -> dict[str, Any]:
+    return {
+        "duration_s": ev.duration_s,
+        "forward_s": ev.forward_s,
+        "backward_s": ev.backward_s,
+        "comm_wait_s": ev.comm_wait_s,
+        "peak_memory_bytes": ev.peak_memory_bytes,
+    }
+
+
 def step_record(merged: MergedStep) -> dict[str, Any]:
     """The metrics-log line of one merged step."""
     record: dict[str, Any] = {
@@ -53,17 +70,14 @@ def step_record(merged: MergedStep) -> dict[str, Any]:
         "lr": merged.lr,
         "grad_norm": merged.grad_norm,
         "step_time_s": merged.duration_s,
-        "stages": {
-            str(stage): {
-                "duration_s": ev.duration_s,
-                "forward_s": ev.forward_s,
-                "backward_s": ev.backward_s,
-                "comm_wait_s": ev.comm_wait_s,
-                "peak_memory_bytes": ev.peak_memory_bytes,
-            }
-            for stage, ev in sorted(merged.stages.items())
-        },
+        "stages": {str(stage): _times(ev) for stage, ev in sorted(merged.stages.items())},
     }
+    replicas = merged.replicas()
+    if replicas:
+        record["replicas"] = {
+            str(replica): {str(stage): _times(ev) for stage, ev in stages.items()}
+            for replica, stages in replicas.items()
+        }
     for key, value in merged.metrics.items():
         record.setdefault(key, value)
     return record

@@ -8,9 +8,10 @@ port is logged and written to ``RUN_DIR/prometheus.port`` (or
 
 Naming follows the Prometheus conventions: ``evtrain_`` prefix, base units
 (seconds, bytes, ratios), ``_total`` for counters, and only bounded labels:
-``stage`` (pipeline stages), ``metric`` (eval or reported metric names, capped
-at `MAX_METRIC_NAMES`), ``set`` (named eval sets, capped alike), ``source``/``observer``
-(bus processes), ``hook``, ``status`` — never a step number or run id.
+``stage`` and ``replica`` (pipeline stages and their data-parallel replicas),
+``metric`` (eval or reported metric names, capped at `MAX_LABEL_VALUES`),
+``set`` (named eval sets, capped alike), ``source``/``observer`` (bus
+processes), ``hook``, ``status`` — never a step number or run id.
 
 ==========================================  =======  ===================================
 metric                                      type     meaning
@@ -52,6 +53,21 @@ evtrain_stage_last_seen_timestamp_seconds   gauge    wall clock of the stage's l
 evtrain_stage_failures_total{stage}         counter  stage failures
 ==========================================  =======  ===================================
 
+``{stage}`` stands for two labels: every per-stage series (the checkpoint
+blocked time and the stage's last seen time too) has ``stage`` and
+``replica``, one series per stage process.
+
+Data parallelism: a run of P stages x D replicas (``RunStarted.data_parallel``)
+has P x D stage processes, each with its own series; a run without replicas
+has ``replica="0"`` only. A (stage, replica) pair has series only within the
+run's P x D once `RunStarted` told them, at most `MAX_PLACES` pairs. The
+run-wide figures (steps, samples, loss, gradient norm, reported values) come
+from replica 0's events alone: every replica reports the same step, the global
+batch and the mean loss, so counting theirs too would count each step D times.
+Checkpoint shards are replica 0's, so is its blocked time. A stage process
+publishes as ``stage/S`` (replica 0) or ``stage/S/D``: those are the
+``source`` values of its drop and gap series.
+
 Bubble ratio: the fraction of a stage's step time spent blocked on
 point-to-point receives/sends (``comm_wait_s / duration_s``, summed over the
 last ``window`` steps) — the pipeline bubble as that stage experiences it,
@@ -59,9 +75,9 @@ and what 1F1B/GPipe theory predicts as (P-1)/(M+P-1). Over any range the same
 ratio is ``rate(evtrain_comm_wait_seconds_total[5m]) /
 rate(evtrain_step_duration_seconds_sum[5m])``.
 
-Stage up: 1 once the stage started, as long as any event of it (heartbeat,
-step, stage.started) arrived within ``stale_after`` seconds; 0 after it
-stopped or failed, when the run ended, or when it went silent.
+Stage up: 1 once the stage process started, as long as any event of it
+(heartbeat, step, stage.started) arrived within ``stale_after`` seconds; 0
+after it stopped or failed, when the run ended, or when it went silent.
 
 Counters never decrease and never take a poisoned value. Steps are counted
 by how far each step number is ahead of the latest (`StepCount`: a jump
@@ -73,12 +89,13 @@ event schema. What is not counted is logged with a rate limit.
 
 Labelled counters start at 0 for the label values known in advance, so a
 dashboard shows 0 rather than no data: every status of
-``evtrain_runs_ended_total``; each stage of the run once `RunStarted` told
-their number (``stage`` counters, ``stage/N`` sources); and every hook and
-observer that announced itself with `HookStarted`. Each label takes at most
-`MAX_LABEL_VALUES` distinct values (`safe_text`, cut to `MAX_LABEL_LENGTH`) and
-the gap counter at most `MAX_GAP_SERIES` (source, observer) pairs; the
-series of stages a new run does not have are dropped at its `RunStarted`.
+``evtrain_runs_ended_total``; each stage process of the run once `RunStarted`
+told their number (``stage`` counters, ``stage/S`` and ``stage/S/D``
+sources); and every hook and observer that announced itself with
+`HookStarted`. Each label takes at most `MAX_LABEL_VALUES` distinct values
+(`safe_text`, cut to `MAX_LABEL_LENGTH`) and the gap counter at most
+`MAX_GAP_SERIES` (source, observer) pairs; the series of stage processes a
+new run does not have are dropped at its `RunStarted`.
 
 The last scrape: after ``run.ended`` the hook keeps serving until a scrape
 collected the final values, at most twice the scrape interval it observed
@@ -128,8 +145,9 @@ from evtrain.hooks.formatting import safe_text
 from evtrain.hooks.hook import Hook, on
 from evtrain.hooks.options import float_option, int_option, path_option, str_option
 from evtrain.hooks.run_output import RunOutput
-from evtrain.hooks.step_merge import StepCount, step_problem
+from evtrain.hooks.step_merge import Place, StepCount, place_fields, step_problem
 from evtrain.ratelimit import RateLimitedLog
+from evtrain.run_state import MAX_PLACES, stage_source
 
 DEFAULT_PORT = 9431
 """Not 9400: NVIDIA's DCGM exporter, common on GPU machines, listens there."""
@@ -150,40 +168,42 @@ _SERVE_GRACE = 0.2
 RUN_STATUSES: tuple[str, ...] = typing.get_args(typing.get_type_hints(RunEnded)["status"])
 
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+STAGE_LABELS = ("stage", "replica")
+"""The labels of every per-stage series: one series per stage process."""
 CHECKPOINT_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
 class _StageLiveness:
-    """When each stage was last heard from and whether it left; read by scrapes."""
+    """When each stage process was last heard from and whether it left; read by scrapes."""
 
     def __init__(self, stale_after: float) -> None:
         self.stale_after = stale_after
         self._lock = threading.Lock()
-        self._seen: dict[int, float] = {}
-        self._down: set[int] = set()
+        self._seen: dict[Place, float] = {}
+        self._down: set[Place] = set()
 
-    def seen(self, stage: int) -> None:
+    def seen(self, place: Place) -> None:
         with self._lock:
-            self._seen[stage] = time.monotonic()
-            self._down.discard(stage)
+            self._seen[place] = time.monotonic()
+            self._down.discard(place)
 
-    def down(self, stage: int) -> None:
+    def down(self, place: Place) -> None:
         with self._lock:
-            self._down.add(stage)
+            self._down.add(place)
 
     def all_down(self) -> None:
         with self._lock:
             self._down.update(self._seen)
 
-    def forget(self, stage: int) -> None:
+    def forget(self, place: Place) -> None:
         with self._lock:
-            self._seen.pop(stage, None)
-            self._down.discard(stage)
+            self._seen.pop(place, None)
+            self._down.discard(place)
 
-    def up(self, stage: int) -> float:
+    def up(self, place: Place) -> float:
         with self._lock:
-            last = self._seen.get(stage)
-            if last is None or stage in self._down:
+            last = self._seen.get(place)
+            if last is None or place in self._down:
                 return 0.0
             return 1.0 if time.monotonic() - last <= self.stale_after else 0.0
 
@@ -298,15 +318,17 @@ class PrometheusExporter(Hook):
         self._steps = StepCount()
         self._run_id: str | None = None
         self._ended_at: float | None = None
-        self._waits: dict[int, deque[tuple[float, float]]] = {}
+        self._waits: dict[Place, deque[tuple[float, float]]] = {}
         self._metric_names = _Labels()
         self._eval_sets = _Labels()
         self._stages = _Labels()
+        self._replicas = _Labels()
         self._sources = _Labels()
         self._hooks = _Labels()
         self._observers: set[str] = set()
         self._gap_pairs: set[tuple[str, str]] = set()
-        self._stage_children: set[int] = set()
+        self._places: set[Place] = set()
+        """(stage, replica) pairs with series."""
         self.not_counted = RateLimitedLog(self.log, "event values not counted")
         self._define_metrics()
 
@@ -335,7 +357,7 @@ class PrometheusExporter(Hook):
         self.loss = Gauge("evtrain_loss", "Training loss of the latest step.", registry=r)
         self.grad_norm = Gauge("evtrain_grad_norm", "Gradient norm of the latest step.", registry=r)
         self.lr = Gauge(
-            "evtrain_learning_rate", "Learning rate of the latest step.", ["stage"], registry=r
+            "evtrain_learning_rate", "Learning rate of the latest step.", STAGE_LABELS, registry=r
         )
         self.step_metric = Gauge(
             "evtrain_step_metric",
@@ -346,31 +368,31 @@ class PrometheusExporter(Hook):
         self.step_duration = Histogram(
             "evtrain_step_duration_seconds",
             "Step time per stage.",
-            ["stage"],
+            STAGE_LABELS,
             buckets=STEP_BUCKETS,
             registry=r,
         )
         self.forward = Counter(
-            "evtrain_forward_seconds", "Time in forward computation.", ["stage"], registry=r
+            "evtrain_forward_seconds", "Time in forward computation.", STAGE_LABELS, registry=r
         )
         self.backward = Counter(
-            "evtrain_backward_seconds", "Time in backward computation.", ["stage"], registry=r
+            "evtrain_backward_seconds", "Time in backward computation.", STAGE_LABELS, registry=r
         )
         self.comm_wait = Counter(
             "evtrain_comm_wait_seconds",
             "Time blocked on point-to-point communication with neighbour stages.",
-            ["stage"],
+            STAGE_LABELS,
             registry=r,
         )
         self.bubble = Gauge(
             "evtrain_bubble_ratio",
             "Fraction of step time blocked on communication (comm wait / step time) "
             "over the latest steps.",
-            ["stage"],
+            STAGE_LABELS,
             registry=r,
         )
         self.peak_memory = Gauge(
-            "evtrain_peak_memory_bytes", "Peak memory the stage reported.", ["stage"], registry=r
+            "evtrain_peak_memory_bytes", "Peak memory the stage reported.", STAGE_LABELS, registry=r
         )
         self.evals = Counter("evtrain_evals", "Evaluations finished.", registry=r)
         self.eval_metric = Gauge(
@@ -403,7 +425,7 @@ class PrometheusExporter(Hook):
         self.checkpoint_blocked = Counter(
             "evtrain_checkpoint_blocked_seconds",
             "Training time checkpoint saves blocked, per stage.",
-            ["stage"],
+            STAGE_LABELS,
             registry=r,
         )
         self.dropped = Counter(
@@ -424,17 +446,17 @@ class PrometheusExporter(Hook):
         self.stage_up = Gauge(
             "evtrain_stage_up",
             "1 while the stage is alive: started, not stopped or failed, heard from recently.",
-            ["stage"],
+            STAGE_LABELS,
             registry=r,
         )
         self.stage_last_seen = Gauge(
             "evtrain_stage_last_seen_timestamp_seconds",
             "Unix time of the stage's latest event.",
-            ["stage"],
+            STAGE_LABELS,
             registry=r,
         )
         self.stage_failures = Counter(
-            "evtrain_stage_failures", "Stage failures.", ["stage"], registry=r
+            "evtrain_stage_failures", "Stage failures.", STAGE_LABELS, registry=r
         )
 
     # -- serving ------------------------------------------------------------------
@@ -510,37 +532,44 @@ class PrometheusExporter(Hook):
 
     # -- labels -----------------------------------------------------------------------
 
-    def _stage(self, stage: int, ev: Event) -> str | None:
-        """The ``stage`` label of a stage of the run (None for a stage it cannot have)."""
-        run = self.state.run
-        if run is not None:
-            if not self.of_this_run(ev):
-                self.not_counted("stage event of another run", stage=stage)
-                return None
-            if stage >= run.num_stages:
-                self.not_counted("stage beyond the run's num_stages", stage=stage)
-                return None
-        label = self._stages.admit(str(stage))
-        if label is None:
-            self.not_counted("too many stage labels", stage=stage)
+    def _place(self, stage: int, replica: int, ev: Event) -> tuple[str, str] | None:
+        """The (``stage``, ``replica``) labels of a stage process of the run (None for one
+        it cannot have)."""
+        if not self.of_this_run(ev):
+            self.not_counted("stage event of another run", **place_fields(stage, replica))
             return None
-        if stage not in self._stage_children:
-            self._stage_children.add(stage)
-            self.stage_up.labels(label).set_function(lambda: self.liveness.up(stage))
+        problem = self.state.place_problem(stage, replica)
+        if problem is not None:
+            self.not_counted(problem, **place_fields(stage, replica))
+            return None
+        place = (stage, replica)
+        if place not in self._places and len(self._places) >= MAX_PLACES:
+            self.not_counted("too many stage processes", **place_fields(stage, replica))
+            return None
+        stage_label = self._stages.admit(str(stage))
+        replica_label = self._replicas.admit(str(replica))
+        if stage_label is None or replica_label is None:
+            self.not_counted("too many stage labels", **place_fields(stage, replica))
+            return None
+        labels = (stage_label, replica_label)
+        if place not in self._places:
+            self._places.add(place)
+            self.stage_up.labels(*labels).set_function(lambda: self.liveness.up(place))
             # Counters at 0, so a dashboard shows 0 for a stage that never did this.
-            for counter in (self.forward, self.backward, self.comm_wait):
-                counter.labels(label)
-            self.checkpoint_blocked.labels(label)
-            self.stage_failures.labels(label)
-            source = self._sources.admit(f"stage/{stage}")
+            for counter in (self.forward, self.backward, self.comm_wait, self.stage_failures):
+                counter.labels(*labels)
+            if replica == 0:  # only replica 0 writes checkpoint shards
+                self.checkpoint_blocked.labels(*labels)
+            source = self._sources.admit(stage_source(stage, replica))
             if source is not None:
                 self.dropped.labels(source)
                 for observer in self._observers:
                     self._gap_series(source, observer)
-        return label
+        return labels
 
-    def _forget_stages_from(self, num_stages: int) -> None:
-        """Drop the series of stages the run does not have (a previous run's, or made up)."""
+    def _forget_places_outside(self, num_stages: int, data_parallel: int) -> None:
+        """Drop the series of stage processes the run does not have (a previous run's, or
+        made up)."""
         per_stage = (
             self.lr,
             self.step_duration,
@@ -554,23 +583,27 @@ class PrometheusExporter(Hook):
             self.stage_last_seen,
             self.stage_failures,
         )
-        for stage in sorted(s for s in self._stage_children if s >= num_stages):
-            label = str(stage)
+        gone = sorted(p for p in self._places if p[0] >= num_stages or p[1] >= data_parallel)
+        for place in gone:
+            labels = (str(place[0]), str(place[1]))
             for metric in per_stage:
-                with contextlib.suppress(KeyError):  # the stage never had this one
-                    metric.remove(label)
-            self._stage_children.discard(stage)
-            self._stages.values.discard(label)
-            self._waits.pop(stage, None)
-            self.liveness.forget(stage)
+                with contextlib.suppress(KeyError):  # the process never had this one
+                    metric.remove(*labels)
+            self._places.discard(place)
+            self._waits.pop(place, None)
+            self.liveness.forget(place)
+        self._stages.values -= {str(p[0]) for p in gone} - {str(p[0]) for p in self._places}
+        self._replicas.values -= {str(p[1]) for p in gone} - {str(p[1]) for p in self._places}
 
-    def _seen(self, stage: int, ev: StageStarted | Heartbeat | StepEnded) -> str | None:
-        label = self._stage(stage, ev)
-        if label is not None:
-            self.liveness.seen(stage)
+    def _seen(
+        self, stage: int, replica: int, ev: StageStarted | Heartbeat | StepEnded
+    ) -> tuple[str, str] | None:
+        labels = self._place(stage, replica, ev)
+        if labels is not None:
+            self.liveness.seen((stage, replica))
             if ev.ts:
-                self.stage_last_seen.labels(label).set(ev.ts)
-        return label
+                self.stage_last_seen.labels(*labels).set(ev.ts)
+        return labels
 
     def _observer_known(self, observer: str) -> None:
         """A subscriber that reports gaps: a 0 series for it and each stage of the run."""
@@ -578,8 +611,10 @@ class PrometheusExporter(Hook):
         if label is None or label in self._observers:
             return
         self._observers.add(label)
-        for stage in sorted(self._stage_children):
-            self._gap_series(f"stage/{stage}", label)
+        for place in sorted(self._places):
+            source = self._sources.admit(stage_source(*place))
+            if source is not None:
+                self._gap_series(source, label)
 
     def _gap_series(self, source: str, observer: str) -> Any:
         """The gap counter of (source, observer); None once `MAX_GAP_SERIES` exist."""
@@ -624,9 +659,11 @@ class PrometheusExporter(Hook):
         self._write_port_file()
         if self._runner is not None:
             self._observer_known(f"hook/{self.runner.name}")
-        self._forget_stages_from(ev.num_stages)
+        self._forget_places_outside(ev.num_stages, ev.data_parallel)
         for stage in range(ev.num_stages):
-            self._stage(stage, ev)
+            for replica in range(ev.data_parallel):
+                if self._place(stage, replica, ev) is None:
+                    return  # the caps are reached: the rest would not be admitted either
 
     @on(RunEnded)
     def run_ended(self, ev: RunEnded) -> None:
@@ -647,28 +684,28 @@ class PrometheusExporter(Hook):
 
     @on(StageStarted)
     def stage_started(self, ev: StageStarted) -> None:
-        """The stage is up."""
-        self._seen(ev.stage, ev)
+        """The stage process is up."""
+        self._seen(ev.stage, ev.replica, ev)
 
     @on(Heartbeat)
     def heartbeat(self, ev: Heartbeat) -> None:
-        """A stage is alive (heartbeats of other processes carry no stage)."""
+        """A stage process is alive (heartbeats of other processes carry no stage)."""
         if ev.stage is not None:
-            self._seen(ev.stage, ev)
+            self._seen(ev.stage, ev.replica, ev)
 
     @on(StageStopped)
     def stage_stopped(self, ev: StageStopped) -> None:
-        """The stage left normally."""
-        if self._stage(ev.stage, ev) is not None:
-            self.liveness.down(ev.stage)
+        """The stage process left normally."""
+        if self._place(ev.stage, ev.replica, ev) is not None:
+            self.liveness.down((ev.stage, ev.replica))
 
     @on(StageFailed)
     def stage_failed(self, ev: StageFailed) -> None:
-        """The stage raised."""
-        label = self._stage(ev.stage, ev)
-        if label is not None:
-            self.stage_failures.labels(label).inc()
-            self.liveness.down(ev.stage)
+        """The stage process raised."""
+        labels = self._place(ev.stage, ev.replica, ev)
+        if labels is not None:
+            self.stage_failures.labels(*labels).inc()
+            self.liveness.down((ev.stage, ev.replica))
 
     def _enter_run(self, run_id: str) -> None:
         if run_id != self._run_id:
@@ -678,31 +715,36 @@ class PrometheusExporter(Hook):
 
     @on(StepEnded)
     def step_ended(self, ev: StepEnded) -> None:
-        """Per-stage times and memory; run-wide counters once per step."""
+        """Per-process times and memory; run-wide values once per step, from replica 0."""
         problem = step_problem(ev, self.state)
         if problem is not None:
-            self.not_counted(problem, step=ev.step, stage=ev.stage)
+            self.not_counted(problem, step=ev.step, **place_fields(ev.stage, ev.replica))
             return
         if self.state.run is None:
             # No run.started yet (over tcp a later stage's first steps can arrive
             # before stage 0's): only a different run resets the step count.
             self._enter_run(ev.run_id)
-        stage = self._seen(ev.stage, ev)
-        if stage is None:
+        labels = self._seen(ev.stage, ev.replica, ev)
+        if labels is None:
             return
-        self.step_duration.labels(stage).observe(ev.duration_s)
-        self._add_seconds(self.forward.labels(stage), ev.forward_s)
-        self._add_seconds(self.backward.labels(stage), ev.backward_s)
-        self._add_seconds(self.comm_wait.labels(stage), ev.comm_wait_s)
-        waits = self._waits.setdefault(ev.stage, deque(maxlen=self.window))
+        self.step_duration.labels(*labels).observe(ev.duration_s)
+        self._add_seconds(self.forward.labels(*labels), ev.forward_s)
+        self._add_seconds(self.backward.labels(*labels), ev.backward_s)
+        self._add_seconds(self.comm_wait.labels(*labels), ev.comm_wait_s)
+        waits = self._waits.setdefault((ev.stage, ev.replica), deque(maxlen=self.window))
         waits.append((ev.comm_wait_s, ev.duration_s))
         total = sum(d for _, d in waits)
         if total > 0:
-            self.bubble.labels(stage).set(sum(w for w, _ in waits) / total)
+            self.bubble.labels(*labels).set(sum(w for w, _ in waits) / total)
         if ev.peak_memory_bytes is not None:
-            self.peak_memory.labels(stage).set(ev.peak_memory_bytes)
+            self.peak_memory.labels(*labels).set(ev.peak_memory_bytes)
         if ev.lr is not None:
-            self.lr.labels(stage).set(ev.lr)
+            self.lr.labels(*labels).set(ev.lr)
+        if ev.replica == 0:
+            self._run_step(ev)
+
+    def _run_step(self, ev: StepEnded) -> None:
+        """The run-wide values of a step event of replica 0 (the others repeat them)."""
         if ev.loss is not None:
             self.loss.set(ev.loss)
         if ev.grad_norm is not None:
@@ -756,10 +798,10 @@ class PrometheusExporter(Hook):
 
     @on(CheckpointShardSaved)
     def shard_saved(self, ev: CheckpointShardSaved) -> None:
-        """Training time a stage's save blocked."""
-        label = self._stage(ev.stage, ev)
-        if label is not None:
-            self._add_seconds(self.checkpoint_blocked.labels(label), ev.blocked_s)
+        """Training time a stage's save blocked (replica 0 writes every shard)."""
+        labels = self._place(ev.stage, 0, ev)
+        if labels is not None:
+            self._add_seconds(self.checkpoint_blocked.labels(*labels), ev.blocked_s)
 
     @on(CheckpointFailed)
     def checkpoint_failed(self, ev: CheckpointFailed) -> None:

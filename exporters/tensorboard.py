@@ -7,7 +7,9 @@ the events (steps done, so the first step is 1):
   ``train/step_time_s`` and every value reported with `evtrain.report` as
   ``train/NAME``;
 * ``stage{s}/forward_s``, ``stage{s}/backward_s``, ``stage{s}/comm_wait_s``,
-  ``stage{s}/duration_s``, ``stage{s}/peak_memory_bytes``;
+  ``stage{s}/duration_s``, ``stage{s}/peak_memory_bytes``; with data
+  parallelism these are replica 0's, and replica ``d`` > 0 has its own under
+  ``stage{s}_replica{d}/``;
 * ``eval/NAME`` for every eval metric; with named eval sets the name carries
   its set (``eval/val/accuracy``, ``eval/test/loss``): under ``eval/``, a set
   called ``train`` stays apart from the training scalars.
@@ -104,13 +106,14 @@ class TensorBoardWriter(Hook):
             "train/step_time_s": merged.duration_s,
         }
         scalars.update({f"train/{k}": v for k, v in merged.metrics.items()})
-        for stage, sev in merged.stages.items():
-            scalars[f"stage{stage}/duration_s"] = sev.duration_s
-            scalars[f"stage{stage}/forward_s"] = sev.forward_s
-            scalars[f"stage{stage}/backward_s"] = sev.backward_s
-            scalars[f"stage{stage}/comm_wait_s"] = sev.comm_wait_s
+        for (stage, replica), sev in merged.events.items():
+            group = f"stage{stage}_replica{replica}" if replica else f"stage{stage}"
+            scalars[f"{group}/duration_s"] = sev.duration_s
+            scalars[f"{group}/forward_s"] = sev.forward_s
+            scalars[f"{group}/backward_s"] = sev.backward_s
+            scalars[f"{group}/comm_wait_s"] = sev.comm_wait_s
             if sev.peak_memory_bytes is not None:
-                scalars[f"stage{stage}/peak_memory_bytes"] = float(sev.peak_memory_bytes)
+                scalars[f"{group}/peak_memory_bytes"] = float(sev.peak_memory_bytes)
         for tag, value in scalars.items():
             if value is not None:
                 writer.add_scalar(tag, value, x, walltime=merged.ts or None)

@@ -4,6 +4,9 @@ In the spirit of detectron2's CommonMetricPrinter: every ``every`` steps one
 line with step/max, loss, learning rate, samples/s, step time (median over a
 window), ETA and peak memory per stage. Eval results, checkpoints, stage
 failures, lost or dropped bus events and the end of the run get their own line.
+With data parallelism a step is still one line (`StepMerger`), a stage's peak
+memory is that of its highest replica, and the lines about one stage process
+name its ``replica`` when it is not 0.
 
 Started by a launcher whose console shows the run (`evtrain.logs`), the hook
 leaves the run's start, progress, evaluations, failures and end to that
@@ -50,7 +53,7 @@ from evtrain.hooks.formatting import (
 )
 from evtrain.hooks.hook import EventFilter, Hook, on
 from evtrain.hooks.options import choice_option, int_option, path_option
-from evtrain.hooks.step_merge import MergedStep, StepMerger, StepWindow
+from evtrain.hooks.step_merge import MergedStep, StepMerger, StepWindow, place_fields
 from evtrain.logs import LOG_STREAM, launcher_console
 
 LOG_FORMATS = ("console", "json")
@@ -176,6 +179,7 @@ class ConsoleLog(Hook):
             run=_text(ev.name),
             run_id=_text(ev.run_id),
             stages=ev.num_stages,
+            **({"data_parallel": ev.data_parallel} if ev.data_parallel > 1 else {}),
             microbatches=ev.num_microbatches,
             schedule=_text(ev.schedule),
             max_steps=ev.max_steps,
@@ -189,7 +193,7 @@ class ConsoleLog(Hook):
         """One line per stage as it joins."""
         self.log.info(
             "stage started",
-            stage=ev.stage,
+            **place_fields(ev.stage, ev.replica),
             host=_text(ev.host),
             pid=ev.pid,
             device=_text(ev.device),
@@ -207,7 +211,8 @@ class ConsoleLog(Hook):
 
     def _account(self, merged: MergedStep) -> None:
         self.window.add(merged)
-        for stage, sev in merged.stages.items():
+        # A stage's peak is its highest replica's: the one closest to running out.
+        for (stage, _), sev in merged.events.items():
             if sev.peak_memory_bytes is not None:
                 self._peak_memory[stage] = max(
                     sev.peak_memory_bytes, self._peak_memory.get(stage, 0)
@@ -315,7 +320,7 @@ class ConsoleLog(Hook):
         if is_communication_error(ev.error):
             self.log.warning(
                 "stage stopped by a peer's failure",
-                stage=ev.stage,
+                **place_fields(ev.stage, ev.replica),
                 step=ev.step,
                 error=_text(short_error(ev.error)),
             )
@@ -323,7 +328,11 @@ class ConsoleLog(Hook):
         self._failure_logged = True
         tail = safe_lines("\n".join(ev.traceback.strip().splitlines()[-6:]), _TEXT_LIMIT)
         self.log.error(
-            "stage failed", stage=ev.stage, step=ev.step, error=_text(ev.error), traceback=tail
+            "stage failed",
+            **place_fields(ev.stage, ev.replica),
+            step=ev.step,
+            error=_text(ev.error),
+            traceback=tail,
         )
 
     @on(StageStopped)
@@ -332,7 +341,7 @@ class ConsoleLog(Hook):
         level = self.log.debug if ev.status == "completed" else self.log.info
         level(
             "stage stopped",
-            stage=ev.stage,
+            **place_fields(ev.stage, ev.replica),
             status=_text(ev.status),
             reason=_text(ev.reason) or None,
         )

@@ -3,7 +3,9 @@
 Each stage steps its own optimizer and scheduler, so each reports its own
 ``lr`` in `StepEnded`. A change is logged once per step and value (stages
 that agree share one line); a stage whose LR differs from the others at the
-same step gets one warning.
+same step gets one warning. With data parallelism every replica of a stage
+steps its own scheduler too: replica 0's values are logged, and a replica
+whose LR differs from the others gets the warning as well.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections import deque
 from evtrain.events import RunStarted, StepEnded
 from evtrain.hooks.hook import Hook, on
 from evtrain.hooks.options import float_option
-from evtrain.hooks.step_merge import step_problem
+from evtrain.hooks.step_merge import Place, place_fields, step_problem
 
 
 class LRMonitor(Hook):
@@ -36,10 +38,10 @@ class LRMonitor(Hook):
         self.changes: deque[tuple[int, float]] = deque(maxlen=1000)
         self._logged_lr: dict[int, float] = {}
         self._last_line: tuple[int, float] | None = None
-        # step -> stage -> lr, for the latest few steps: stages report one step at
-        # different times, so only the same step's values can be compared.
-        self._by_step: dict[int, dict[int, float]] = {}
-        self._disagreed: set[int] = set()
+        # step -> (stage, replica) -> lr, for the latest few steps: stages report
+        # one step at different times, so only the same step's values can be compared.
+        self._by_step: dict[int, dict[Place, float]] = {}
+        self._disagreed: set[Place] = set()
 
     @on(RunStarted)
     def run_started(self, ev: RunStarted) -> None:
@@ -54,8 +56,10 @@ class LRMonitor(Hook):
         """Compare the stage's LR with its last logged one and with the other stages'."""
         if ev.lr is None or step_problem(ev, self.state) is not None:
             return
-        self.last_lr[ev.stage] = ev.lr
         self._check_agreement(ev, ev.lr)
+        if ev.replica:
+            return  # replica 0 speaks for its stage; the others are only compared with it
+        self.last_lr[ev.stage] = ev.lr
         previous = self._logged_lr.get(ev.stage)
         if previous is not None and self._same(ev.lr, previous):
             return
@@ -77,24 +81,26 @@ class LRMonitor(Hook):
         return both_nan or a == b or math.isclose(a, b, rel_tol=self.rtol)
 
     def _check_agreement(self, ev: StepEnded, lr: float) -> None:
+        place = (ev.stage, ev.replica)
         at_step = self._by_step.setdefault(ev.step, {})
-        at_step[ev.stage] = lr
+        at_step[place] = lr
         while len(self._by_step) > 8:
             del self._by_step[min(self._by_step)]
-        if ev.stage in self._disagreed:
+        if place in self._disagreed:
             return
         # Agreement is exact up to float noise, whatever rtol says about logging.
         others = {
-            s: v
-            for s, v in at_step.items()
-            if s != ev.stage and not math.isclose(v, lr, rel_tol=1e-9)
+            # "1" for stage 1 (its replica 0), "1/2" for its replica 2.
+            f"{s}/{d}" if d else str(s): v
+            for (s, d), v in at_step.items()
+            if (s, d) != place and not math.isclose(v, lr, rel_tol=1e-9)
         }
         if others:
-            self._disagreed.add(ev.stage)
+            self._disagreed.add(place)
             self.log.warning(
                 "stages report different learning rates",
                 step=ev.step,
-                stage=ev.stage,
+                **place_fields(*place),
                 lr=lr,
                 others=others,
             )

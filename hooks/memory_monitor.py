@@ -4,6 +4,9 @@ Reads ``peak_memory_bytes`` from every stage's `StepEnded` (accelerator memory
 on CUDA, what the stage reports on CPU). Logs a stage's peak when it first
 appears and whenever it grew by more than ``growth`` since the last line; warns
 once per stage when the peak passes ``threshold``; summarizes at run end.
+With data parallelism a stage's peak is that of its highest replica (each
+replica has its own device; the fullest one runs out first), and the lines
+name that replica when it is not 0.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from evtrain.events import RunEnded, RunStarted, StepEnded
 from evtrain.hooks.formatting import fmt_bytes, per_stage
 from evtrain.hooks.hook import Hook, on
 from evtrain.hooks.options import float_option, size_option
-from evtrain.hooks.step_merge import step_problem
+from evtrain.hooks.step_merge import place_fields, step_problem
 
 
 class MemoryMonitor(Hook):
@@ -59,7 +62,7 @@ class MemoryMonitor(Hook):
             self._logged[ev.stage] = peak
             self.log.info(
                 "peak memory",
-                stage=ev.stage,
+                **place_fields(ev.stage, ev.replica),
                 step=ev.step,
                 peak=fmt_bytes(peak),
                 peak_bytes=peak,
@@ -68,7 +71,7 @@ class MemoryMonitor(Hook):
             self.warned.add(ev.stage)
             self.log.warning(
                 "peak memory above threshold",
-                stage=ev.stage,
+                **place_fields(ev.stage, ev.replica),
                 step=ev.step,
                 peak=fmt_bytes(peak),
                 threshold=fmt_bytes(self.threshold),

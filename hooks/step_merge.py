@@ -6,13 +6,24 @@ step, so `StepMerger` collects a step's events and hands the step out once
 every stage reported it — or, if an event was lost on the bus, once a later
 step completed (a lost event must not hold every later line back).
 
+With data parallelism each of the D replicas of every stage reports the step
+too, with its own times and memory; ``loss`` (the mean over the replicas) and
+``samples`` (the global batch) are the same on every replica, so a merged step
+takes them once and never adds them up. A step is complete once all P x D
+processes reported it: the gradient all-reduce ends every replica's step at
+nearly the same time, so waiting for all of them costs little, and a record
+then always holds the same events, live or replayed (completing on replica
+0's events alone would keep whichever replica events happened to come first).
+Before the run says how many replicas there are, replica 0's events decide.
+
 Step numbers are 1-based (see `evtrain.stages.actor`): ``StepEnded.step`` k is
 the k-th optimizer step, so k steps are done when it ends; boundary events
 (`EvalEnded`, checkpoints, `RunEnded`) carry the steps done at that boundary.
 
 A step event is checked against the run before it counts (`step_problem`):
-once the run's `RunStarted` is known, an event of another run, of a stage the
-run does not have or of a step past its ``max_steps`` is none of its steps.
+once the run's `RunStarted` is known, an event of another run, of a stage or
+replica the run does not have or of a step past its ``max_steps`` is none of
+its steps.
 A step number far below the latest one (more than `MAX_STEP_JUMP`) starts
 the count over from there: either the latest number was absurd, or the run
 went back, and neither may freeze the count. A jump ahead counts as at most
@@ -48,8 +59,9 @@ def step_problem(ev: StepEnded, state: RunState) -> str | None:
         return None
     if not of_run(ev, state):
         return "step of another run"
-    if ev.stage >= run.num_stages:
-        return "stage beyond the run's num_stages"
+    problem = state.place_problem(ev.stage, ev.replica)
+    if problem is not None:
+        return problem
     if run.max_steps and ev.step > run.max_steps:
         return "step beyond the run's max_steps"
     return None
@@ -83,25 +95,55 @@ class StepCount:
         return min(step - latest, MAX_STEP_JUMP)
 
 
+Place = tuple[int, int]
+"""(stage, replica): one stage process of the run."""
+
+
+def place_fields(stage: int, replica: int) -> dict[str, int]:
+    """Log fields naming a stage process: ``stage``, and ``replica`` when it is not 0.
+
+    Replica 0's lines read as those of a run without data parallelism.
+    """
+    return {"stage": stage, "replica": replica} if replica else {"stage": stage}
+
+
 @dataclass
 class MergedStep:
-    """One optimizer step as reported by the stages (``stages``: stage -> its event)."""
+    """One optimizer step as reported by the stage processes.
+
+    ``events`` holds each process's event by (stage, replica); `stages` gives
+    replica 0's, the events a run without data parallelism has.
+    """
 
     step: int
-    stages: dict[int, StepEnded] = field(default_factory=dict)
+    events: dict[Place, StepEnded] = field(default_factory=dict)
+
+    @property
+    def stages(self) -> dict[int, StepEnded]:
+        """Replica 0's event of each stage that reported the step, by stage."""
+        return {stage: ev for (stage, replica), ev in self.events.items() if replica == 0}
+
+    def replicas(self) -> dict[int, dict[int, StepEnded]]:
+        """The events of replicas > 0, by replica, then stage (empty without data parallelism)."""
+        out: dict[int, dict[int, StepEnded]] = {}
+        for (stage, replica), ev in sorted(self.events.items(), key=lambda kv: kv[0][::-1]):
+            if replica:
+                out.setdefault(replica, {})[stage] = ev
+        return out
 
     def _first(self, attr: str) -> float | None:
         # The last stage holds the loss; for the other fields any stage will do,
         # the last one first so every field comes from one place when it can.
-        for stage in sorted(self.stages, reverse=True):
-            value = getattr(self.stages[stage], attr)
+        # Replica 0 first: every replica reports the same loss and rate.
+        for place in sorted(self.events, key=lambda p: (-p[0], p[1])):
+            value = getattr(self.events[place], attr)
             if value is not None:
                 return float(value)
         return None
 
     @property
     def loss(self) -> float | None:
-        """The step's loss (last stage)."""
+        """The step's loss (last stage; with replicas, their mean, which each reports)."""
         return self._first("loss")
 
     @property
@@ -116,30 +158,37 @@ class MergedStep:
 
     @property
     def samples(self) -> int:
-        """Samples the step trained on (every stage sees the same batch)."""
-        return max((ev.samples for ev in self.stages.values()), default=0)
+        """Samples the step trained on (every stage and replica reports the whole batch)."""
+        return max((ev.samples for ev in self.events.values()), default=0)
 
     @property
     def epoch(self) -> int:
         """The epoch of the step."""
-        return max((ev.epoch for ev in self.stages.values()), default=0)
+        return max((ev.epoch for ev in self.events.values()), default=0)
 
     @property
     def duration_s(self) -> float:
-        """The step's duration: the slowest stage's."""
-        return max((ev.duration_s for ev in self.stages.values()), default=0.0)
+        """The step's duration: the slowest stage process's."""
+        return max((ev.duration_s for ev in self.events.values()), default=0.0)
 
     @property
     def ts(self) -> float:
-        """Wall-clock time the last stage to finish published its event."""
-        return max((ev.ts for ev in self.stages.values()), default=0.0)
+        """Wall-clock time the last stage process to finish published its event."""
+        return max((ev.ts for ev in self.events.values()), default=0.0)
 
     @property
     def metrics(self) -> dict[str, float]:
-        """Values reported with `evtrain.report` on any stage (later stages win)."""
+        """Values reported with `evtrain.report` on any stage (later stages win).
+
+        Replica 0's values are the step's; a name only other replicas reported
+        comes from the lowest of them.
+        """
         out: dict[str, float] = {}
-        for stage in sorted(self.stages):
-            out.update(self.stages[stage].metrics)
+        for _, ev in sorted(self.stages.items()):
+            out.update(ev.metrics)
+        for _, ev in sorted(self.events.items(), key=lambda kv: kv[0][::-1]):
+            for key, value in ev.metrics.items():
+                out.setdefault(key, value)
         return out
 
 
@@ -147,8 +196,10 @@ class StepMerger:
     """Collects `StepEnded` events and returns each step once it is complete.
 
     ``state`` gives the run as the hook knows it, asked on every event (the
-    run's stage count may become known only after the first events); without
-    a stage count a step is complete once the event carrying the loss arrived.
+    run's stage count may become known only after the first events). A step
+    is complete once every stage of every replica reported it; before the run
+    is known, once every stage of replica 0 did, and without a stage count
+    once replica 0's event carrying the loss arrived.
     Events that are none of the run's steps (`step_problem`) are counted in
     ``ignored`` and logged with a rate limit.
     """
@@ -169,14 +220,20 @@ class StepMerger:
         """Fold in one event; returns the steps completed by it, oldest first."""
         problem = step_problem(ev, self._state())
         if problem is not None:
-            self.ignored(problem, step=ev.step, stage=ev.stage, source=safe_text(ev.source, 100))
+            self.ignored(
+                problem,
+                step=ev.step,
+                stage=ev.stage,
+                replica=ev.replica,
+                source=safe_text(ev.source, 100),
+            )
             return []
         if ev.step <= self._done_below:
             if self._done_below - ev.step <= MAX_STEP_JUMP:
                 return []  # a late duplicate (e.g. from a state snapshot)
             self.reset()  # far behind what was handed out: start over from here
         merged = self._pending.setdefault(ev.step, MergedStep(ev.step))
-        merged.stages[ev.stage] = ev
+        merged.events[(ev.stage, ev.replica)] = ev
         if not self._complete(merged):
             if len(self._pending) > self._max_pending:
                 return self._release_through(min(self._pending))
@@ -190,10 +247,13 @@ class StepMerger:
         return self._release_through(max(self._pending))
 
     def _complete(self, merged: MergedStep) -> bool:
-        expected = self._state().num_stages
-        if expected is None:
-            return any(ev.loss is not None for ev in merged.stages.values())
-        return len(merged.stages) >= expected
+        state = self._state()
+        stages = state.num_stages
+        replicas = state.data_parallel or 1
+        counted = [ev for (_, replica), ev in merged.events.items() if replica < replicas]
+        if stages is None:
+            return any(ev.loss is not None for ev in counted)
+        return len(counted) >= stages * replicas
 
     def _release_through(self, step: int) -> list[MergedStep]:
         # Earlier steps still pending lost an event; they will not complete now.

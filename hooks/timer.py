@@ -5,6 +5,10 @@ steps one summary line with steps/s and samples/s over those steps and, per
 stage, the fraction of its step time spent in forward, backward, waiting on
 point-to-point communication and the rest (optimizer, data, overhead). At the
 end of the run, the overall figures.
+
+With data parallelism a stage's fractions are over the step times of all its
+replicas together (their waits include the gradient reduction), and a step
+counts once towards steps/s and samples/s however many replicas report it.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from evtrain.hooks.step_merge import MergedStep, StepMerger
 
 @dataclass
 class StageTimes:
-    """Summed seconds of one stage's steps."""
+    """Summed seconds of one stage's steps (of all its replicas, for the timer)."""
 
     steps: int = 0
     duration_s: float = 0.0
@@ -90,7 +94,7 @@ class Timer(Hook):
             self._account(merged)
 
     def _account(self, merged: MergedStep) -> None:
-        for stage, sev in merged.stages.items():
+        for (stage, _), sev in merged.events.items():
             times = (sev.duration_s, sev.forward_s, sev.backward_s, sev.comm_wait_s)
             self._window.setdefault(stage, StageTimes()).add(*times)
             self._total.setdefault(stage, StageTimes()).add(*times)

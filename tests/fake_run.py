@@ -10,6 +10,15 @@ boundary; ``cmd.evaluate`` (a standing one too) runs an "evaluation" (the last
 stage publishes eval.ended with the next value of ``--eval-losses``),
 ``cmd.stop`` ends the run with the command's reason.
 
+With ``--dp D`` every stage runs on D replicas, as a data-parallel run's
+processes publish: replica 0 (source ``stage/S``) everything above, each
+replica d > 0 (source ``stage/S/d``) its own stage.started, heartbeats, step
+events (its own timings and memory; the same loss and global samples as
+replica 0) and stage.stopped, and nothing else. ``--spans`` adds every
+process's microbatch spans: a forward and a backward per microbatch, the
+waits for activations (later stages) and, with replicas, the wait for the
+gradient reduction at the step's end (``op="reduce"``).
+
 The built-in hook tests drive hooks with it where a real ``evtrain launch``
 would cost 10+ s per test; stdout's last line is a JSON summary (commands
 received, how the run ended). No torch import: it starts in ~0.2 s. Start it
@@ -38,6 +47,10 @@ from evtrain.events import (
     EvalStarted,
     EvaluateNow,
     Heartbeat,
+    MicrobatchBackward,
+    MicrobatchForward,
+    MicrobatchSpan,
+    MicrobatchWait,
     RunEnded,
     RunStarted,
     StageStarted,
@@ -46,15 +59,19 @@ from evtrain.events import (
     StepStarted,
     StopRun,
 )
+from evtrain.run_state import stage_source
 from evtrain.stages.orders import Orders
 
 MIB = 1024 * 1024
+MICROBATCHES = 2
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--bus", required=True)
     parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas of each stage")
+    parser.add_argument("--spans", action="store_true", help="publish microbatch spans")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--step-time", type=float, default=0.01, help="seconds per step")
     parser.add_argument("--batch-size", type=int, default=32)
@@ -74,16 +91,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 class FakeRun:
-    """P stages in one process, one publisher and one command receiver per stage."""
+    """P x D stage processes in one process: a publisher each, a command receiver per stage."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.address = BusAddress.parse(args.bus)
         self.run_id = args.run_id or uuid.uuid4().hex[:12]
-        self.pubs = [
-            Publisher(self.address.endpoint("events_in"), source=f"stage/{s}", run_id=self.run_id)
-            for s in range(args.stages)
-        ]
+        self.places = [(s, d) for s in range(args.stages) for d in range(args.dp)]
+        self.all_pubs = {
+            place: Publisher(
+                self.address.endpoint("events_in"), source=stage_source(*place), run_id=self.run_id
+            )
+            for place in self.places
+        }
+        self.pubs = [self.all_pubs[(s, 0)] for s in range(args.stages)]
+        """Replica 0's publishers, by stage: those of the whole run's events."""
         self.receivers = [
             CommandReceiver(self.address.endpoint("commands_out")) for _ in range(args.stages)
         ]
@@ -103,25 +125,58 @@ class FakeRun:
         now = time.monotonic()
         if force or now - self.last_heartbeat >= 0.3:
             self.last_heartbeat = now
-            for s, pub in enumerate(self.pubs):
-                pub.publish(Heartbeat(stage=s, step=step))
+            for (s, d), pub in self.all_pubs.items():
+                pub.publish(Heartbeat(stage=s, replica=d, step=step))
+
+    def spans(self, step: int, start: float, end: float) -> None:
+        """Every process's spans of one step, laid out between ``start`` and ``end``."""
+        slot = (end - start) / (2 * MICROBATCHES + 2)
+        for (s, d), pub in self.all_pubs.items():
+            # (type, microbatch, start slot, slots, op): forwards, then backwards.
+            layout: list[tuple[type[MicrobatchSpan], int, float, float, str]] = []
+            for m in range(MICROBATCHES):
+                if s > 0:
+                    layout.append((MicrobatchWait, m, m, 0.25, "recv_act"))
+                layout.append((MicrobatchForward, m, m + (0.25 if s > 0 else 0), 0.75, ""))
+                layout.append((MicrobatchBackward, m, MICROBATCHES + m, 1, ""))
+            if self.args.dp > 1:
+                layout.append((MicrobatchWait, -1, 2 * MICROBATCHES, 1, "reduce"))
+            for kind, m, at, length, op in layout:
+                begin = start + at * slot
+                extra = {"op": op} if op else {}
+                pub.publish(
+                    kind(
+                        step=step,
+                        stage=s,
+                        replica=d,
+                        microbatch=m,
+                        start=begin,
+                        end=begin + length * slot,
+                        **extra,
+                    )
+                )
 
     def step(self, step: int) -> None:
         args = self.args
-        for pub in self.pubs:
-            pub.publish(StepStarted(step=step, stage=int(pub.source.split("/")[1])))
+        for (s, d), pub in self.all_pubs.items():
+            pub.publish(StepStarted(step=step, stage=s, replica=d))
+        began = time.time()
         time.sleep(args.step_time)
+        if args.spans:
+            self.spans(step, began, time.time())
         lr = args.lr
         if args.lr_decay_every:
             lr = args.lr * 0.5 ** ((step - 1) // args.lr_decay_every)
         loss = 2.0 * math.exp(-step / 50) + 0.1 * math.sin(step)
         # The last stage finishes a step first; stage 0 runs the final backward.
-        for s in reversed(range(args.stages)):
-            duration = args.step_time * (1.0 + 0.01 * s)
-            self.pubs[s].publish(
+        # Every replica reports the global loss and samples, and its own times.
+        for s, d in sorted(self.places, key=lambda place: (-place[0], place[1])):
+            duration = args.step_time * (1.0 + 0.01 * s) * (1.0 + 0.1 * d)
+            self.all_pubs[(s, d)].publish(
                 StepEnded(
                     step=step,
                     stage=s,
+                    replica=d,
                     loss=loss if s == self.last else None,
                     lr=lr,
                     grad_norm=1.0 + 0.01 * step if s == self.last else None,
@@ -130,7 +185,7 @@ class FakeRun:
                     forward_s=0.3 * duration,
                     backward_s=0.4 * duration,
                     comm_wait_s=0.2 * duration,
-                    peak_memory_bytes=(args.memory_mib + 50 * s) * MIB + step * 1024,
+                    peak_memory_bytes=(args.memory_mib + 50 * s + 10 * d) * MIB + step * 1024,
                     metrics={"tokens": float(args.batch_size * 16)} if s == self.last else {},
                 )
             )
@@ -181,12 +236,13 @@ class FakeRun:
 
     async def run(self) -> dict[str, object]:
         args = self.args
-        for s in range(args.stages):
-            self.pubs[s].publish(
+        for (s, d), pub in self.all_pubs.items():
+            pub.publish(
                 StageStarted(
                     stage=s,
+                    replica=d,
                     num_stages=args.stages,
-                    rank=s,
+                    rank=s * args.dp + d,
                     host="fake",
                     pid=0,
                     device="cpu",
@@ -203,6 +259,7 @@ class FakeRun:
                 max_steps=args.steps,
                 batch_size=args.batch_size,
                 run_dir=args.run_dir,
+                data_parallel=args.dp,
             )
         )
         deadline = time.monotonic() + args.max_time
@@ -235,14 +292,14 @@ class FakeRun:
         await self.boundary(step)
         # As the real stages do: RunEnded only once every stage's StageStopped came
         # back through the broker, so no hook exits before a stage's last event.
-        for s, pub in enumerate(self.pubs):
-            pub.publish(StageStopped(stage=s, status=status, reason=reason))
-        stopped: set[int] = set()
+        for (s, d), pub in self.all_pubs.items():
+            pub.publish(StageStopped(stage=s, replica=d, status=status, reason=reason))
+        stopped: set[tuple[int, int]] = set()
         with anyio.move_on_after(10):
-            while len(stopped) < args.stages:
+            while len(stopped) < len(self.places):
                 for msg in await self.stops.receive(timeout=0.2):
                     if isinstance(msg, StageStopped) and msg.run_id == self.run_id:
-                        stopped.add(msg.stage)
+                        stopped.add((msg.stage, msg.replica))
         self.pubs[0].publish(RunEnded(status=status, reason=reason, step=step))
         return {
             "run_id": self.run_id,
@@ -255,7 +312,7 @@ class FakeRun:
 
     def close(self) -> None:
         self.stops.close()
-        for pub in self.pubs:
+        for pub in self.all_pubs.values():
             pub.close()
         for receiver in self.receivers:
             receiver.close()

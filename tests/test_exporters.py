@@ -54,6 +54,11 @@ def workdir() -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def at(stage: int | str, replica: int = 0) -> dict[str, str]:
+    """The labels of a per-stage series of the stage process (``stage``, ``replica``)."""
+    return {"stage": str(stage), "replica": str(replica)}
+
+
 def _lines(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
@@ -256,8 +261,8 @@ async def test_prometheus_exporter_serves_conventional_metrics(
     thread.join(timeout=5)
     mid = scraped.get("mid")
     assert mid is not None, "never scraped the exporter during the run"
-    assert 'evtrain_stage_up{stage="0"} 1.0' in mid
-    assert 'evtrain_stage_up{stage="1"} 1.0' in mid
+    assert 'evtrain_stage_up{replica="0",stage="0"} 1.0' in mid
+    assert 'evtrain_stage_up{replica="0",stage="1"} 1.0' in mid
     assert "# TYPE evtrain_steps_total counter" in mid
     assert "# TYPE evtrain_step_duration_seconds histogram" in mid
     assert "evtrain_run_running 1.0" in mid
@@ -268,13 +273,13 @@ async def test_prometheus_exporter_serves_conventional_metrics(
     assert value("evtrain_steps_done") == 20
     assert value("evtrain_run_max_steps") == 20
     assert value("evtrain_loss") == pytest.approx(loss_at(20))
-    assert value("evtrain_learning_rate", {"stage": "1"}) == pytest.approx(0.1)
-    assert value("evtrain_step_duration_seconds_count", {"stage": "0"}) == 20
-    assert value("evtrain_comm_wait_seconds_total", {"stage": "0"}) == pytest.approx(
-        0.2 * value("evtrain_step_duration_seconds_sum", {"stage": "0"})
+    assert value("evtrain_learning_rate", at(1)) == pytest.approx(0.1)
+    assert value("evtrain_step_duration_seconds_count", at(0)) == 20
+    assert value("evtrain_comm_wait_seconds_total", at(0)) == pytest.approx(
+        0.2 * value("evtrain_step_duration_seconds_sum", at(0))
     )
-    assert value("evtrain_bubble_ratio", {"stage": "1"}) == pytest.approx(0.2)
-    assert value("evtrain_peak_memory_bytes", {"stage": "1"}) == 150 * 1024 * 1024 + 20 * 1024
+    assert value("evtrain_bubble_ratio", at(1)) == pytest.approx(0.2)
+    assert value("evtrain_peak_memory_bytes", at(1)) == 150 * 1024 * 1024 + 20 * 1024
     assert value("evtrain_eval_metric", {"set": "", "metric": "loss"}) == 1.0
     assert value("evtrain_evals_total") == 2
     assert value("evtrain_eval_last_step") == 20
@@ -283,7 +288,7 @@ async def test_prometheus_exporter_serves_conventional_metrics(
     assert value("evtrain_events_missing_total", {"source": "stage/1", "observer": "stage/0"}) == 3
     assert value("evtrain_runs_ended_total", {"status": "completed"}) == 1
     assert value("evtrain_run_running") == 0
-    assert value("evtrain_stage_up", {"stage": "0"}) == 0  # the run ended
+    assert value("evtrain_stage_up", at(0)) == 0  # the run ended
 
     if PROMTOOL is None:
         pytest.skip("promtool not installed (Debian package 'prometheus')")
@@ -295,14 +300,14 @@ async def test_prometheus_exporter_serves_conventional_metrics(
 
 def test_stage_up_goes_stale() -> None:
     liveness = _StageLiveness(stale_after=0.2)
-    assert liveness.up(0) == 0.0  # never seen
-    liveness.seen(0)
-    assert liveness.up(0) == 1.0
+    assert liveness.up((0, 0)) == 0.0  # never seen
+    liveness.seen((0, 0))
+    assert liveness.up((0, 0)) == 1.0
     time.sleep(0.3)
-    assert liveness.up(0) == 0.0
-    liveness.seen(0)
-    liveness.down(0)
-    assert liveness.up(0) == 0.0
+    assert liveness.up((0, 0)) == 0.0
+    liveness.seen((0, 0))
+    liveness.down((0, 0))
+    assert liveness.up((0, 0)) == 0.0
 
 
 def test_prometheus_port_in_use_is_a_usage_error(workdir: Path) -> None:
@@ -345,7 +350,7 @@ async def test_exporter_joining_mid_run_knows_the_run_at_once(bus: BusAddress, p
             assert value("evtrain_steps_done") == 9
             assert value("evtrain_run_max_steps") == 12
             assert value("evtrain_run_stages") == 2
-            assert value("evtrain_stage_up", {"stage": "1"}) == 1
+            assert value("evtrain_stage_up", at(1)) == 1
             assert value("evtrain_loss") == pytest.approx(loss_at(9))
             assert await anyio.to_thread.run_sync(fake.wait) == 0
     assert value("evtrain_steps_done") == 12
@@ -407,10 +412,10 @@ def test_prometheus_counters_take_no_poisoned_value() -> None:
     value = _replay(PrometheusExporter(port=0), events)
     assert value("evtrain_steps_total") == 3
     assert value("evtrain_samples_total") == 24
-    assert value("evtrain_forward_seconds_total", {"stage": "0"}) == 0.75
+    assert value("evtrain_forward_seconds_total", at(0)) == 0.75
     assert math.isnan(value("evtrain_loss"))  # a gauge may show a diverged loss
     assert value("evtrain_grad_norm") == math.inf
-    assert value("evtrain_forward_seconds_total", {"stage": "7"}) is None
+    assert value("evtrain_forward_seconds_total", at(7)) is None
 
 
 def test_prometheus_steps_count_by_bounded_increments_without_a_run() -> None:
@@ -445,13 +450,13 @@ def test_prometheus_labelled_counters_start_at_zero() -> None:
             "evtrain_checkpoint_blocked_seconds_total",
             "evtrain_stage_failures_total",
         ):
-            assert value(name, {"stage": stage}) == 0, (name, stage)
+            assert value(name, at(stage)) == 0, (name, stage)
         assert value("evtrain_events_dropped_total", {"source": f"stage/{stage}"}) == 0
         observed = {"source": f"stage/{stage}", "observer": "hook/logging+metrics"}
         assert value("evtrain_events_missing_total", observed) == 0
     for hook in ("prometheus", "logging", "metrics"):
         assert value("evtrain_hook_errors_total", {"hook": hook}) == 0
-    assert value("evtrain_stage_up", {"stage": "2"}) == 0
+    assert value("evtrain_stage_up", at(2)) == 0
 
 
 def test_prometheus_labels_stay_bounded_and_follow_the_run() -> None:
@@ -485,7 +490,7 @@ def test_prometheus_labels_stay_bounded_and_follow_the_run() -> None:
     assert len(hook_series) <= MAX_LABEL_VALUES
     assert "\x1b" not in text
     assert 'stage="3"' not in text and 'stage="2"' not in text  # the second run has 2 stages
-    assert 'evtrain_forward_seconds_total{stage="1"} 0.0' in text
+    assert 'evtrain_forward_seconds_total{replica="0",stage="1"} 0.0' in text
 
 
 class _Scraper:

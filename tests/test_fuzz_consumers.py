@@ -604,7 +604,7 @@ def test_hook_processes_and_evtrain_events_survive_a_hostile_bus(
     assert samples[("evtrain_samples_total", ())] == PROCESS_STEPS * 32
     assert samples[("evtrain_steps_done", ())] == PROCESS_STEPS
     assert samples[("evtrain_runs_ended_total", (("status", "failed"),))] == 0
-    forward = samples[("evtrain_forward_seconds_total", (("stage", "1"),))]
+    forward = samples[("evtrain_forward_seconds_total", (("replica", "0"), ("stage", "1")))]
     assert forward == pytest.approx(PROCESS_STEPS * 0.003)
     stages = {dict(labels)["stage"] for _, labels in samples if "stage" in dict(labels)}
     assert stages == {"0", "1"}
