@@ -20,10 +20,12 @@ FAKE_RUN = Path(__file__).resolve().with_name("fake_run.py")
 
 
 def fake_args(bus: BusAddress, **options: Any) -> list[str]:
-    """Command line of tests/fake_run.py: ``steps=20`` -> ``--steps 20``."""
+    """Command line of tests/fake_run.py: ``steps=20`` -> ``--steps 20``, ``spans=True`` ->
+    ``--spans``."""
     args = [sys.executable, str(FAKE_RUN), "--bus", str(bus)]
     for key, value in options.items():
-        args += [f"--{key.replace('_', '-')}", str(value)]
+        flag = f"--{key.replace('_', '-')}"
+        args += [flag] if value is True else [flag, str(value)]
     return args
 
 

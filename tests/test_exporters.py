@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -28,11 +29,13 @@ from evtrain.errors import UsageError
 from evtrain.events import (
     BusGaps,
     DecodeError,
+    Heartbeat,
     HookError,
     HookStarted,
     Message,
     RunEnded,
     RunStarted,
+    StageFailed,
     StepEnded,
     decode,
     encode,
@@ -226,27 +229,51 @@ def _sample(text: str, name: str) -> float | None:
     return None
 
 
+class _MidRunScrape:
+    """Scrapes the exporter whose port file is in ``directory`` once it counted ``steps``.
+
+    The fake run pauses after them (heartbeats keep coming), so the scrape
+    sees the run going on.
+    """
+
+    def __init__(self, directory: Path, steps: int) -> None:
+        self.text: str | None = None
+        self._port_file = directory / "prometheus.port"
+        self._steps = steps
+        self._thread = threading.Thread(target=self._scrape, daemon=True)
+        self._thread.start()
+
+    def _scrape(self) -> None:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if self._port_file.exists() and self._port_file.read_text().strip():
+                text = _scrape(int(self._port_file.read_text()))
+                if (_sample(text, "evtrain_steps_total") or 0) >= self._steps:
+                    self.text = text
+                    return
+            time.sleep(0.05)
+
+    def result(self) -> str:
+        self._thread.join(timeout=5)
+        assert self.text is not None, "never scraped the exporter during the run"
+        return self.text
+
+
+def _promtool_check(exposition: str) -> None:
+    if PROMTOOL is None:
+        pytest.skip("promtool not installed (Debian package 'prometheus')")
+    check = subprocess.run(
+        [PROMTOOL, "check", "metrics"], input=exposition, capture_output=True, text=True, timeout=30
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
 @pytest.mark.anyio
 async def test_prometheus_exporter_serves_conventional_metrics(
     bus: BusAddress, procs: Any, workdir: Path
 ) -> None:
     exporter = PrometheusExporter(port=0, dir=workdir)
-    scraped: dict[str, str] = {}
-
-    def scrape_mid_run() -> None:
-        # The fake run pauses before step 10 (heartbeats keep coming): scrape then.
-        port_file = workdir / "prometheus.port"
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            if port_file.exists() and port_file.read_text().strip():
-                text = _scrape(int(port_file.read_text()))
-                if (_sample(text, "evtrain_steps_total") or 0) >= 9:
-                    scraped["mid"] = text
-                    return
-            time.sleep(0.05)
-
-    thread = threading.Thread(target=scrape_mid_run, daemon=True)
-    thread.start()
+    scrape = _MidRunScrape(workdir, steps=9)
     await run_hooks(
         [exporter],
         bus,
@@ -258,9 +285,7 @@ async def test_prometheus_exporter_serves_conventional_metrics(
         pause_at=10,
         pause=1.5,
     )
-    thread.join(timeout=5)
-    mid = scraped.get("mid")
-    assert mid is not None, "never scraped the exporter during the run"
+    mid = scrape.result()
     assert 'evtrain_stage_up{replica="0",stage="0"} 1.0' in mid
     assert 'evtrain_stage_up{replica="0",stage="1"} 1.0' in mid
     assert "# TYPE evtrain_steps_total counter" in mid
@@ -289,13 +314,82 @@ async def test_prometheus_exporter_serves_conventional_metrics(
     assert value("evtrain_runs_ended_total", {"status": "completed"}) == 1
     assert value("evtrain_run_running") == 0
     assert value("evtrain_stage_up", at(0)) == 0  # the run ended
+    _promtool_check(mid)
 
-    if PROMTOOL is None:
-        pytest.skip("promtool not installed (Debian package 'prometheus')")
-    check = subprocess.run(
-        [PROMTOOL, "check", "metrics"], input=mid, capture_output=True, text=True, timeout=30
+
+@pytest.mark.anyio
+async def test_data_parallel_run_has_series_per_stage_process_and_counts_each_step_once(
+    bus: BusAddress, procs: Any, workdir: Path
+) -> None:
+    """2 stages x 2 replicas: four stage processes, each with its own series; one step each."""
+    run_dir = workdir / "run"
+    exporter = PrometheusExporter(port=0, dir=workdir)
+    scrape = _MidRunScrape(workdir, steps=9)
+    run = await run_hooks(
+        [exporter, MetricsLog(), EventRecorder()],
+        bus,
+        procs,
+        steps=20,
+        stages=2,
+        dp=2,
+        pause_at=10,
+        pause=1.5,
+        run_dir=run_dir,
     )
-    assert check.returncode == 0, check.stdout + check.stderr
+    places = [(stage, replica) for stage in (0, 1) for replica in (0, 1)]
+    mid = scrape.result()
+    for stage, replica in places:
+        assert f'evtrain_stage_up{{replica="{replica}",stage="{stage}"}} 1.0' in mid
+
+    value = exporter.registry.get_sample_value
+    # Every replica reports every step with the global batch: counted once per step.
+    assert value("evtrain_steps_total") == 20
+    assert value("evtrain_samples_total") == 20 * 32
+    assert value("evtrain_steps_done") == 20
+    assert value("evtrain_loss") == pytest.approx(loss_at(20))
+    for stage, replica in places:
+        assert value("evtrain_step_duration_seconds_count", at(stage, replica)) == 20
+        assert value("evtrain_peak_memory_bytes", at(stage, replica)) == (
+            (100 + 50 * stage + 10 * replica) * 1024 * 1024 + 20 * 1024
+        )
+        assert value("evtrain_bubble_ratio", at(stage, replica)) == pytest.approx(0.2)
+        assert value("evtrain_learning_rate", at(stage, replica)) == pytest.approx(0.1)
+        assert value("evtrain_stage_failures_total", at(stage, replica)) == 0
+        source = f"stage/{stage}" + (f"/{replica}" if replica else "")
+        assert value("evtrain_events_dropped_total", {"source": source}) == 0
+        observed = {"source": source, "observer": f"hook/{run.runner.name}"}
+        assert value("evtrain_events_missing_total", observed) == 0
+    # Replica 1 steps 10% slower in the fake run: its own series says so.
+    slow, fast = (value("evtrain_step_duration_seconds_sum", at(1, r)) for r in (1, 0))
+    assert slow == pytest.approx(1.1 * fast)
+    # Only replica 0 writes checkpoint shards.
+    assert value("evtrain_checkpoint_blocked_seconds_total", at(0, 0)) == 0
+    assert value("evtrain_checkpoint_blocked_seconds_total", at(0, 1)) is None
+    _promtool_check(mid)
+
+    # metrics.jsonl: one line per step, with every replica's times.
+    steps = [m for m in _lines(run_dir / "metrics.jsonl") if m["type"] == "step"]
+    assert [m["step"] for m in steps] == list(range(1, 21))
+    for record in steps:
+        assert record["samples"] == 32
+        assert record["loss"] == pytest.approx(loss_at(record["step"]))
+        assert sorted(record["stages"]) == ["0", "1"]
+        assert {r: sorted(s) for r, s in record["replicas"].items()} == {"1": ["0", "1"]}
+        slowest = record["replicas"]["1"]["1"]["duration_s"]
+        assert slowest == pytest.approx(1.1 * record["stages"]["1"]["duration_s"])
+        assert record["step_time_s"] == slowest  # the step ends with its slowest process
+    # Every event of every replica was recorded, and replaying it writes the same lines.
+    recorded = [from_builtins(e) for e in _lines(run_dir / "events.jsonl")]
+    assert sum(isinstance(e, StepEnded) for e in recorded) == 20 * 4
+    replay = subprocess.run(
+        [sys.executable, "-m", "evtrain", "replay", str(run_dir), "--hook", "metrics"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert replay.returncode == 0, replay.stderr
+    replayed = run_dir / "replay" / "metrics.jsonl"
+    assert replayed.read_text() == (run_dir / "metrics.jsonl").read_text()
 
 
 def test_stage_up_goes_stale() -> None:
@@ -372,7 +466,9 @@ def _through_schema(*events: Message) -> list[Message]:
     return out
 
 
-def _run_started(num_stages: int = 2, max_steps: int = 100, run_id: str = "run-a") -> RunStarted:
+def _run_started(
+    num_stages: int = 2, max_steps: int = 100, run_id: str = "run-a", data_parallel: int = 1
+) -> RunStarted:
     return RunStarted(
         name="r",
         num_stages=num_stages,
@@ -381,6 +477,7 @@ def _run_started(num_stages: int = 2, max_steps: int = 100, run_id: str = "run-a
         max_steps=max_steps,
         batch_size=8,
         run_id=run_id,
+        data_parallel=data_parallel,
     )
 
 
@@ -416,6 +513,50 @@ def test_prometheus_counters_take_no_poisoned_value() -> None:
     assert math.isnan(value("evtrain_loss"))  # a gauge may show a diverged loss
     assert value("evtrain_grad_norm") == math.inf
     assert value("evtrain_forward_seconds_total", at(7)) is None
+
+
+def test_prometheus_replicas_the_run_does_not_have_count_nothing() -> None:
+    received = _through_schema(
+        _run_started(data_parallel=2),
+        StepEnded(step=1, stage=0, replica=1, samples=8, forward_s=0.5),
+        StepEnded(step=1, stage=0, samples=8, forward_s=0.25),
+        StepEnded(step=2, stage=0, replica=2, samples=8, forward_s=9.0),  # D is 2
+        StepEnded(step=2, stage=1, replica=events.MAX_REPLICAS, samples=8),  # rejected
+        Heartbeat(stage=1, replica=7),
+        StageFailed(stage=0, replica=3, error="made up", traceback=""),
+    )
+    assert len(received) == 6
+    exporter = PrometheusExporter(port=0)
+    value = _replay(exporter, received)
+    assert value("evtrain_steps_total") == 1 and value("evtrain_samples_total") == 8
+    assert value("evtrain_forward_seconds_total", at(0, 0)) == 0.25
+    assert value("evtrain_forward_seconds_total", at(0, 1)) == 0.5
+    text = generate_latest(exporter.registry).decode()
+    assert {'replica="0"', 'replica="1"'} == set(re.findall(r'replica="\d+"', text))
+    assert exporter.not_counted.total == 3
+
+
+def test_prometheus_series_of_replicas_follow_the_run() -> None:
+    exporter = PrometheusExporter(port=0)
+    first = _run_started(num_stages=2, data_parallel=3, run_id="first")
+    started = HookStarted(hooks=["logging"], topics=[], pid=1)
+    started.source = "hook/logging"
+    _replay(exporter, [first, started])
+    text = generate_latest(exporter.registry).decode()
+    # Zero series for all 2 x 3 stage processes, each source and each observer of it.
+    for stage in (0, 1):
+        for replica in (0, 1, 2):
+            up = f'evtrain_stage_up{{replica="{replica}",stage="{stage}"}} 0.0'
+            assert up in text
+            source = f"stage/{stage}" + (f"/{replica}" if replica else "")
+            dropped = f'evtrain_events_dropped_total{{source="{source}"}} 0.0'
+            missing = f'evtrain_events_missing_total{{observer="hook/logging",source="{source}"}}'
+            assert dropped in text and missing in text
+    value = _replay(exporter, [_run_started(num_stages=2, run_id="second")])
+    text = generate_latest(exporter.registry).decode()
+    assert 'replica="1"' not in text and 'replica="2"' not in text  # the new run has none
+    assert value("evtrain_stage_up", at(1)) == 0
+    assert value("evtrain_forward_seconds_total", at(1)) == 0
 
 
 def test_prometheus_steps_count_by_bounded_increments_without_a_run() -> None:

@@ -2,8 +2,8 @@
 
 Seeded random messages, each with at least one hostile field (integers far out
 of range, NaN and infinities, escape sequences, wrong types, huge text), a few
-valid but absurd ones (a step of 10**12, a stage the run does not have,
-events of made-up runs), and garbage bytes (random, truncated msgpack, wrong
+valid but absurd ones (a step of 10**12, a stage or data-parallel replica the
+run does not have, events of made-up runs), and garbage bytes (random, truncated msgpack, wrong
 topics, wrong frame counts), interleaved with a real run's events. Every
 consumer must skip or ignore the hostile ones without a traceback and count
 the real ones exactly.
@@ -40,6 +40,7 @@ from evtrain.bus.address import BusAddress
 from evtrain.bus.publisher import Publisher
 from evtrain.events import (
     MAX_INT,
+    MAX_REPLICAS,
     MAX_SECONDS,
     MAX_STAGES,
     MAX_TIMESTAMP,
@@ -68,6 +69,8 @@ from evtrain.replay import ReplayRunner
 REAL_RUN = "realrun00001"
 STAGES = 2
 STEPS = 60
+MADE_UP_REPLICAS = range(2, MAX_REPLICAS)
+"""Replicas no real run of these tests has (they have 1 or 2)."""
 
 ESCAPES = (
     "\x1b[2J\x1b[H",
@@ -181,7 +184,7 @@ def invalid_message(cls: type[Message], rng: random.Random) -> dict[str, Any]:
 
 def absurd_valid_message(rng: random.Random) -> Message:
     """A valid message that must not count: absurd numbers, made-up runs, escapes."""
-    choice = rng.randrange(6)
+    choice = rng.randrange(7)
     text = rng.choice(ESCAPES)
     if choice == 0:  # the real run's id, a step far past max_steps
         return StepEnded(step=rng.choice(ABSURD_INTS), stage=0, samples=10**9, run_id=REAL_RUN)
@@ -201,6 +204,15 @@ def absurd_valid_message(rng: random.Random) -> Message:
         )
     if choice == 3:
         return RunEnded(status="failed", reason=text, step=MAX_INT, run_id=made_up_run(rng))
+    if choice == 5:  # the real run's id, a replica it does not have
+        replica = rng.choice(MADE_UP_REPLICAS)
+        return rng.choice(
+            (
+                StepEnded(step=3, stage=0, replica=replica, samples=10**9, run_id=REAL_RUN),
+                Heartbeat(stage=1, replica=replica, run_id=REAL_RUN),
+                StageFailed(stage=0, replica=replica, error=text, traceback="", run_id=REAL_RUN),
+            )
+        )
     if choice == 4:
         return StageStarted(
             stage=rng.randrange(MAX_STAGES),
@@ -261,14 +273,14 @@ def hostile_payloads(rng: random.Random, count: int) -> Iterator[list[bytes]]:
 # -- in-process: every built-in hook and exporter ------------------------------------------
 
 
-def real_run(steps: int = STEPS) -> list[Message]:
-    """A real run's events, stamped as two stage publishers would."""
+def real_run(steps: int = STEPS, replicas: int = 1) -> list[Message]:
+    """A real run's events, stamped as its two stages' publishers (of each replica) would."""
     seqs: dict[tuple[str, bytes], int] = {}
     out: list[Message] = []
     now = time.time()
 
-    def add(msg: Message, stage: int) -> None:
-        msg.source = f"stage/{stage}"
+    def add(msg: Message, stage: int, replica: int = 0) -> None:
+        msg.source = f"stage/{stage}" + (f"/{replica}" if replica else "")
         msg.run_id = REAL_RUN
         key = (msg.source, msg.topic)
         msg.seq = seqs.get(key, 0)
@@ -284,26 +296,30 @@ def real_run(steps: int = STEPS) -> list[Message]:
             schedule="1f1b",
             max_steps=steps,
             batch_size=32,
+            data_parallel=replicas,
         ),
         0,
     )
     for step in range(1, steps + 1):
         for stage in reversed(range(STAGES)):
-            add(
-                StepEnded(
-                    step=step,
-                    stage=stage,
-                    loss=1.0 / step if stage == STAGES - 1 else None,
-                    lr=0.1,
-                    samples=32,
-                    duration_s=0.01,
-                    forward_s=0.003,
-                    backward_s=0.004,
-                    comm_wait_s=0.002,
-                    peak_memory_bytes=1 << 20,
-                ),
-                stage,
-            )
+            for replica in range(replicas):
+                add(
+                    StepEnded(
+                        step=step,
+                        stage=stage,
+                        replica=replica,
+                        loss=1.0 / step if stage == STAGES - 1 else None,
+                        lr=0.1,
+                        samples=32,
+                        duration_s=0.01,
+                        forward_s=0.003,
+                        backward_s=0.004,
+                        comm_wait_s=0.002,
+                        peak_memory_bytes=1 << 20,
+                    ),
+                    stage,
+                    replica,
+                )
     add(RunEnded(status="completed", step=steps), 0)
     return out
 
@@ -340,12 +356,13 @@ def workdir() -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
+@pytest.mark.parametrize("replicas", [1, 2])
 def test_every_builtin_consumer_survives_hostile_events_in_process(
-    workdir: Path, monkeypatch: pytest.MonkeyPatch
+    workdir: Path, monkeypatch: pytest.MonkeyPatch, replicas: int
 ) -> None:
     monkeypatch.chdir(workdir)  # made-up run directories are relative paths
     rng = random.Random(20250101)
-    messages = interleave(real_run(), rng, hostile=3000)
+    messages = interleave(real_run(replicas=replicas), rng, hostile=3000)
     log_path = workdir / "train.log"
     exporter = PrometheusExporter(port=0)
     hooks = [
@@ -373,9 +390,19 @@ def test_every_builtin_consumer_survives_hostile_events_in_process(
         if sample.name.endswith("_total"):
             assert math.isfinite(sample.value) and sample.value >= 0, sample
 
+    labels = {
+        (sample.labels["stage"], sample.labels["replica"])
+        for family in exporter.registry.collect()
+        for sample in family.samples
+        if "replica" in sample.labels
+    }
+    assert labels == {(str(s), str(d)) for s in range(STAGES) for d in range(replicas)}
+
     metrics = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics if m["type"] == "step"] == list(range(1, STEPS + 1))
-    assert all(sorted(m["stages"]) == ["0", "1"] for m in metrics)
+    assert all(sorted(m["stages"]) == ["0", "1"] and m["samples"] == 32 for m in metrics)
+    others = [{r: sorted(s) for r, s in m.get("replicas", {}).items()} for m in metrics]
+    assert others == [{"1": ["0", "1"]} if replicas == 2 else {}] * STEPS
 
     text = log_path.read_text()
     assert "\x1b" not in text and "\r" not in text and "\u202e" not in text
@@ -608,6 +635,8 @@ def test_hook_processes_and_evtrain_events_survive_a_hostile_bus(
     assert forward == pytest.approx(PROCESS_STEPS * 0.003)
     stages = {dict(labels)["stage"] for _, labels in samples if "stage" in dict(labels)}
     assert stages == {"0", "1"}
+    replicas = {dict(labels)["replica"] for _, labels in samples if "replica" in dict(labels)}
+    assert replicas == {"0"}  # made-up replicas of the real run never got a series
     for (name, labels), value in samples.items():
         if name.endswith("_total"):
             assert math.isfinite(value) and 0 <= value < 1e14, (name, labels, value)
@@ -630,6 +659,7 @@ def test_hook_processes_and_evtrain_events_survive_a_hostile_bus(
         if isinstance(e, StepEnded)
         and e.run_id == REAL_RUN
         and e.stage < STAGES
+        and e.replica == 0
         and e.step <= PROCESS_STEPS
         and e.source == f"stage/{e.stage}"
     ]

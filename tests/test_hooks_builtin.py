@@ -27,6 +27,8 @@ from evtrain.hooks import (
 )
 from evtrain.hooks.loader import BUILTIN_HOOKS, build_hook_from_spec, resolve_hook_class
 
+MIB = 1024 * 1024
+
 # -- options ----------------------------------------------------------------------
 
 
@@ -165,6 +167,36 @@ async def test_logging_hook_own_format_into_a_file(bus: BusAddress, procs: Any) 
     assert lines[-1]["event"] == "run ended"
 
 
+@pytest.mark.anyio
+async def test_logging_hook_with_replicas_says_each_step_once(bus: BusAddress, procs: Any) -> None:
+    """2 stages x 2 replicas: four stage processes report every step, one line shows it."""
+    directory = Path(tempfile.mkdtemp(prefix="evt-log-"))
+    try:
+        path = directory / "train.log"
+        hook = ConsoleLog(every=5, log_format="json", path=path)
+        await run_hooks([hook], bus, procs, steps=20, stages=2, dp=2)
+        lines = json_lines(path.read_text())
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    progress = [line for line in lines if line["event"] == "progress"]
+    assert [p["step"] for p in progress] == ["5/20", "10/20", "15/20", "20/20"]
+    last = progress[-1]
+    assert last["loss"] == pytest.approx(loss_at(20), rel=1e-3)
+    # The global batch of 32 per step: replicas counted too would make it 64 a step.
+    assert 20 < last["samples_per_s"] * last["step_time_s"] < 48
+    # A stage's peak is its fullest replica's (replica 1: +10 MiB in the fake run).
+    assert "s0=110.0MiB" in last["peak_mem"] and "s1=160.0MiB" in last["peak_mem"]
+    started = sorted(
+        (line["stage"], line.get("replica", 0))
+        for line in lines
+        if line["event"] == "stage started"
+    )
+    assert started == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    run = next(line for line in lines if line["event"] == "run started")
+    assert run["data_parallel"] == 2
+    assert [line["event"] for line in lines].count("run ended") == 1
+
+
 # -- acting hooks ------------------------------------------------------------------------
 
 
@@ -250,6 +282,68 @@ async def test_lr_timer_and_memory_monitors(bus: BusAddress, procs: Any) -> None
     assert (
         len(warnings) == 1 and warnings[0]["stage"] == 1 and warnings[0]["log_level"] == "warning"
     )
+
+
+@pytest.mark.anyio
+async def test_monitors_with_replicas_count_each_step_once(bus: BusAddress, procs: Any) -> None:
+    lr = LRMonitor()
+    timer = Timer(every=10)
+    memory = MemoryMonitor(threshold="155MiB")
+    with capture_logs() as logs:
+        await run_hooks(
+            [lr, timer, memory], bus, procs, steps=40, lr_decay_every=10, step_time=0.005, dp=2
+        )
+    # Replica 0 speaks for its stage; the replicas agree, so no warning either.
+    assert list(lr.changes) == [(1, 0.1), (11, 0.05), (21, 0.025), (31, 0.0125)]
+    assert not [e for e in logs if e["event"] == "stages report different learning rates"]
+
+    timing = [e for e in logs if e["event"] == "timing"]
+    assert [e["step"] for e in timing] == [10, 20, 30, 40]
+    for e in timing:  # 32 samples a step, not 32 per replica
+        assert e["samples_per_s"] / e["steps_per_s"] == pytest.approx(32, rel=0.02)
+    overall = timer.summaries[-1]
+    assert overall["steps"] == 40
+    for stage in (0, 1):
+        assert overall["fractions"][stage] == pytest.approx(
+            {"fwd": 0.3, "bwd": 0.4, "wait": 0.2, "other": 0.1}
+        )
+
+    # Stage 1's replicas peak at 150 and 160 MiB: the stage passes 155 MiB on replica 1.
+    assert memory.peak == {0: 110 * MIB + 40 * 1024, 1: 160 * MIB + 40 * 1024}
+    (warning,) = [e for e in logs if e["event"] == "peak memory above threshold"]
+    assert (warning["stage"], warning["replica"], warning["step"]) == (1, 1, 1)
+
+
+def test_lr_monitor_warns_once_about_a_replica_that_disagrees() -> None:
+    import anyio
+
+    from evtrain.events import RunStarted, StepEnded
+    from evtrain.replay import ReplayRunner
+
+    lr = LRMonitor()
+    run = RunStarted(
+        name="r",
+        num_stages=2,
+        num_microbatches=1,
+        schedule="1f1b",
+        max_steps=9,
+        batch_size=8,
+        data_parallel=2,
+    )
+    events = [run]
+    for step in (1, 2):
+        for stage, replica in ((1, 0), (1, 1), (0, 0), (0, 1)):
+            wrong = (stage, replica) == (0, 1)
+            value = 0.2 if wrong else 0.1
+            events.append(StepEnded(step=step, stage=stage, replica=replica, lr=value))
+    runner = ReplayRunner([lr])
+    with capture_logs() as logs:
+        anyio.run(runner.replay, events)
+    assert runner.errors == 0
+    assert list(lr.changes) == [(1, 0.1)] and lr.last_lr == {0: 0.1, 1: 0.1}
+    (warning,) = [e for e in logs if e["event"] == "stages report different learning rates"]
+    assert (warning["stage"], warning["replica"], warning["lr"]) == (0, 1, 0.2)
+    assert warning["others"] == {"1": 0.1, "1/1": 0.1, "0": 0.1}
 
 
 def test_lr_monitor_rtol_thins_out_smooth_schedules() -> None:
@@ -378,6 +472,54 @@ def test_step_merger_checks_the_run_and_never_freezes() -> None:
 
     count = StepCount()
     assert [count.advance(s) for s in (1, 2, 2, 10**12, 3, 4)] == [1, 1, 0, MAX_STEP_JUMP, 1, 1]
+
+
+def test_step_merger_waits_for_every_replica_and_adds_nothing_up() -> None:
+    from evtrain.events import RunStarted, StepEnded
+    from evtrain.hooks.step_merge import StepMerger
+    from evtrain.run_state import RunState
+
+    def event(step: int, stage: int, replica: int, duration: float = 0.1) -> StepEnded:
+        loss = 0.5 if stage == 1 else None
+        return StepEnded(
+            step=step,
+            stage=stage,
+            replica=replica,
+            loss=loss,
+            samples=32,
+            duration_s=duration,
+            run_id="r1",
+        )
+
+    state = RunState()
+    merger = StepMerger(lambda: state)
+    # Before the run is known replica 0's stages decide (D is not known yet).
+    assert merger.add(event(1, 0, 1)) == []
+    (first,) = merger.add(event(1, 1, 0))  # no stage count either: the loss completes it
+    assert sorted(first.events) == [(0, 1), (1, 0)]
+    state.update(
+        RunStarted(
+            name="r",
+            num_stages=2,
+            num_microbatches=1,
+            schedule="1f1b",
+            max_steps=100,
+            batch_size=32,
+            data_parallel=2,
+            run_id="r1",
+        )
+    )
+    merger.reset()
+    for place in ((1, 0), (1, 1), (0, 0)):
+        assert merger.add(event(2, *place)) == []
+    assert merger.add(event(2, 0, 2)) == []  # a replica the run does not have
+    assert merger.ignored.total == 1
+    (merged,) = merger.add(event(2, 0, 1, duration=0.3))
+    assert sorted(merged.events) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert sorted(merged.stages) == [0, 1] and all(e.replica == 0 for e in merged.stages.values())
+    assert {r: sorted(s) for r, s in merged.replicas().items()} == {1: [0, 1]}
+    assert (merged.samples, merged.loss, merged.duration_s) == (32, 0.5, 0.3)
+    assert merger.add(event(2, 1, 1)) == []  # a late duplicate
 
 
 def test_logging_hook_says_a_stage_error_once_and_consequences_briefly(tmp_path: Path) -> None:

@@ -285,6 +285,52 @@ def test_recorded_run_to_trace_and_png(recorded_run: Path, tmp_path: Path) -> No
     assert data.startswith(PNG_MAGIC) and len(data) > 10_000
 
 
+@pytest.mark.anyio
+async def test_data_parallel_run_has_a_track_per_stage_process(
+    bus: BusAddress, procs: ProcessGroup, tmp_path: Path
+) -> None:
+    """2 stages x 2 replicas, recorded from the bus: four tracks, each with its reduce waits."""
+    from hook_helpers import run_hooks
+    from matplotlib.figure import Figure
+
+    from evtrain.exporters import EventRecorder
+
+    run_dir = tmp_path / "run"
+    steps = 3
+    await run_hooks(
+        [EventRecorder(dir=run_dir)], bus, procs, steps=steps, dp=2, spans=True, run_dir=run_dir
+    )
+    recorded = load_run(run_dir)
+    assert recorded.title == "fake: 2 stages x 2 replicas, 4 microbatches, 1f1b"
+    trace = chrome_trace(recorded.spans, title=recorded.title)
+    names = {
+        e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"
+    }
+    places = {0: (0, 0), 1: (0, 1), 2: (1, 0), 3: (1, 1)}  # replicas of a stage side by side
+    assert names == {tid: f"stage {s} · replica {d}" for tid, (s, d) in places.items()}
+    events = x_events(trace)
+    for tid, (stage, replica) in places.items():
+        mine = [e for e in events if e["tid"] == tid]
+        assert {e["args"]["replica"] for e in mine} == {replica}
+        expected = {f"{kind}{m}": steps for kind in "FB" for m in range(2)}
+        expected["wait reduce"] = steps  # the fake run's 2 microbatches, then the reduction
+        if stage == 1:
+            expected["wait recv_act"] = 2 * steps
+        assert Counter(e["name"] for e in mine) == expected
+        reduces = [e for e in mine if e["name"] == "wait reduce"]
+        assert all(e["args"]["op"] == "reduce" and e["args"]["microbatch"] == -1 for e in reduces)
+    figure = Figure()
+    ax = figure.add_subplot()
+    draw_timeline(ax, recorded.spans)
+    assert [t.get_text() for t in ax.get_yticklabels()] == list(names.values())
+    assert set(stage_busy_fractions(recorded.spans)) == {0, 1}
+
+    done = run_cli(str(run_dir), "-o", str(tmp_path / "trace.json"))
+    assert done.returncode == 0, done.stderr
+    written = json.loads((tmp_path / "trace.json").read_text())
+    assert len({e["tid"] for e in x_events(written)}) == 4
+
+
 def test_truncated_last_line_is_tolerated(recorded_run: Path) -> None:
     events = recorded_run / "events.jsonl"
     complete = load_run(recorded_run).spans

@@ -25,7 +25,7 @@ from typing import Any
 import anyio
 import pytest
 from console_helpers import LOG_LINE, Terminal
-from hook_helpers import fake_args, loss_at
+from hook_helpers import fake_args, loss_at, run_hooks
 from rich.console import Console
 
 from evtrain.bus.address import BusAddress
@@ -192,6 +192,39 @@ async def test_model_joins_mid_run_and_follows_it_to_the_end(bus: BusAddress, pr
     assert "completed" in screen and "disk full" in screen
     assert "dropped by publisher: stage/0 5" in screen
     assert re.search(r"^\s*1\s+stopped\s+40\s+20\.2ms\s+30%\s+40%\s+20%\s+10%", screen, re.M)
+
+
+@pytest.mark.anyio
+async def test_model_shows_every_replica_and_counts_each_step_once(
+    bus: BusAddress, procs: Any
+) -> None:
+    """2 stages x 2 replicas: a row per stage process, the run's figures once per step."""
+    model = TopModel(local=True)
+    await run_hooks([model], bus, procs, steps=20, step_time=0.02, stages=2, dp=2)
+    view = model.view()
+    run = view.run
+    assert (run.status, run.step, run.data_parallel) == ("completed", 20, 2)
+    assert run.loss == pytest.approx(loss_at(20))
+    assert run.samples_per_s is not None and run.step_time_s is not None
+    # 32 samples a step (the global batch), however many replicas report it.
+    assert 20 < run.samples_per_s * run.step_time_s < 48
+    assert run.bubble == pytest.approx(0.2)
+
+    assert [(s.stage, s.replica) for s in view.stages] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for stage in view.stages:
+        assert (stage.step, stage.status) == (20, "stopped")
+        assert stage.shares == pytest.approx({"fwd": 0.3, "bwd": 0.4, "wait": 0.2, "other": 0.1})
+        # Replica 1 is 10% slower in the fake run, and holds 10 MiB more.
+        expected = 0.02 * (1 + 0.01 * stage.stage) * (1 + 0.1 * stage.replica)
+        assert stage.step_time_s == pytest.approx(expected)
+        megabytes = 100 + 50 * stage.stage + 10 * stage.replica
+        assert stage.memory_bytes == megabytes * MIB + 20 * 1024
+        assert stage.heartbeat_age_s is not None
+
+    screen = draw(view)
+    assert "1f1b, 2 stages x 4 microbatches, 2 replicas" in screen
+    assert re.search(r"^\s*stage\s+replica\s+status", screen, re.M)
+    assert re.search(r"^\s*1\s+1\s+stopped\s+20\s+22\.2ms\s+30%", screen, re.M), screen
 
 
 # -- the drawing ---------------------------------------------------------------------------
