@@ -66,6 +66,20 @@ def _lines(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def _replay_metrics(run_dir: Path) -> subprocess.CompletedProcess[str]:
+    """``evtrain replay RUN_DIR --hook metrics``, which must write the run's metrics.jsonl."""
+    replay = subprocess.run(
+        [sys.executable, "-m", "evtrain", "replay", str(run_dir), "--hook", "metrics"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert replay.returncode == 0, replay.stderr
+    replayed = run_dir / "replay" / "metrics.jsonl"
+    assert replayed.read_text() == (run_dir / "metrics.jsonl").read_text()
+    return replay
+
+
 # -- metrics log, recorder, replay -------------------------------------------------------
 
 
@@ -107,16 +121,8 @@ async def test_metrics_log_and_recorder_then_replay_reproduces_them(
     assert events[-1].topic == b"run.ended"  # the runner exits on run end
 
     # Offline: the same events through the metrics hook write the same lines.
-    replay = subprocess.run(
-        [sys.executable, "-m", "evtrain", "replay", str(run_dir), "--hook", "metrics"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert replay.returncode == 0, replay.stderr
+    replay = _replay_metrics(run_dir)
     assert f"replayed {len(events)} events through metrics: 0 handler errors" in replay.stdout
-    replayed = run_dir / "replay" / "metrics.jsonl"
-    assert replayed.read_text() == (run_dir / "metrics.jsonl").read_text()
 
     # An acting hook replays too; its commands are shown, not sent.
     stopper = subprocess.run(
@@ -381,15 +387,7 @@ async def test_data_parallel_run_has_series_per_stage_process_and_counts_each_st
     # Every event of every replica was recorded, and replaying it writes the same lines.
     recorded = [from_builtins(e) for e in _lines(run_dir / "events.jsonl")]
     assert sum(isinstance(e, StepEnded) for e in recorded) == 20 * 4
-    replay = subprocess.run(
-        [sys.executable, "-m", "evtrain", "replay", str(run_dir), "--hook", "metrics"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert replay.returncode == 0, replay.stderr
-    replayed = run_dir / "replay" / "metrics.jsonl"
-    assert replayed.read_text() == (run_dir / "metrics.jsonl").read_text()
+    _replay_metrics(run_dir)
 
 
 def test_stage_up_goes_stale() -> None:

@@ -273,6 +273,23 @@ def hostile_payloads(rng: random.Random, count: int) -> Iterator[list[bytes]]:
 # -- in-process: every built-in hook and exporter ------------------------------------------
 
 
+def real_step(step: int, stage: int, replica: int = 0) -> StepEnded:
+    """The step event a stage process of the real run publishes."""
+    return StepEnded(
+        step=step,
+        stage=stage,
+        replica=replica,
+        loss=1.0 / step if stage == STAGES - 1 else None,
+        lr=0.1,
+        samples=32,
+        duration_s=0.01,
+        forward_s=0.003,
+        backward_s=0.004,
+        comm_wait_s=0.002,
+        peak_memory_bytes=1 << 20,
+    )
+
+
 def real_run(steps: int = STEPS, replicas: int = 1) -> list[Message]:
     """A real run's events, stamped as its two stages' publishers (of each replica) would."""
     seqs: dict[tuple[str, bytes], int] = {}
@@ -303,23 +320,7 @@ def real_run(steps: int = STEPS, replicas: int = 1) -> list[Message]:
     for step in range(1, steps + 1):
         for stage in reversed(range(STAGES)):
             for replica in range(replicas):
-                add(
-                    StepEnded(
-                        step=step,
-                        stage=stage,
-                        replica=replica,
-                        loss=1.0 / step if stage == STAGES - 1 else None,
-                        lr=0.1,
-                        samples=32,
-                        duration_s=0.01,
-                        forward_s=0.003,
-                        backward_s=0.004,
-                        comm_wait_s=0.002,
-                        peak_memory_bytes=1 << 20,
-                    ),
-                    stage,
-                    replica,
-                )
+                add(real_step(step, stage, replica), stage, replica)
     add(RunEnded(status="completed", step=steps), 0)
     return out
 
@@ -473,22 +474,10 @@ class RawSender:
 
 def _stage_events(pubs: list[Publisher], step: int) -> None:
     for stage in reversed(range(STAGES)):
-        pubs[stage].publish(
-            StepEnded(
-                step=step,
-                stage=stage,
-                loss=1.0 / step if stage == STAGES - 1 else None,
-                lr=0.1,
-                grad_norm=math.nan if step % 50 == 0 else 1.0,  # a diverging step is real
-                samples=32,
-                duration_s=0.01,
-                forward_s=0.003,
-                backward_s=0.004,
-                comm_wait_s=0.002,
-                peak_memory_bytes=1 << 20,
-                metrics={"tokens": 512.0},
-            )
-        )
+        event = real_step(step, stage)
+        event.grad_norm = math.nan if step % 50 == 0 else 1.0  # a diverging step is real
+        event.metrics = {"tokens": 512.0}
+        pubs[stage].publish(event)
 
 
 def test_hook_processes_and_evtrain_events_survive_a_hostile_bus(

@@ -17,6 +17,7 @@ from structlog.testing import capture_logs
 
 from evtrain.bus.address import BusAddress
 from evtrain.errors import UsageError
+from evtrain.events import Message, RunStarted
 from evtrain.hooks import (
     ConsoleLog,
     EarlyStopping,
@@ -28,6 +29,21 @@ from evtrain.hooks import (
 from evtrain.hooks.loader import BUILTIN_HOOKS, build_hook_from_spec, resolve_hook_class
 
 MIB = 1024 * 1024
+
+
+def two_stage_run(data_parallel: int = 1) -> RunStarted:
+    """The `RunStarted` of run ``r1``: 2 stages of ``data_parallel`` replicas, 100 steps."""
+    return RunStarted(
+        name="r",
+        num_stages=2,
+        num_microbatches=1,
+        schedule="1f1b",
+        max_steps=100,
+        batch_size=1,
+        data_parallel=data_parallel,
+        run_id="r1",
+    )
+
 
 # -- options ----------------------------------------------------------------------
 
@@ -153,16 +169,21 @@ def test_logging_hook_process_prints_progress_eval_and_warnings(
     assert started and started[0]["max_steps"] == 20 and started[0]["stages"] == 2
 
 
-@pytest.mark.anyio
-async def test_logging_hook_own_format_into_a_file(bus: BusAddress, procs: Any) -> None:
+async def logged_run(bus: BusAddress, procs: Any, every: int, **fake: Any) -> list[dict[str, Any]]:
+    """The JSON lines the logging hook writes into its own file during the fake run."""
     directory = Path(tempfile.mkdtemp(prefix="evt-log-"))
     try:
         path = directory / "train.log"
-        hook = ConsoleLog(every=4, log_format="json", path=path)
-        await run_hooks([hook], bus, procs, steps=8, stages=3)
-        lines = json_lines(path.read_text())
+        hook = ConsoleLog(every=every, log_format="json", path=path)
+        await run_hooks([hook], bus, procs, **fake)
+        return json_lines(path.read_text())
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.mark.anyio
+async def test_logging_hook_own_format_into_a_file(bus: BusAddress, procs: Any) -> None:
+    lines = await logged_run(bus, procs, every=4, steps=8, stages=3)
     assert [line["step"] for line in lines if line["event"] == "progress"] == ["4/8", "8/8"]
     assert lines[-1]["event"] == "run ended"
 
@@ -170,14 +191,7 @@ async def test_logging_hook_own_format_into_a_file(bus: BusAddress, procs: Any) 
 @pytest.mark.anyio
 async def test_logging_hook_with_replicas_says_each_step_once(bus: BusAddress, procs: Any) -> None:
     """2 stages x 2 replicas: four stage processes report every step, one line shows it."""
-    directory = Path(tempfile.mkdtemp(prefix="evt-log-"))
-    try:
-        path = directory / "train.log"
-        hook = ConsoleLog(every=5, log_format="json", path=path)
-        await run_hooks([hook], bus, procs, steps=20, stages=2, dp=2)
-        lines = json_lines(path.read_text())
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
+    lines = await logged_run(bus, procs, every=5, steps=20, stages=2, dp=2)
     progress = [line for line in lines if line["event"] == "progress"]
     assert [p["step"] for p in progress] == ["5/20", "10/20", "15/20", "20/20"]
     last = progress[-1]
@@ -247,13 +261,23 @@ async def test_early_stopping_in_max_mode(bus: BusAddress, procs: Any) -> None:
 
 
 @pytest.mark.anyio
-async def test_lr_timer_and_memory_monitors(bus: BusAddress, procs: Any) -> None:
+@pytest.mark.parametrize(("replicas", "threshold"), [(1, "120MiB"), (2, "155MiB")])
+async def test_lr_timer_and_memory_monitors(
+    bus: BusAddress, procs: Any, replicas: int, threshold: str
+) -> None:
+    """With replicas every step still counts once; replica 0 speaks for its stage."""
     lr = LRMonitor()
     timer = Timer(every=10)
-    memory = MemoryMonitor(threshold="120MiB")
+    memory = MemoryMonitor(threshold=threshold)
     with capture_logs() as logs:
         await run_hooks(
-            [lr, timer, memory], bus, procs, steps=40, lr_decay_every=10, step_time=0.005
+            [lr, timer, memory],
+            bus,
+            procs,
+            steps=40,
+            lr_decay_every=10,
+            step_time=0.005,
+            dp=replicas,
         )
     assert list(lr.changes) == [(1, 0.1), (11, 0.05), (21, 0.025), (31, 0.0125)]
     changed = [e for e in logs if e["event"] == "learning rate changed"]
@@ -262,39 +286,6 @@ async def test_lr_timer_and_memory_monitors(bus: BusAddress, procs: Any) -> None
         (21, 0.025, 0.05),
         (31, 0.0125, 0.025),
     ]
-
-    timing = [e for e in logs if e["event"] == "timing"]
-    assert [e["step"] for e in timing] == [10, 20, 30, 40]
-    assert all(e["samples_per_s"] > 0 and e["steps_per_s"] > 0 for e in timing)
-    overall = timer.summaries[-1]
-    assert overall["steps"] == 40
-    for stage in (0, 1):
-        fractions = overall["fractions"][stage]
-        assert fractions["fwd"] == pytest.approx(0.3)
-        assert fractions["bwd"] == pytest.approx(0.4)
-        assert fractions["wait"] == pytest.approx(0.2)
-        assert fractions["other"] == pytest.approx(0.1)
-    assert any(e["event"] == "overall training speed" for e in logs)
-
-    assert memory.warned == {1}  # stage 1 peaks at 150 MiB, stage 0 at 100 MiB
-    assert memory.peak[1] == 150 * 1024 * 1024 + 40 * 1024
-    warnings = [e for e in logs if e["event"] == "peak memory above threshold"]
-    assert (
-        len(warnings) == 1 and warnings[0]["stage"] == 1 and warnings[0]["log_level"] == "warning"
-    )
-
-
-@pytest.mark.anyio
-async def test_monitors_with_replicas_count_each_step_once(bus: BusAddress, procs: Any) -> None:
-    lr = LRMonitor()
-    timer = Timer(every=10)
-    memory = MemoryMonitor(threshold="155MiB")
-    with capture_logs() as logs:
-        await run_hooks(
-            [lr, timer, memory], bus, procs, steps=40, lr_decay_every=10, step_time=0.005, dp=2
-        )
-    # Replica 0 speaks for its stage; the replicas agree, so no warning either.
-    assert list(lr.changes) == [(1, 0.1), (11, 0.05), (21, 0.025), (31, 0.0125)]
     assert not [e for e in logs if e["event"] == "stages report different learning rates"]
 
     timing = [e for e in logs if e["event"] == "timing"]
@@ -307,30 +298,30 @@ async def test_monitors_with_replicas_count_each_step_once(bus: BusAddress, proc
         assert overall["fractions"][stage] == pytest.approx(
             {"fwd": 0.3, "bwd": 0.4, "wait": 0.2, "other": 0.1}
         )
+    assert any(e["event"] == "overall training speed" for e in logs)
 
-    # Stage 1's replicas peak at 150 and 160 MiB: the stage passes 155 MiB on replica 1.
-    assert memory.peak == {0: 110 * MIB + 40 * 1024, 1: 160 * MIB + 40 * 1024}
+    # Stage 0 peaks at 100 MiB, stage 1 at 150; a replica 1 holds 10 MiB more. Only
+    # stage 1 passes the threshold: without replicas past 120 MiB, with them past 155
+    # MiB, on its replica 1.
+    fullest = 10 * (replicas - 1)
+    assert memory.peak == {
+        0: (100 + fullest) * MIB + 40 * 1024,
+        1: (150 + fullest) * MIB + 40 * 1024,
+    }
+    assert memory.warned == {1}
     (warning,) = [e for e in logs if e["event"] == "peak memory above threshold"]
-    assert (warning["stage"], warning["replica"], warning["step"]) == (1, 1, 1)
+    assert (warning["stage"], warning.get("replica", 0), warning["step"]) == (1, replicas - 1, 1)
+    assert warning["log_level"] == "warning"
 
 
 def test_lr_monitor_warns_once_about_a_replica_that_disagrees() -> None:
     import anyio
 
-    from evtrain.events import RunStarted, StepEnded
+    from evtrain.events import StepEnded
     from evtrain.replay import ReplayRunner
 
     lr = LRMonitor()
-    run = RunStarted(
-        name="r",
-        num_stages=2,
-        num_microbatches=1,
-        schedule="1f1b",
-        max_steps=9,
-        batch_size=8,
-        data_parallel=2,
-    )
-    events = [run]
+    events: list[Message] = [two_stage_run(data_parallel=2)]
     for step in (1, 2):
         for stage, replica in ((1, 0), (1, 1), (0, 0), (0, 1)):
             wrong = (stage, replica) == (0, 1)
@@ -436,7 +427,7 @@ def test_logging_hook_escapes_event_text_and_prints_nan(tmp_path: Path) -> None:
 
 
 def test_step_merger_checks_the_run_and_never_freezes() -> None:
-    from evtrain.events import RunStarted, StepEnded
+    from evtrain.events import StepEnded
     from evtrain.hooks.step_merge import MAX_STEP_JUMP, StepCount, StepMerger
     from evtrain.run_state import RunState
 
@@ -448,17 +439,7 @@ def test_step_merger_checks_the_run_and_never_freezes() -> None:
     assert [m.step for m in merger.add(StepEnded(step=5, stage=0, loss=1.0))] == [5]
     assert merger.add(StepEnded(step=5, stage=0, loss=1.0)) == []  # a late duplicate
 
-    state.update(
-        RunStarted(
-            name="r",
-            num_stages=2,
-            num_microbatches=1,
-            schedule="1f1b",
-            max_steps=100,
-            batch_size=1,
-            run_id="r1",
-        )
-    )
+    state.update(two_stage_run())
     merger.reset()
     for absurd in (
         StepEnded(step=10**12, stage=0, run_id="r1"),
@@ -475,7 +456,7 @@ def test_step_merger_checks_the_run_and_never_freezes() -> None:
 
 
 def test_step_merger_waits_for_every_replica_and_adds_nothing_up() -> None:
-    from evtrain.events import RunStarted, StepEnded
+    from evtrain.events import StepEnded
     from evtrain.hooks.step_merge import StepMerger
     from evtrain.run_state import RunState
 
@@ -497,18 +478,7 @@ def test_step_merger_waits_for_every_replica_and_adds_nothing_up() -> None:
     assert merger.add(event(1, 0, 1)) == []
     (first,) = merger.add(event(1, 1, 0))  # no stage count either: the loss completes it
     assert sorted(first.events) == [(0, 1), (1, 0)]
-    state.update(
-        RunStarted(
-            name="r",
-            num_stages=2,
-            num_microbatches=1,
-            schedule="1f1b",
-            max_steps=100,
-            batch_size=32,
-            data_parallel=2,
-            run_id="r1",
-        )
-    )
+    state.update(two_stage_run(data_parallel=2))
     merger.reset()
     for place in ((1, 0), (1, 1), (0, 0)):
         assert merger.add(event(2, *place)) == []
