@@ -353,6 +353,97 @@ def test_dashboard_queries_name_only_metrics_the_exporter_exposes() -> None:
     assert wanted <= used, sorted(wanted - used)
 
 
+SCRAPE_LABELS = frozenset({"job", "instance"})
+"""Labels Prometheus adds to every series it scrapes."""
+
+
+def exposed_labels(text: str) -> dict[str, frozenset[str]]:
+    """Sample name -> the label names its series carry in an exposition."""
+    found: dict[str, set[str]] = {}
+    for line in text.splitlines():
+        if match := re.match(r"([a-zA-Z_:][\w:]*)(?:\{(.*)\})? ", line):
+            names = re.findall(r'(?:^|,)([a-zA-Z_]\w*)="', match.group(2) or "")
+            found.setdefault(match.group(1), set()).update(names)
+    return {name: frozenset(labels) for name, labels in found.items()}
+
+
+def grouping(expr: str) -> list[set[str]]:
+    """The label sets of the expression's ``by (...)`` clauses."""
+    return [
+        {label.strip() for label in group.split(",") if label.strip()}
+        for group in re.findall(r"\bby\s*\(([^)]*)\)", expr)
+    ]
+
+
+def aggregates(expr: str) -> bool:
+    """Whether the expression aggregates series (``sum``, ``avg``, ``min``, ``max``, ``count``)."""
+    return bool(re.search(r"\b(?:sum|avg|min|max|count)\s*(?:by\s*\([^)]*\)\s*)?\(", expr))
+
+
+def label_names(expr: str) -> set[str]:
+    """Every label a PromQL expression names: in matchers and in ``by``/``without``."""
+    text = re.sub(r'"[^"]*"', '""', expr)
+    names = {
+        m for group in re.findall(r"\{([^}]*)\}", text) for m in re.findall(r"(\w+)\s*[=!]", group)
+    }
+    for group in re.findall(r"\b(?:by|without)\s*\(([^)]*)\)", text):
+        names.update(label.strip() for label in group.split(",") if label.strip())
+    return names
+
+
+def test_label_parsers() -> None:
+    expr = (
+        'max by (stage) (rate(x_sum{replica="0", job!~"a,b"}[5m])) / '
+        "min by (stage, le) (y) or sum without (replica) (z)"
+    )
+    assert label_names(expr) == {"stage", "replica", "job", "le"}
+    assert grouping(expr) == [{"stage"}, {"stage", "le"}]
+    assert aggregates(expr) and aggregates("sum(x)") and not aggregates("rate(x_sum[1m])")
+    text = 'a_total{replica="0",stage="1"} 2.0\na_total{replica="1",stage="1"} 0.0\nb 1.0\n'
+    assert exposed_labels(text) == {"a_total": {"replica", "stage"}, "b": frozenset()}
+
+
+def test_dashboard_queries_and_legends_name_only_labels_the_series_have() -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    labels_of = exposed_labels(exporter_exposition().text)
+    for title, target in dashboard_targets(dashboard):
+        expr = target["expr"]
+        have = set(SCRAPE_LABELS).union(*(labels_of.get(n, ()) for n in metric_names(expr)))
+        unknown = label_names(expr) - have
+        assert not unknown, f"panel {title!r} names labels {unknown} its metrics lack: {expr}"
+        # What an aggregation keeps is all a legend can show.
+        kept = set.intersection(*grouping(expr)) if grouping(expr) else have
+        shown = set(re.findall(r"\{\{\s*(\w+)\s*\}\}", target.get("legendFormat", "")))
+        assert shown <= kept, f"panel {title!r}: legend {shown - kept} not in the result: {expr}"
+
+
+def test_dashboard_shows_every_replica_and_combines_them_per_stage() -> None:
+    """A query of per-stage series keeps one line per stage process only where its legend
+    names the replica; every other one combines the replicas or picks replica 0."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    labels_of = exposed_labels(exporter_exposition().text)
+    per_replica: set[str] = set()
+    for title, target in dashboard_targets(dashboard):
+        expr, legend = target["expr"], target.get("legendFormat", "")
+        names = metric_names(expr)
+        if not any("replica" in labels_of.get(n, ()) for n in names):
+            continue
+        if "{{replica}}" in legend:
+            assert not aggregates(expr), f"panel {title!r} aggregates what it shows per replica"
+            per_replica.update(names)
+        else:
+            combined = aggregates(expr) or 'replica="0"' in expr
+            assert combined, f"panel {title!r} draws a line per replica labelled as one: {expr}"
+    wanted = {
+        "evtrain_step_duration_seconds_sum",  # step time per (stage, replica)
+        "evtrain_comm_wait_seconds_total",  # its wait, the gradient reduction included
+        "evtrain_forward_seconds_total",
+        "evtrain_backward_seconds_total",
+        "evtrain_stage_up",  # liveness of each replica
+    }
+    assert wanted <= per_replica, sorted(wanted - per_replica)
+
+
 @pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (apt-get install prometheus)")
 def test_dashboard_queries_are_valid_promql(tmp_path: Path) -> None:
     """Each query, as a recording rule, passes ``promtool check rules`` (a PromQL parse)."""
