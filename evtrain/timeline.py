@@ -265,18 +265,20 @@ def load_run_spans(run_dir: str | Path) -> list[TimelineSpan]:
 def spans_from_simulation(
     result: SimulationResult, *, seconds_per_unit: float = 1e-3, step: int = 0
 ) -> list[TimelineSpan]:
-    """A simulated step's compute spans (cost units become ``seconds_per_unit`` seconds).
+    """A simulated step's spans (cost units become ``seconds_per_unit`` seconds).
 
-    The simulator has no waits: whatever is not compute is the bubble.
+    The simulator's only wait is the gradient reduction, a ``wait reduce`` as
+    a data-parallel run records it; whatever is neither is the bubble.
     """
     spans = [
         TimelineSpan(
             stage=stage,
-            kind=span.kind,
+            kind="wait" if span.kind == "reduce" else span.kind,
             start=span.start * seconds_per_unit,
             end=span.end * seconds_per_unit,
             step=step,
             microbatch=span.microbatch,
+            op="reduce" if span.kind == "reduce" else "",
             source=f"stage/{stage}",
         )
         for stage, timeline in enumerate(result.timelines)

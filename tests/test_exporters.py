@@ -218,6 +218,41 @@ async def test_tensorboard_scalars(bus: BusAddress, procs: Any, workdir: Path) -
     assert len(acc.Scalars("stage1/comm_wait_s")) == 12
 
 
+class _Scalars:
+    """Stands in for TensorBoard's SummaryWriter: keeps every scalar, by tag."""
+
+    written: dict[str, list[tuple[int, float]]] = {}
+
+    def __init__(self, log_dir: str, flush_secs: int) -> None:
+        type(self).written = {}
+
+    def add_scalar(self, tag: str, value: float, step: int, walltime: float | None) -> None:
+        self.written.setdefault(tag, []).append((step, value))
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.anyio
+async def test_tensorboard_scalars_of_every_replica_once_a_step(
+    bus: BusAddress, procs: Any, workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from evtrain.exporters import TensorBoardWriter, tensorboard
+
+    monkeypatch.setattr(tensorboard, "_summary_writer_class", lambda: _Scalars)
+    await run_hooks([TensorBoardWriter(dir=workdir)], bus, procs, steps=12, dp=2)
+    written = _Scalars.written
+    assert [step for step, _ in written["train/loss"]] == list(range(1, 13))
+    for group in ("stage0", "stage1", "stage0_replica1", "stage1_replica1"):
+        assert len(written[f"{group}/duration_s"]) == 12, group
+    slow, fast = written["stage1_replica1/duration_s"][0][1], written["stage1/duration_s"][0][1]
+    assert slow == pytest.approx(1.1 * fast)
+    assert not [tag for tag in written if "replica0" in tag]  # replica 0 keeps its names
+
+
 # -- Prometheus -----------------------------------------------------------------------
 
 

@@ -211,6 +211,48 @@ async def test_logging_hook_with_replicas_says_each_step_once(bus: BusAddress, p
     assert [line["event"] for line in lines].count("run ended") == 1
 
 
+def test_launcher_progress_with_replicas_counts_each_step_once(bus: BusAddress, procs: Any) -> None:
+    """The launcher's console folds what its subscriber receives: each step counts once."""
+    import time
+
+    import anyio
+
+    from evtrain.bus.publisher import Publisher
+    from evtrain.bus.subscriber import Subscriber
+    from evtrain.events import Heartbeat
+    from evtrain.progress import Progress
+
+    progress = Progress()
+
+    async def follow(subscriber: Subscriber, probe: Publisher) -> None:
+        deadline = time.monotonic() + 30
+        # The subscription is live once it receives what is published after it.
+        while not any(isinstance(m, Heartbeat) for m in await subscriber.receive(timeout=0.1)):
+            assert time.monotonic() < deadline, "the subscription never became live"
+            probe.publish(Heartbeat())
+        fake = procs.start(*fake_args(bus, steps=20, dp=2, step_time=0.01))
+        while progress.stats.ended is None:
+            assert time.monotonic() < deadline, "the run never ended on the bus"
+            for msg in await subscriber.receive(timeout=0.2):
+                progress.update(msg)
+        assert await anyio.to_thread.run_sync(fake.wait) == 0
+
+    topics = ["run.", "step.ended", "heartbeat"]
+    with (
+        Subscriber(bus.endpoint("events_out"), topics) as subscriber,
+        Publisher(bus.endpoint("events_in"), source="test") as probe,
+    ):
+        anyio.run(follow, subscriber, probe)
+    stats = progress.stats
+    assert (stats.steps_done, stats.samples_total, stats.data_parallel) == (20, 20 * 32, 2)
+    assert stats.last_loss == pytest.approx(loss_at(20))
+    samples, steps = stats.samples_per_s(), stats.steps_per_s()
+    assert samples is not None and steps is not None and samples / steps == pytest.approx(32)
+    # A stage's peak is its fullest replica's (replica 1: +10 MiB in the fake run).
+    assert stats.peak_memory == {0: 110 * MIB + 20 * 1024, 1: 160 * MIB + 20 * 1024}
+    assert "peak memory: s0=110.0MiB s1=160.0MiB" in progress.summary(status="completed", wall_s=1)
+
+
 # -- acting hooks ------------------------------------------------------------------------
 
 

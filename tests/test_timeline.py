@@ -81,6 +81,18 @@ def test_trace_matches_the_simulated_timeline(
         assert Counter(e["name"][0] for e in mine) == {"F": microbatches, "B": microbatches}
 
 
+def test_a_simulated_gradient_reduction_is_a_reduce_wait() -> None:
+    result = simulate("1f1b", 2, 4, reduce_grads=True, reduce_cost=0.5)
+    spans = spans_from_simulation(result)
+    reduces = [s for s in spans if s.op == "reduce"]
+    assert [(s.stage, s.kind, s.microbatch, s.label) for s in reduces] == [
+        (stage, "wait", -1, "wait reduce") for stage in (1, 0)
+    ]
+    assert all(s.duration == pytest.approx(0.5e-3) for s in reduces)
+    names = Counter(e["name"] for e in x_events(chrome_trace(spans)))
+    assert names["wait reduce"] == 2
+
+
 def test_busy_fractions_equal_the_simulated_bubble() -> None:
     result = simulate("1f1b", 4, 8)
     fractions = stage_busy_fractions(spans_from_simulation(result))
