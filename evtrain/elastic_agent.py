@@ -113,6 +113,9 @@ class AgentConfig(msgspec.Struct, kw_only=True, tag="config"):
     rdzv_backend: str = "c10d"
     rdzv_endpoint: str = "127.0.0.1:0"
     rdzv_configs: dict[str, Any] = {}
+    local_addr: str | None = None
+    """This node's address for the rendezvous and, on the node that gets rank 0, the
+    workers' store (None: elastic's default, the host name)."""
     run_id: str
     max_restarts: int = 0
     monitor_interval: float = 0.1
@@ -198,18 +201,18 @@ class WorkerWatch:
 
         def start_processes(*args: Any, **kwargs: Any) -> Any:
             context = original(*args, **kwargs)
-            self._watch(context)
+            self._watch(context, _global_ranks(kwargs["args"], len(context.processes)))
             return context
 
         mp.start_processes = start_processes
 
-    def _watch(self, context: Any) -> None:
-        base = self.config.node_rank * self.config.nproc_per_node
+    def _watch(self, context: Any, ranks: list[int]) -> None:
         attempt = AttemptReport(
             attempt=len(self.report.attempts),
             started_at=time.time(),
             workers=[
-                WorkerExit(rank=base + i, pid=int(p.pid)) for i, p in enumerate(context.processes)
+                WorkerExit(rank=rank, pid=int(p.pid))
+                for rank, p in zip(ranks, context.processes, strict=True)
             ],
         )
         with self._lock:
@@ -309,6 +312,18 @@ class WorkerWatch:
                 pass  # the launcher falls back on elastic's exit status
 
 
+def _global_ranks(wrapper_args: tuple[Any, ...], count: int) -> list[int]:
+    """The global rank of each of the ``count`` workers elastic starts, by local rank.
+
+    Elastic starts them through a wrapper whose arguments are (entrypoint,
+    args, envs, ...), envs mapping local rank to the worker's environment. The
+    ranks are read there rather than computed from this node's rank: c10d
+    picks the order of the nodes itself.
+    """
+    envs = wrapper_args[2]
+    return [int(envs[local]["RANK"]) for local in range(count)]
+
+
 def run_agent(config: AgentConfig) -> int:
     """Run the worker group under elastic to the end; returns the exit status."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
@@ -327,6 +342,7 @@ def run_agent(config: AgentConfig) -> int:
         rdzv_backend=config.rdzv_backend,
         rdzv_endpoint=config.rdzv_endpoint,
         rdzv_configs=dict(config.rdzv_configs),
+        local_addr=config.local_addr,
         max_restarts=config.max_restarts,
         monitor_interval=config.monitor_interval,
         start_method=config.start_method,

@@ -173,17 +173,22 @@ class Failure:
     traceback: str = ""
     certain: bool = True
     """False while a dead process's exit status is not known yet."""
+    replica: int | None = None
+    """Which of the stage's data-parallel replicas failed, when the run has several."""
 
     def headline(self, *, brief: bool = False) -> str:
         """One line: which stage, when, what, where (``brief``: the error's first sentence)."""
+        who = f"stage {self.stage}"
+        if self.replica is not None:
+            who += f" replica {self.replica}"
         if self.died:
             after = f" after step {self.step}" if self.step else ""
-            return f"stage {self.stage} {self.what}{after}"
+            return f"{who} {self.what}{after}"
         at = f" at step {self.step}" if self.step is not None else ""
         if brief:
-            return f"stage {self.stage} failed{at}: {short_error(self.what.split('. ')[0])}"
+            return f"{who} failed{at}: {short_error(self.what.split('. ')[0])}"
         where = f" ({self.location})" if self.location else ""
-        return f"stage {self.stage} failed{at}: {short_error(self.what)}{where}"
+        return f"{who} failed{at}: {short_error(self.what)}{where}"
 
 
 @dataclass(frozen=True)
@@ -210,9 +215,18 @@ class RootCause:
 
 
 def failure_from_exit(
-    stage: int, exit_code: int | None, died_at: float, *, killed_by_agent: bool, step: int | None
+    stage: int,
+    exit_code: int | None,
+    died_at: float,
+    *,
+    killed_by_agent: bool,
+    step: int | None,
+    replica: int | None = None,
 ) -> Failure:
-    """The failure of a worker process that ended without reporting an error."""
+    """The failure of a worker process that ended without reporting an error.
+
+    ``replica``: the stage's data-parallel replica it ran (None for a run without).
+    """
     if killed_by_agent:
         what, consequence = "was killed after another stage failed", True
     elif exit_code is None:
@@ -229,6 +243,7 @@ def failure_from_exit(
         step=step,
         died=True,
         certain=killed_by_agent or exit_code is not None,
+        replica=replica,
     )
 
 

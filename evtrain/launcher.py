@@ -87,17 +87,53 @@ is killed, the hooks receive SIGTERM (``PR_SET_PDEATHSIG``) and the agent
 sees its stdin end: it stops the workers the same way, marks ``run.json``
 interrupted and removes the launcher's ipc directory.
 
+CURVE (``--curve-dir DIR``, `evtrain.bus.security`): the broker and its
+state service admit only the client keys in ``DIR/authorized``, and every
+process of the run connects with DIR's client keys: the launcher's own
+clients, and the stage workers and the hooks through ``$EVTRAIN_CURVE_DIR``,
+which the launcher sets for every process it starts (and removes on a launch
+without CURVE, where an inherited one would make them attempt handshakes that
+the broker never answers). The launch that runs the broker creates the keys
+when DIR is missing; node r > 0 and ``--external-bus`` need that broker's
+directory, copied (``client.key``, ``client.key_secret``, ``server.key``).
+ipc buses take it as well: their private directory already keeps other users
+out, CURVE adds encryption and keys for what shares the machine.
+
 Several machines: run ``evtrain launch`` on each with the same ``--nnodes``,
 ``--rdzv-endpoint HOST0:PORT``, ``--run-id`` and ``--bus tcp://HOST0:PORT2``
 (addresses of node 0 that every node reaches) and its own ``--node-rank``.
-Node 0 binds the bus, runs the hooks and hosts elastic's static rendezvous
-store; node r runs global ranks (stages) r*P/N .. (r+1)*P/N-1. Only the
-single-node path is covered by tests; two "nodes" on one machine (loopback
-addresses) were tried by hand.
+Node 0 binds the bus, runs the hooks (the Prometheus exporter among them)
+and hosts the rendezvous store; every node runs P*D/N of the stage workers.
+The rendezvous is elastic's ``c10d`` backend, not ``static``: when a worker
+on any node fails, its agent opens a new rendezvous round, the agents of the
+other nodes see a node waiting and restart their workers too, and with
+``--max-restarts`` the whole run resumes from its last commit; the static
+backend has no rounds, so the other nodes would wait on the dead peer. The
+price: c10d orders the nodes itself (by each agent's address and pid), not
+by ``--node-rank``, so which block of consecutive global ranks (stages) a
+node runs is the rendezvous's choice. Nothing depends on it: ``--node-rank``
+says which node runs the bus, the hooks and the store (``is_host``, set
+explicitly: node 0 would not take an address its host name does not resolve
+to for its own), the stages find the bus by its address, and the agent reads
+the ranks its workers got (`evtrain.elastic_agent`). Each node takes part as
+``--local-addr`` (default: its address on the route to the rendezvous
+endpoint, since the host name often resolves to a loopback address), and the
+node that gets rank 0 serves the workers' store there. Gloo picks its own
+interface from the host name: where that resolves to a loopback address, set
+``GLOO_SOCKET_IFNAME`` (``NCCL_SOCKET_IFNAME`` for NCCL) on each node. Node
+r > 0 waits for node 0's broker before it touches the run directory: node 0
+binds it only after taking the directory over, which a shared file system
+makes one directory for all nodes. Checkpoints need such a shared run
+directory (each stage writes its shard there, node 0's coordinator commits
+them). A failure that ended the run elsewhere reaches this node on the bus;
+its workers, still waiting on the dead peer, are ended by elastic
+`FAILED_WORKERS_GRACE_S` later. ``tests/test_multinode.py`` runs two nodes as
+network namespaces joined by a veth pair.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import queue
@@ -121,6 +157,14 @@ import structlog
 from evtrain.bus.address import BusAddress
 from evtrain.bus.broker import Broker
 from evtrain.bus.publisher import Publisher
+from evtrain.bus.security import (
+    CURVE_DIR_ENV,
+    CurveConfig,
+    CurveServer,
+    ensure_curve_dir,
+    load_client,
+    load_server,
+)
 from evtrain.bus.subscriber import Subscriber
 from evtrain.elastic_agent import (
     LAUNCHER_PID_ENV,
@@ -171,7 +215,7 @@ if TYPE_CHECKING:
     from evtrain.api import JobPayload
     from evtrain.stages.partition import SplitPlan
 
-__all__ = ["LaunchOptions", "Launcher", "new_run_id"]
+__all__ = ["LaunchOptions", "Launcher", "new_run_id", "route_address"]
 
 log = structlog.get_logger("evtrain.launcher")
 
@@ -202,6 +246,8 @@ FAILURE_SETTLE_S = 1.5
 """Seconds after the first sign of a failure by which the root cause is published anyway."""
 FAILED_HOOK_GRACE_S = 1.0
 """Seconds hooks get after a failed run's `RunEnded` before they are terminated."""
+FAILED_WORKERS_GRACE_S = 5.0
+"""Seconds this node's workers get to end after the run failed before elastic ends them."""
 BUS_QUIET_S = 3.0
 """No event for this long while stages run (they send heartbeats every second): ask the broker."""
 _BUS_PING_TIMEOUT_S = 2.0
@@ -254,6 +300,37 @@ def new_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
 
 
+def route_address(endpoint: str) -> str:
+    """This machine's address on the route to ``endpoint`` (``HOST:PORT``); `UsageError`.
+
+    The address the rendezvous host sees us by, unlike the host name, which
+    often resolves to a loopback address (Debian's 127.0.1.1) that other
+    machines cannot reach. Connecting a UDP socket sends nothing; it only
+    makes the kernel pick the route.
+    """
+    host, sep, port = endpoint.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit():
+        raise UsageError(f"--rdzv-endpoint must be HOST:PORT, got {endpoint!r}")
+    try:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(
+            host, int(port), type=socket.SOCK_DGRAM
+        )[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.connect(sockaddr)
+            return str(probe.getsockname()[0])
+    except OSError as exc:
+        raise UsageError(f"--rdzv-endpoint {endpoint}: no route to it: {exc}") from None
+
+
+def _world(job: Any) -> str:
+    """``2 stages`` or ``2 stages x 2 replicas``: the processes of a run."""
+    stages = f"{job.stages} stage{'s' if job.stages != 1 else ''}"
+    if job.data_parallel == 1:
+        return stages
+    return f"{stages} x {job.data_parallel} replicas"
+
+
 @dataclass(kw_only=True)
 class LaunchOptions:
     """Everything ``evtrain launch`` was asked to do (the CLI fills it in)."""
@@ -270,11 +347,18 @@ class LaunchOptions:
     nnodes: int = 1
     node_rank: int | None = None
     rdzv_endpoint: str | None = None
-    """Rendezvous ``HOST:PORT`` (required with ``nnodes > 1``)."""
+    """Rendezvous ``HOST:PORT`` on node 0 (required with ``nnodes > 1``)."""
+    local_addr: str | None = None
+    """This node's address as the others reach it (``nnodes > 1``); default: the local
+    address of the route to ``rdzv_endpoint`` (`route_address`)."""
     bus: str | None = None
     """Bus address to bind (node 0) or join (other nodes); default: a private ipc dir."""
     external_bus: bool = False
     """``bus`` is a broker someone else runs (``evtrain bus``): connect, never bind."""
+    curve_dir: str | None = None
+    """CURVE key directory (`evtrain.bus.security`): the broker admits only its authorized
+    keys and every process of the run connects with its client keys. The bus owner
+    creates it when missing; other nodes and an external bus need it to exist."""
     bus_wait_s: float = 30.0
     """With ``external_bus``: seconds to wait for that broker to answer."""
     hooks: bool = True
@@ -348,6 +432,10 @@ class Launcher:
         self.load_weights_path: Path | None = None
         self.warnings: list[str] = []
         self.split: SplitPlan | None = None
+        self.curve: CurveConfig | None = None
+        """The client keys of every connection to the bus (``curve_dir``), else None."""
+        self._curve_server: CurveServer | None = None
+        self._local_addr: str | None = None
         # Overrides the launcher adds for the stages (a resolved balance).
         self.stage_overrides: dict[str, str] = {}
         self.evaluation: dict[str, Any] | None = None
@@ -376,7 +464,7 @@ class Launcher:
         self._previous_run: dict[str, Any] | None = None
         self._agent_report: AgentReport | None = None
         self._stage_reports: dict[int, StageReport] = {}
-        """The current attempt's reports, by stage."""
+        """The current attempt's reports, by global rank."""
         self._failure_seen_at: float | None = None
         self._run_end_published: RunEnded | None = None
         self._run_end_published_at = 0.0
@@ -432,6 +520,9 @@ class Launcher:
                 raise UsageError(
                     "--nnodes > 1 needs --bus tcp://HOST:PORT on node 0 that every node reaches"
                 )
+            self._local_addr = opts.local_addr or route_address(opts.rdzv_endpoint)
+        elif opts.local_addr is not None:
+            raise UsageError("--local-addr is for --nnodes > 1")
         if opts.external_bus and not opts.bus:
             raise UsageError("--external-bus needs --bus ADDRESS of a running `evtrain bus`")
         if not opts.bus_wait_s > 0:
@@ -454,10 +545,14 @@ class Launcher:
         )
         if opts.evaluate is not None and job.eval_data is None:
             raise UsageError(f"job {job.name} has no eval_data to evaluate a checkpoint on")
-        if job.stages % opts.nnodes:
-            raise UsageError(f"{job.stages} stages do not split evenly over --nnodes {opts.nnodes}")
+        if job.world_size % opts.nnodes:
+            what = _world(job)
+            if job.data_parallel > 1:
+                what = f"{job.world_size} processes ({what})"
+            raise UsageError(f"{what} do not split evenly over --nnodes {opts.nnodes}")
         if job.device == "cuda":
-            job.stage_device(job.stages // opts.nnodes - 1)  # SpecError when GPUs are missing
+            # SpecError when this node has fewer GPUs than workers (one per local rank).
+            job.stage_device(job.world_size // opts.nnodes - 1)
         from evtrain.stages.partition import plan_split
 
         self.split = plan_split(job)  # SpecError for a model the stages could not run
@@ -471,7 +566,27 @@ class Launcher:
                 _check_monitored_metric(job, hook)
         self._resolve_paths(job)
         self.address = BusAddress.parse(opts.bus) if opts.bus else None
+        self._load_keys()
         self.job = job
+
+    def _load_keys(self) -> None:
+        """The CURVE keys of ``curve_dir``, created (0700) where this launch runs the broker.
+
+        Anywhere else (node r > 0, an external broker) the keys must be that
+        broker's: fresh ones would never be admitted.
+        """
+        directory = self.options.curve_dir
+        if directory is None:
+            return
+        if self.is_bus_owner and not self.options.external_bus:
+            self._curve_server = load_server(ensure_curve_dir(directory))
+        elif not Path(directory).expanduser().is_dir():
+            owner = "node 0" if not self.is_bus_owner else "the broker"
+            raise UsageError(
+                f"curve directory {directory} does not exist: copy {owner}'s there "
+                "(client.key, client.key_secret, server.key; chmod 700)"
+            )
+        self.curve = load_client(directory)
 
     def _resolve_paths(self, job: Any) -> None:
         """``--resume``, ``--load-weights`` and the checkpoint to evaluate to what the
@@ -541,8 +656,11 @@ class Launcher:
         self._agent = self._start_agent()
         try:
             self.prepare()
-            if self.options.external_bus:
-                self._wait_for_broker()  # before anything is created or started
+            if self.options.external_bus or not self.is_bus_owner:
+                # Before anything is created or started. Node r > 0 waits for node 0's
+                # broker, which node 0 binds only after it has taken over the run
+                # directory: on a shared file system ours would be in it before.
+                self._wait_for_broker()
             job = self.job
             self.run_dir = self._own_dir(job).expanduser().resolve()
             if self._trained_already():
@@ -564,7 +682,7 @@ class Launcher:
                 # Before anything it would have to undo exists: should we die
                 # from here on, the agent removes the directory and marks the record.
                 self._send_agent(self._cleanup_message())
-                self._broker = Broker(self.address)
+                self._broker = Broker(self.address, curve=self._curve_server)
                 self._broker.start()
             else:
                 self._send_agent(self._cleanup_message())
@@ -656,17 +774,26 @@ class Launcher:
             }
 
     def _wait_for_broker(self) -> None:
-        """Block until the external broker answers; `UsageError` after ``bus_wait_s``."""
+        """Block until the external (or node 0's) broker answers; `UsageError` after
+        ``bus_wait_s``."""
         from evtrain.bus.state_service import ping_broker
 
         assert self.address is not None
         # One request: ZeroMQ keeps reconnecting until the broker is up, so a
-        # broker that starts a little later (compose) still answers in time.
-        if not ping_broker(self.address, self.options.bus_wait_s):
-            raise UsageError(
-                f"--external-bus: no evtrain broker answered at {self.address} within "
-                f"{self.options.bus_wait_s:g} s (is `evtrain bus --bus ...` running there?)"
-            )
+        # broker that starts a little later (compose, node 0) still answers in time.
+        if ping_broker(self.address, self.options.bus_wait_s, curve=self.curve):
+            return
+        wait = f"{self.options.bus_wait_s:g} s"
+        if self.options.external_bus:
+            hint = "is `evtrain bus --bus ...` running there"
+        else:
+            hint = "is the launch of node 0 running"
+        if self.curve is not None:
+            hint += ", and does its curve directory authorize our client key"
+        flag = "--external-bus" if self.options.external_bus else f"node {self.options.node_rank}"
+        raise UsageError(
+            f"{flag}: no evtrain broker answered at {self.address} within {wait} ({hint}?)"
+        )
 
     def _print_header(self) -> None:
         job, address = self.job, self.address
@@ -674,13 +801,17 @@ class Launcher:
         if self.options.evaluate is not None:
             steps = "evaluation only"
         self._say(
-            f"evtrain launch: run {self.run_id} | {job.name} | {job.stages} "
-            f"stage{'s' if job.stages != 1 else ''} "
+            f"evtrain launch: run {self.run_id} | {job.name} | {_world(job)} "
             f"({job.schedule}, {job.num_microbatches} microbatches) | {steps}"
         )
         if job.stages > 1 and self.split is not None:
             self._say(f"  split: {self.split.describe()}")
-        self._say(f"  bus: {address}  (attach: evtrain hook MODULE:CLASS --bus {address})")
+        attach = f"evtrain hook MODULE:CLASS --bus {address}"
+        secured = ""
+        if self.options.curve_dir is not None:
+            attach += f" --curve-dir {self._curve_dir()}"
+            secured = " with CURVE"
+        self._say(f"  bus: {address}{secured}  (attach: {attach})")
         self._say(f"  run dir: {self.run_dir}")
         if self.options.evaluate is not None:
             self._say(f"  evaluate: {self.resume_path} (step {self.start_step}), no training")
@@ -701,12 +832,13 @@ class Launcher:
     async def _main(self) -> int:
         self._ended_event = anyio.Event()
         assert self.address is not None
-        subscriber = Subscriber(self.address.endpoint("events_out"), _TOPICS)
+        subscriber = Subscriber(self.address.endpoint("events_out"), _TOPICS, curve=self.curve)
         self._publisher = Publisher(
             self.address.endpoint("events_in"),
             source=LAUNCHER_SOURCE,
             run_id=self.run_id,
             connect_timeout=self.options.bus_wait_s,
+            curve=self.curve,
         )
         signals: AbstractContextManager[AsyncIterator[int]] = (
             anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM)
@@ -814,6 +946,7 @@ class Launcher:
                     source=LAUNCHER_SOURCE,
                     run_id=self.run_id,
                     connect_timeout=2.0,
+                    curve=self.curve,
                 )
             except UsageError as exc:
                 log.warning("cannot send the stop command", error=str(exc))
@@ -927,7 +1060,7 @@ class Launcher:
         env[LAUNCHER_PID_ENV] = str(os.getpid())
         return subprocess.Popen(
             [sys.executable, "-m", "evtrain.elastic_agent", self.options.start_method],
-            env=env,
+            env=self._curve_env(env),
             stdin=subprocess.PIPE,
             stdout=self.console.child_output,
             stderr=self.console.child_output,
@@ -965,26 +1098,28 @@ class Launcher:
             ),
             report_dir=str(self.report_dir),
         )
+        rdzv_configs: dict[str, Any] = {}
         if opts.nnodes == 1:
             # As torchrun --standalone: a c10d store on a free loopback port.
-            backend, endpoint, rdzv_configs = "c10d", "127.0.0.1:0", {}
-            rdzv_run_id = self.run_id
+            endpoint = "127.0.0.1:0"
         else:
+            # c10d rendezvous with node 0 as its host (module docstring): node 0
+            # would not recognise an endpoint address that its host name does not
+            # resolve to as its own.
             endpoint = opts.rdzv_endpoint or ""
-            rdzv_run_id = self.run_id  # --run-id, the same on every node
-            # As torchrun with --node-rank: node r holds ranks r*P/N .. (r+1)*P/N-1.
-            backend, rdzv_configs = "static", {"rank": opts.node_rank}
+            rdzv_configs["is_host"] = opts.node_rank == 0
         assert self.run_dir is not None
         return AgentConfig(
             worker_config=worker.encode(),
-            nproc_per_node=job.stages // opts.nnodes,
+            nproc_per_node=job.world_size // opts.nnodes,
             min_nodes=opts.nnodes,
             max_nodes=opts.nnodes,
             node_rank=opts.node_rank or 0,
-            rdzv_backend=backend,
+            rdzv_backend="c10d",
             rdzv_endpoint=endpoint,
             rdzv_configs=rdzv_configs,
-            run_id=rdzv_run_id,
+            local_addr=self._local_addr,
+            run_id=self.run_id,  # --run-id, the same on every node
             max_restarts=opts.max_restarts,
             shutdown_timeout=ELASTIC_SHUTDOWN_S,
             start_method=opts.start_method,
@@ -1023,10 +1158,27 @@ class Launcher:
             self._supervisor.poll()
             self._refresh_reports()
             self._watch_failure()
+            self._end_failed_workers()
             self.console.tick()
             self._stop_tick()
             await anyio.sleep(_POLL_S)
         return code
+
+    def _end_failed_workers(self) -> None:
+        """Have elastic end this node's workers once the run failed and they stay on.
+
+        The agent ends the survivors of a failure among its own workers. A
+        failure on another node, heard of on the bus, leaves ours waiting for a
+        peer that is gone (in a collective, or a gloo connect) until a timeout
+        half an hour later.
+        """
+        ended = self._run_end_published
+        if ended is None or ended.status != "failed" or self._stop_phase >= 2:
+            return
+        if time.monotonic() - self._run_end_published_at < FAILED_WORKERS_GRACE_S:
+            return
+        self._stop_phase = 1  # the next phase: elastic terminates the workers
+        self._escalate()
 
     async def _wait_agent(self, timeout: float) -> None:
         assert self._agent is not None
@@ -1079,17 +1231,22 @@ class Launcher:
         else:
             reports = read_stage_reports(self.report_dir, number)
         exits = {w.rank: w for w in attempt.workers} if attempt is not None else {}
+        replicas = self.job.data_parallel
         published: dict[int, StageFailed] = {}
         for failed in sorted(self.progress.stats.failures, key=lambda e: e.ts):
             if failed.ts >= started:
-                published.setdefault(failed.stage, failed)
+                published.setdefault(failed.stage * replicas + failed.replica, failed)
         failures = []
-        for stage in range(self.job.stages):
-            report, worker, event = reports.get(stage), exits.get(stage), published.get(stage)
+        for rank in range(self.job.world_size):
+            report, worker, event = reports.get(rank), exits.get(rank), published.get(rank)
+            # Pipeline-major ranks, as on a (pp, dp) mesh: stage r // D, replica r % D.
+            stage, replica = divmod(rank, replicas)
+            which = replica if replicas > 1 else None
             if report is not None and report.status == "failed":
                 failures.append(
                     Failure(
                         stage=stage,
+                        replica=which,
                         at=report.failed_at or report.updated,
                         what=report.error,
                         consequence=report.consequence,
@@ -1113,13 +1270,15 @@ class Launcher:
                         worker.died_at,
                         killed_by_agent=worker.killed_by_agent,
                         step=steps,
+                        replica=which,
                     )
                 )
-            elif event is not None and stage not in exits:
+            elif event is not None and rank not in exits:
                 # Another node's stage: the bus is all this launcher hears of it.
                 failures.append(
                     Failure(
                         stage=stage,
+                        replica=which,
                         at=event.ts,
                         what=event.error,
                         consequence=is_communication_error(event.error),
@@ -1222,7 +1381,9 @@ class Launcher:
         else:
             address = self.address
             assert address is not None
-            alive = await anyio.to_thread.run_sync(ping_broker, address, _BUS_PING_TIMEOUT_S)
+            alive = await anyio.to_thread.run_sync(
+                functools.partial(ping_broker, address, _BUS_PING_TIMEOUT_S, curve=self.curve)
+            )
         if alive or self._bus_loss is not None:
             return
         self._bus_loss = BusLoss(step=step, at=time.time())
@@ -1275,6 +1436,25 @@ class Launcher:
         paths += [d for d in spec_dirs if d not in paths]
         env["PYTHONPATH"] = os.pathsep.join(paths)
         env.update(self.console.child_env())
+        return self._curve_env(env)
+
+    def _curve_dir(self) -> str | None:
+        directory = self.options.curve_dir
+        return str(Path(directory).expanduser().absolute()) if directory is not None else None
+
+    def _curve_env(self, env: dict[str, str]) -> dict[str, str]:
+        """``env`` naming our CURVE key directory, or none at all.
+
+        The stage workers and ``evtrain hook`` take the directory from
+        ``$EVTRAIN_CURVE_DIR`` (`evtrain.bus.security.curve_from_env`); one
+        inherited from our own environment on a launch without CURVE would make
+        them attempt CURVE handshakes that our broker never answers.
+        """
+        directory = self._curve_dir()
+        if directory is None:
+            env.pop(CURVE_DIR_ENV, None)
+        else:
+            env[CURVE_DIR_ENV] = directory
         return env
 
     async def _wait_hooks_attached(self) -> str | None:
@@ -1340,7 +1520,8 @@ class Launcher:
         same = (
             root is not None
             and told is not None
-            and (root.first.stage, root.first.what) == (told.first.stage, told.first.what)
+            and (root.first.stage, root.first.replica, root.first.what)
+            == (told.first.stage, told.first.replica, told.first.what)
         )
         if same:
             # The same failure, maybe a step count later: keep one wording.
@@ -1400,7 +1581,8 @@ class Launcher:
         from evtrain.checkpoint import read_manifest
 
         assert self.run_dir is not None and self.resume_path is not None
-        report = self._stage_reports.get(self.job.stages - 1)
+        # Replica 0 of the last stage evaluates (stage reports are by global rank).
+        report = self._stage_reports.get((self.job.stages - 1) * self.job.data_parallel)
         if report is None or report.eval_metrics is None:
             self.console.error("the evaluation ended without metrics")
             return EXIT_FAILED
@@ -1512,8 +1694,10 @@ class Launcher:
             "run_dir": str(self.run_dir),
             "reports": str(self.report_dir),
             "stages": self.job.stages,
+            "data_parallel": self.job.data_parallel,
             "schedule": self.job.schedule,
             "nnodes": self.options.nnodes,
+            "curve_dir": self._curve_dir(),
             "max_restarts": self.options.max_restarts,
             "resume": str(self.resume_path) if self.resume_path is not None else None,
             "start_step": self.start_step,

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
+
+from evtrain.bus.security import CURVE_DIR_ENV
 
 
 class _LaunchParser(argparse.ArgumentParser):
@@ -92,7 +95,20 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=30.0,
         metavar="S",
-        help="with --external-bus: wait up to S seconds for the broker to answer (default 30)",
+        help="with --external-bus, and on node r > 0: wait up to S seconds for the broker "
+        "to answer (default 30)",
+    )
+    group.add_argument(
+        "--curve-dir",
+        metavar="DIR",
+        default=os.environ.get(CURVE_DIR_ENV) or None,
+        help="CURVE encryption and authentication for every part of the run: the broker "
+        "admits only the public keys in DIR/authorized, and the stages, the hooks and the "
+        "launcher connect with DIR's client keys. Created with new keys (mode 0700) when "
+        "missing where the launch runs the broker; node r > 0 and --external-bus need the "
+        "broker's directory (copy client.key, client.key_secret and server.key). Works on "
+        f"ipc and tcp buses (default: ${CURVE_DIR_ENV}). Attach with "
+        "`evtrain hook/events/top --curve-dir DIR`",
     )
     group.add_argument("--no-hooks", action="store_true", help="do not start the spec's hooks")
     group.add_argument(
@@ -142,21 +158,28 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         "imported torch once; spawn: a fresh interpreter each)",
     )
     nodes = parser.add_argument_group(
-        "several machines (run on each; single node is the tested path)"
+        "several machines (run the same command on each, with its own --node-rank)"
     )
     nodes.add_argument("--nnodes", type=int, default=1, metavar="N", help="number of machines")
     nodes.add_argument(
         "--node-rank",
         type=int,
         metavar="R",
-        help="this machine's rank, needed with --nnodes > 1 (node 0 runs the bus, the hooks "
-        "and the rendezvous store; node r runs stages r*P/N .. (r+1)*P/N-1)",
+        help="this machine's rank, needed with --nnodes > 1: node 0 runs the bus, the hooks "
+        "and the c10d rendezvous store; every node runs P*D/N of the stage workers, a "
+        "block of consecutive stages chosen by the rendezvous",
     )
     nodes.add_argument(
         "--rdzv-endpoint",
         metavar="HOST:PORT",
-        help="rendezvous address on node 0 that every machine reaches; pass the same "
+        help="c10d rendezvous address on node 0 that every machine reaches; pass the same "
         "--run-id and --bus tcp://HOST:PORT on every machine",
+    )
+    nodes.add_argument(
+        "--local-addr",
+        metavar="ADDR",
+        help="this machine's address as the others reach it (default: the local address "
+        "of the route to --rdzv-endpoint)",
     )
     parser.set_defaults(func=run)
 
@@ -178,8 +201,10 @@ def run(args: argparse.Namespace) -> int:
         nnodes=args.nnodes,
         node_rank=args.node_rank,
         rdzv_endpoint=args.rdzv_endpoint,
+        local_addr=args.local_addr,
         bus=args.bus,
         external_bus=args.external_bus,
+        curve_dir=args.curve_dir,
         bus_wait_s=args.connect_timeout,
         hooks=not args.no_hooks,
         hook_restarts=args.hook_restarts,
