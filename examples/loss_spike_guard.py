@@ -94,7 +94,9 @@ class LossSpikeGuard(Hook):
     @on(StepEnded)
     async def check_loss(self, ev: StepEnded) -> None:
         """Compare the step's loss with the running mean; stop the run on a spike."""
-        if ev.loss is None or self.stopped_at is not None:
+        # With data parallelism every replica's last stage reports the same
+        # (global mean) loss: replica 0's stands for the step.
+        if ev.loss is None or ev.replica or self.stopped_at is not None:
             return  # only the last stage reports the loss; stop only once
         mean = self.detector.mean
         if not self.detector.check(ev.loss):
