@@ -8,9 +8,10 @@ asyncio program (tests, notebooks) through `HookRunner`.
 
 ``@on`` takes filters, as ignite's ``Events.X(every=, once=)`` does:
 ``@on(StepEnded, every=10)`` calls the handler for steps 10, 20, ...;
-``once=K`` for step K only; ``stage=S`` (an index or a collection of them)
-for the events of those stages only. They combine (``every`` or ``once``, and
-``stage``); what they mean is `EventFilter`'s to say. A base class
+``once=K`` for step K only; ``stage=S`` and ``replica=R`` (an index or a
+collection of them) for the events of those stages or data-parallel replicas
+only. They combine (``every`` or ``once``, and ``stage``, ``replica``); what
+they mean is `EventFilter`'s to say. A base class
 (``@on(MicrobatchSpan)``, ``@on(Event)``) stands for every concrete event type
 derived from it (`evtrain.events.MESSAGE_TYPES`). A handler registered for one
 type several times (for a base class and a subclass of it, or by two ``@on``)
@@ -55,11 +56,28 @@ Accepts = Callable[[Any], bool]
 
 _HANDLER_ATTR = "__evtrain_on__"
 _NO_RUN = RunState()
-_READS = {"every": "step", "once": "step", "stage": "stage"}
+_READS = {"every": "step", "once": "step", "stage": "stage", "replica": "replica"}
 
 
 def _is_index(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _indices(option: str, value: int | Collection[int] | None) -> frozenset[int] | None:
+    """``stage=`` / ``replica=``: one index or a non-empty collection of them."""
+    if value is None:
+        return None
+    given = (value,) if _is_index(value) else value
+    if isinstance(given, str | bytes) or not isinstance(given, Collection):
+        raise TypeError(f"{option}= must be an int or a collection of ints, got {value!r}")
+    if not all(_is_index(s) for s in given):
+        raise TypeError(f"{option}= must hold ints only, got {value!r}")
+    indices = frozenset(given)  # type: ignore[arg-type]
+    if not indices:
+        raise ValueError(f"{option}= names no {option}: the handler would never be called")
+    if min(indices) < 0:
+        raise ValueError(f"{option}= must be {option} indices >= 0, got {value!r}")
+    return indices
 
 
 @dataclass(frozen=True, slots=True, init=False)
@@ -70,16 +88,19 @@ class EventFilter:
       so ``every=10`` passes steps 10, 20, ...);
     * ``once=K``: those whose ``step`` is K: one per stage that reports step K,
       unless ``stage`` narrows it down;
-    * ``stage=S``: those whose ``stage`` is S, or one of S.
+    * ``stage=S``: those whose ``stage`` is S, or one of S;
+    * ``replica=R``: those of data-parallel replica R (or one of R); with
+      replicas, ``replica=0`` sees each stage's step once.
 
-    ``every`` and ``once`` exclude each other; either combines with ``stage``.
-    An object whose ``step`` (or ``stage``) is None does not pass a filter on
-    it. A filter without conditions passes everything.
+    ``every`` and ``once`` exclude each other; either combines with ``stage``
+    and ``replica``. An object whose ``step`` (or ``stage``) is None does not
+    pass a filter on it. A filter without conditions passes everything.
     """
 
     every: int | None
     once: int | None
     stage: frozenset[int] | None
+    replica: frozenset[int] | None
 
     def __init__(
         self,
@@ -87,6 +108,7 @@ class EventFilter:
         every: int | None = None,
         once: int | None = None,
         stage: int | Collection[int] | None = None,
+        replica: int | Collection[int] | None = None,
     ) -> None:
         if every is not None:
             if not _is_index(every):
@@ -100,31 +122,28 @@ class EventFilter:
                 raise ValueError(f"once= must be a step >= 0, got {once}")
             if every is not None:
                 raise ValueError("once= and every= exclude each other: once= is one step")
-        stages: frozenset[int] | None = None
-        if stage is not None:
-            given = (stage,) if _is_index(stage) else stage
-            if isinstance(given, str | bytes) or not isinstance(given, Collection):
-                raise TypeError(f"stage= must be an int or a collection of ints, got {stage!r}")
-            if not all(_is_index(s) for s in given):
-                raise TypeError(f"stage= must hold ints only, got {stage!r}")
-            stages = frozenset(given)  # type: ignore[arg-type]
-            if not stages:
-                raise ValueError("stage= names no stage: the handler would never be called")
-            if min(stages) < 0:
-                raise ValueError(f"stage= must be stage indices >= 0, got {stage!r}")
         object.__setattr__(self, "every", every)
         object.__setattr__(self, "once", once)
-        object.__setattr__(self, "stage", stages)
+        object.__setattr__(self, "stage", _indices("stage", stage))
+        object.__setattr__(self, "replica", _indices("replica", replica))
 
     @property
     def reads(self) -> dict[str, str]:
-        """Each condition set (``every``, ``once``, ``stage``) and the field it reads."""
-        options = {"every": self.every, "once": self.once, "stage": self.stage}
+        """Each condition set (``every``, ``once``, ``stage``, ``replica``) and the field
+        it reads."""
+        options = {
+            "every": self.every,
+            "once": self.once,
+            "stage": self.stage,
+            "replica": self.replica,
+        }
         return {option: _READS[option] for option, value in options.items() if value is not None}
 
     def __call__(self, msg: Any) -> bool:
         """Whether ``msg`` passes."""
         if self.stage is not None and msg.stage not in self.stage:
+            return False
+        if self.replica is not None and msg.replica not in self.replica:
             return False
         if self.every is not None:
             step = msg.step
@@ -149,6 +168,7 @@ def on(
     every: int | None = None,
     once: int | None = None,
     stage: int | Collection[int] | None = None,
+    replica: int | Collection[int] | None = None,
 ) -> Callable[[Handler], Handler]:
     """Mark a method as the handler of one or more event types, optionally filtered.
 
@@ -163,7 +183,7 @@ def on(
         name = getattr(fn, "__qualname__", repr(fn))
         where = f"@on({', '.join(getattr(t, '__name__', repr(t)) for t in event_types)}) on {name}"
         try:
-            accepts = EventFilter(every=every, once=once, stage=stage)
+            accepts = EventFilter(every=every, once=once, stage=stage, replica=replica)
         except (TypeError, ValueError) as exc:
             raise type(exc)(f"{where}: {exc}") from None
         registered: list[tuple[type[Message], EventFilter | None]] = []

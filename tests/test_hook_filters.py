@@ -268,3 +268,56 @@ def test_a_stage_filter_takes_any_collection() -> None:
     stages: Collection[int]
     for stages in ([1, 3], (1, 3), {1, 3}, frozenset({1, 3}), range(1, 4, 2)):
         assert EventFilter(stage=stages).stage == frozenset({1, 3})
+
+
+class PerReplica(Hook):
+    """Records (stage, replica, step) of replica 0's steps and of stage 1 replica 1's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.replica0: list[tuple[int, int, int]] = []
+        self.stage1_replica1: list[tuple[int, int, int]] = []
+        self.everything = 0
+
+    @on(StepEnded, replica=0)
+    def first_replica(self, ev: StepEnded) -> None:
+        self.replica0.append((ev.stage, ev.replica, ev.step))
+
+    @on(StepEnded, stage=1, replica={1})
+    def one_process(self, ev: StepEnded) -> None:
+        self.stage1_replica1.append((ev.stage, ev.replica, ev.step))
+
+    @on(StepEnded)
+    def all_steps(self, ev: StepEnded) -> None:
+        self.everything += 1
+
+
+async def test_a_replica_filter_sees_each_step_of_a_stage_once(bus: BusAddress) -> None:
+    hook = PerReplica()
+    pubs = {
+        (s, r): Publisher(
+            bus.endpoint("events_in"), source=f"stage/{s}" + (f"/{r}" if r else ""), run_id="run-1"
+        )
+        for s in range(2)
+        for r in range(2)
+    }
+    try:
+        async with attached(hook, bus):
+            for (stage, replica), pub in pubs.items():
+                for step in range(1, 4):
+                    pub.publish(StepEnded(step=step, stage=stage, replica=replica))
+            await wait_until(lambda: hook.everything == 12)
+    finally:
+        for pub in pubs.values():
+            pub.close()
+    assert sorted(hook.replica0) == [(s, 0, k) for s in range(2) for k in range(1, 4)]
+    assert sorted(hook.stage1_replica1) == [(1, 1, k) for k in range(1, 4)]
+
+
+def test_a_replica_filter_refuses_what_names_no_replica() -> None:
+    with pytest.raises(ValueError, match="replica= names no replica"):
+        EventFilter(replica=[])
+    with pytest.raises(TypeError, match="replica= must hold ints only"):
+        EventFilter(replica=["0"])
+    with pytest.raises(TypeError, match="RunStarted has no replica field for replica= to read"):
+        on(RunStarted, replica=0)(lambda self, ev: None)
