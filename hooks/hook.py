@@ -67,12 +67,12 @@ def _indices(option: str, value: int | Collection[int] | None) -> frozenset[int]
     """``stage=`` / ``replica=``: one index or a non-empty collection of them."""
     if value is None:
         return None
-    given = (value,) if _is_index(value) else value
+    given: object = (value,) if _is_index(value) else value
     if isinstance(given, str | bytes) or not isinstance(given, Collection):
         raise TypeError(f"{option}= must be an int or a collection of ints, got {value!r}")
     if not all(_is_index(s) for s in given):
         raise TypeError(f"{option}= must hold ints only, got {value!r}")
-    indices = frozenset(given)  # type: ignore[arg-type]
+    indices = frozenset(int(s) for s in given)
     if not indices:
         raise ValueError(f"{option}= names no {option}: the handler would never be called")
     if min(indices) < 0:
