@@ -7,7 +7,8 @@ answers requests on the ``state`` endpoint with the events that make it up.
 ``step.ended`` is by far the most frequent state event and only the latest one of
 each stage counts, so it has its own subscription that the service samples: every
 ``STEP_PERIOD`` seconds it reads at most ``STEP_BUDGET`` of them (their ``stage``
-field only; one full decode per stage). Beyond that rate the queue fills and the
+and ``replica`` fields only; one full decode per stage; other replicas than 0
+are skipped, as the run state holds one entry per stage). Beyond that rate the queue fills and the
 broker drops step events for the service alone: the state may then be a fraction
 of a second old, but the service costs the broker almost nothing even at 100k
 events/s. Run, stage, eval, checkpoint and hook events are rare and read in
@@ -92,6 +93,7 @@ class _StepKey(msgspec.Struct):
     """The part of a `StepEnded` payload the service reads for every step."""
 
     stage: int
+    replica: int = 0
 
 
 _step_key = msgspec.msgpack.Decoder(_StepKey)
@@ -245,11 +247,12 @@ class StateService:
                     continue
                 if topic.bytes == _STEP_TOPIC:
                     try:
-                        stage = _step_key.decode(payload.buffer).stage
+                        key = _step_key.decode(payload.buffer)
                     except Exception:  # any garbage: skip it, never die
                         self.malformed += 1
                         continue
-                    steps[stage] = (_STEP_TOPIC, payload.bytes)
+                    if key.replica == 0:  # the state holds replica 0's steps, one per stage
+                        steps[key.stage] = (_STEP_TOPIC, payload.bytes)
                     continue
                 try:
                     msg = decode(payload.buffer, topic.bytes)

@@ -901,3 +901,22 @@ def test_binding_a_busy_bus_is_a_usage_error(ipc_bus: BusAddress, tcp_bus: BusAd
 def test_ping_a_missing_broker(ipc_bus: BusAddress) -> None:
     assert not ping_broker(ipc_bus, 0.2)
     assert fetch_snapshot(ipc_bus, 0.2) == []
+
+
+def test_the_state_service_keeps_replica_0s_step_of_each_stage(ipc_bus: BusAddress) -> None:
+    with Broker(ipc_bus):
+        with Publisher(ipc_bus.endpoint("events_in"), source="stage/1") as pub:
+            pub.publish(run_started(2))
+            pub.publish(StepEnded(step=5, stage=1, loss=0.5))
+            # Later, with another step: the snapshot must still hold replica 0's.
+            pub.publish(StepEnded(step=6, stage=1, replica=1, loss=0.25))
+            # Steps are folded in before any later state event: once the run's end
+            # is in the state, both steps were read.
+            pub.publish(RunEnded(status="completed", step=6))
+
+        def snapshot() -> list[Message]:
+            return fetch_snapshot(ipc_bus, 5)
+
+        until(lambda: any(isinstance(m, RunEnded) for m in snapshot()))
+        steps = [(m.stage, m.replica, m.step) for m in snapshot() if isinstance(m, StepEnded)]
+        assert steps == [(1, 0, 5)]
