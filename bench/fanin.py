@@ -531,7 +531,8 @@ def fanin_capacity(
 
     ``events_per_s`` / ``dropped`` are those of the fastest paced trial that lost
     nothing (else of the slowest paced trial): the rate one broker and one
-    subscriber keep up with. ``burst_*`` are the unpaced ceiling and its losses.
+    subscriber keep up with; a lower bound only when no paced trial lost events
+    (``limit_found`` False). ``burst_*`` are the unpaced ceiling and its losses.
     """
     burst = measure_fanin(publishers, total_events // publishers)
     report(burst)
@@ -542,6 +543,7 @@ def fanin_capacity(
         "publishers": publishers,
         "events_per_s": best["events_per_s"],
         "dropped": best["dropped"],
+        "limit_found": any(t["dropped"] for t in paced),
         "sent": best["sent"],
         "received": best["received"],
         "broker_cpu_us_per_event": best["broker_cpu_us_per_event"],
@@ -621,10 +623,13 @@ def main() -> None:
         if high["publishers"] > low["publishers"]
         else high["broker_kib_per_publisher"]
     )
-    lossless = lossless_rate([t for t in paced if t["publishers"] == biggest])
+    ladder_trials = [t for t in paced if t["publishers"] == biggest]
+    lossless = lossless_rate(ladder_trials)
+    limit_found = any(t["dropped"] for t in ladder_trials)
     print(
         f"{biggest} publishers: burst ceiling {ceiling:,} events/s received; lossless up to "
-        f"{lossless:,} events/s paced; broker RSS {per_publisher:.1f} KiB per connected "
+        f"{lossless:,} events/s paced{'' if limit_found else ' (no paced trial lost events)'}; "
+        f"broker RSS {per_publisher:.1f} KiB per connected "
         "publisher; broker CPU per event "
         + ", ".join(f"{t['publishers']}: {t['broker_cpu_us_per_event']:.2f} us" for t in same_load)
         + " at the same paced load"
@@ -637,6 +642,7 @@ def main() -> None:
         "burst_events_per_s": {str(t["publishers"]): t["events_per_s"] for t in burst},
         "burst_dropped": {str(t["publishers"]): t["dropped"] for t in burst},
         "lossless_events_per_s": lossless,
+        "lossless_limit_found": limit_found,
         "paced_target_events_per_s": same_load[0]["target_events_per_s"] if same_load else None,
         "paced_events_per_s": {str(t["publishers"]): t["events_per_s"] for t in same_load},
         "paced_dropped": {str(t["publishers"]): t["dropped"] for t in same_load},
