@@ -126,7 +126,7 @@ binds it only after taking the directory over, which a shared file system
 makes one directory for all nodes. Checkpoints need such a shared run
 directory (each stage writes its shard there, node 0's coordinator commits
 them). A failure that ended the run elsewhere reaches this node on the bus;
-its workers, still waiting on the dead peer, are ended by elastic
+its workers, still waiting on the dead peer, are killed
 `FAILED_WORKERS_GRACE_S` later. ``tests/test_multinode.py`` runs two nodes as
 network namespaces joined by a veth pair.
 """
@@ -247,7 +247,7 @@ FAILURE_SETTLE_S = 1.5
 FAILED_HOOK_GRACE_S = 1.0
 """Seconds hooks get after a failed run's `RunEnded` before they are terminated."""
 FAILED_WORKERS_GRACE_S = 5.0
-"""Seconds this node's workers get to end after the run failed before elastic ends them."""
+"""Seconds this node's workers get to end after the run failed before they are killed."""
 BUS_QUIET_S = 3.0
 """No event for this long while stages run (they send heartbeats every second): ask the broker."""
 _BUS_PING_TIMEOUT_S = 2.0
@@ -1165,20 +1165,23 @@ class Launcher:
         return code
 
     def _end_failed_workers(self) -> None:
-        """Have elastic end this node's workers once the run failed and they stay on.
+        """Kill this node's workers once the run failed and they stay on.
 
         The agent ends the survivors of a failure among its own workers. A
         failure on another node, heard of on the bus, leaves ours waiting for a
         peer that is gone (in a collective, or a gloo connect) until a timeout
-        half an hour later.
+        half an hour later. Blocked in a native call, they could not act on
+        elastic's SIGTERM either, and a failed run saves nothing at its end:
+        SIGKILL at once.
         """
         ended = self._run_end_published
         if ended is None or ended.status != "failed" or self._stop_phase >= 2:
             return
         if time.monotonic() - self._run_end_published_at < FAILED_WORKERS_GRACE_S:
             return
-        self._stop_phase = 1  # the next phase: elastic terminates the workers
-        self._escalate()
+        log.warning("the run failed; killing the stage workers of this node that wait on it")
+        self._stop_phase = 3  # their deaths are ours, not a failure
+        self._kill_agent()
 
     async def _wait_agent(self, timeout: float) -> None:
         assert self._agent is not None
