@@ -1,7 +1,5 @@
 """``python -m evtrain`` is the ``evtrain`` command."""
 
-import sys
+from evtrain.cli import run
 
-from evtrain.cli import main
-
-sys.exit(main())
+run()
