@@ -212,7 +212,7 @@ def _wait(predicate: Any, proc: Any, what: str, timeout: float = 60.0) -> Any:
 def test_coordinator_killed_mid_run_and_at_the_last_steps_commits_everything(
     tmp_path: Path, marker: str
 ) -> None:
-    steps = 60
+    steps = 40
     hooks = [{"type": "checkpoint", "every_steps": 10, "on_stop": True}, {"type": "recorder"}]
     spec = write_spec(tmp_path, steps=steps, hooks=hooks, delay=0.03)
     run = tmp_path / "run"
@@ -243,7 +243,7 @@ def test_coordinator_killed_mid_run_and_at_the_last_steps_commits_everything(
     assert proc.returncode == 0, out
     assert "completed" in out
     committed = sorted(i.step for i in list_checkpoints(run) if i.committed)
-    assert committed == [10, 20, 30, 40, 50, 60], out
+    assert committed == [10, 20, 30, 40], out
     recorded = events(run)
     kinds = [e["type"] for e in recorded]
     assert any(e["type"] == "checkpoint.committed" and e["step"] == steps for e in recorded), (
