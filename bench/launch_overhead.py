@@ -4,9 +4,9 @@ evtrain: ``evtrain launch examples/mlp.py --steps 10 --quiet --run-dir TMP`` (th
 MLP 16-64-64-1 on 2 stages, 1F1B, 4 microbatches of 16, Adam, its logging hook),
 plus ``--log-level debug --log-format json`` and ``LOGLEVEL=INFO`` (elastic's own
 log lines): those timestamped lines are where most of the breakdown comes from
-(about 60 lines a run). It runs as ``python -c`` with the console script's two
-lines (``sys.exit(main())``) and one more line when ``main`` has returned, so
-that the interpreter's teardown shows on its own.
+(about 60 lines a run). It runs as ``python -c`` calling the console script's
+``evtrain.cli.run`` with one more line when the command has returned, so that
+the exit (``os._exit`` once flushed) shows on its own.
 
 torchrun: ``torchrun --standalone --nproc-per-node 2`` on a plain torch script this
 bench writes to a temp dir: the same layers split the same way (layers 0-1 | 2-4),
@@ -202,15 +202,20 @@ print(json.dumps({
 CLI = """
 import json, sys
 from datetime import datetime, timezone
-from evtrain.cli import main
+import evtrain.cli as cli
 sys.argv[0] = "evtrain"
-code = main()
-now = datetime.now(timezone.utc).isoformat()
-sys.stderr.write(json.dumps({"event": "bench: main returned", "timestamp": now}) + "\\n")
-sys.stderr.flush()
-sys.exit(code)
+dispatch = cli._dispatch
+def marked(argv):
+    result = dispatch(argv)
+    now = datetime.now(timezone.utc).isoformat()
+    sys.stderr.write(json.dumps({"event": "bench: main returned", "timestamp": now}) + "\\n")
+    sys.stderr.flush()
+    return result
+cli._dispatch = marked
+cli.run()
 """
-"""The ``evtrain`` console script (``sys.exit(main())``), plus one line when main returns."""
+"""The ``evtrain`` console script (``evtrain.cli:run``, its exit included), plus one line
+when the command has returned."""
 
 
 # ------------------------------------------------------------------ /proc watch
@@ -437,7 +442,7 @@ EVTRAIN_PHASES: list[tuple[str, str]] = [
     ("hooks_exited", "launcher: sees the agent gone, RunEnded, hooks end"),
     ("broker_stopped", "launcher: summary, run.json, publishers, broker stop"),
     ("main_returned", "launcher: ipc dir removed, console closed"),
-    ("exit", "launcher: interpreter teardown (torch, _dynamo loaded)"),
+    ("exit", "launcher: exit (zmq flushed, os._exit)"),
 ]
 
 COARSE: dict[str, list[str]] = {
