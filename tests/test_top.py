@@ -442,3 +442,14 @@ def test_mistakes_are_one_line_and_exit_2(
     err = capsys.readouterr().err.strip()
     assert err.startswith("evtrain top: error: ") and "\n" not in err, err
     assert message in err
+
+
+def test_top_of_a_run_directory_takes_the_launchs_curve_keys(tmp_path: Path) -> None:
+    from evtrain.commands.top import bus_of_run_dir
+    from evtrain.run_record import write_run_record
+
+    record = {"status": "running", "bus": "tcp://127.0.0.1:5999", "launcher_pid": os.getpid()}
+    write_run_record(tmp_path, {**record, "curve_dir": "/keys"})
+    assert bus_of_run_dir(str(tmp_path)) == ("tcp://127.0.0.1:5999", "/keys")
+    write_run_record(tmp_path, {**record, "curve_dir": None})
+    assert bus_of_run_dir(str(tmp_path)) == ("tcp://127.0.0.1:5999", None)

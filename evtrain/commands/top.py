@@ -50,8 +50,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
-def bus_of_run_dir(run_dir: str) -> str:
-    """The bus address ``RUN_DIR/run.json`` records for a launch still running there."""
+def bus_of_run_dir(run_dir: str) -> tuple[str, str | None]:
+    """The bus address and the CURVE key directory (None: no CURVE) that
+    ``RUN_DIR/run.json`` records for a launch still running there."""
     directory = Path(run_dir)
     if not directory.is_dir():
         raise UsageError(f"{run_dir}: no such directory")
@@ -70,7 +71,8 @@ def bus_of_run_dir(run_dir: str) -> str:
     if not launcher_alive(record):
         pid = record.get("launcher_pid")
         raise UsageError(f"the run in {run_dir} is not running: its launcher (pid {pid}) is gone")
-    return bus
+    curve_dir = record.get("curve_dir")
+    return bus, curve_dir if isinstance(curve_dir, str) and curve_dir else None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -82,7 +84,9 @@ def run(args: argparse.Namespace) -> int:
     if args.run_dir is not None:
         if args.bus is not None and args.bus != os.environ.get(BUS_ENV):
             raise UsageError("give either RUN_DIR or --bus, not both")
-        args.bus = bus_of_run_dir(args.run_dir)
+        args.bus, recorded_curve = bus_of_run_dir(args.run_dir)
+        if not getattr(args, "curve_dir", None):
+            args.curve_dir = recorded_curve  # the launch's own keys, unless told otherwise
     elif args.bus is None:
         raise UsageError(f"give RUN_DIR or --bus ADDRESS (or set ${BUS_ENV})")
     address, curve = connect_bus(args)
