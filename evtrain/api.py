@@ -159,6 +159,7 @@ def launch(
     run_id: str | None = None,
     quiet: bool = False,
     out: TextIO | None = None,
+    curve_dir: str | os.PathLike[str] | None = None,
     **overrides: Any,
 ) -> LaunchResult:
     """Train ``spec`` (a spec file or a `Job`) to the end; see the module docstring.
@@ -166,6 +167,8 @@ def launch(
     ``resume``: ``"auto"`` (the latest committed checkpoint if there is one,
     else step 0), ``"latest"`` (it must exist) or a checkpoint path.
     ``overwrite`` starts over in a run directory that holds a run.
+    ``curve_dir``: secure the run's bus with the CURVE keys there, as
+    ``evtrain launch --curve-dir`` does.
     """
     from evtrain.launcher import Launcher, LaunchOptions
 
@@ -179,6 +182,7 @@ def launch(
         run_id=run_id,
         quiet=quiet,
         log_level=_log_level(quiet),
+        curve_dir=None if curve_dir is None else str(curve_dir),
     )
     launcher = Launcher(options, out=out)
     status = _run(launcher)

@@ -69,7 +69,8 @@ class Trained:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trained]:
-    """`evtrain.launch` of the spec, run in this process (its children carry a marker)."""
+    """`evtrain.launch` of the spec, run in this process (its children carry a marker),
+    on a bus secured with CURVE keys the launch makes."""
     directory = tmp_path_factory.mktemp("api")
     spec = write_spec(directory)
     token = new_marker()
@@ -77,7 +78,9 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trained]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(MARKER_ENV, token)
         try:
-            result = evtrain.launch(spec, eval_every=EVAL_EVERY, out=shown)
+            result = evtrain.launch(
+                spec, eval_every=EVAL_EVERY, out=shown, curve_dir=directory / "keys"
+            )
         finally:
             left = wait_no_marked(token, timeout=10.0)
             kill_marked(token)
@@ -91,6 +94,9 @@ def test_launch_returns_the_result_of_the_run(trained: Trained) -> None:
     assert result.run_dir == run and result.steps == STEPS and result.root_cause is None
     record = read_run_record(run)
     assert record is not None and record["run_id"] == result.run_id
+    # The bus was secured: the launch made the keys its processes used.
+    keys = run.parent / "keys"
+    assert record["curve_dir"] == str(keys) and (keys / "client.key_secret").is_file()
     metrics = lines(run / "metrics.jsonl")
     steps = [r for r in metrics if r["type"] == "step"]
     evals = [r for r in metrics if r["type"] == "eval"]
