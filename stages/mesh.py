@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import init_device_mesh
 
 __all__ = ["Place", "StageGroups", "build_groups"]
 
@@ -71,18 +71,11 @@ class Place:
         """Global rank of the next stage of this replica (None on the last stage)."""
         return self.rank_of(self.stage + 1) if self.stage < self.num_stages - 1 else None
 
-    def describe(self) -> str:
-        """``stage 1`` or, with data parallelism, ``stage 1 replica 0``."""
-        if self.replicas == 1:
-            return f"stage {self.stage}"
-        return f"stage {self.stage} replica {self.replica}"
-
 
 @dataclass
 class StageGroups:
     """The process groups of one process (see the module docstring); None with one process."""
 
-    mesh: DeviceMesh | None
     pipeline: dist.ProcessGroup | None
     pipeline_grads: dist.ProcessGroup | None
     replicas: dist.ProcessGroup | None
@@ -94,7 +87,7 @@ def build_groups(
 ) -> StageGroups:
     """Create the mesh and every group (collective: all processes call it, in step)."""
     if place.world_size == 1:
-        return StageGroups(None, None, None, None, None)
+        return StageGroups(None, None, None, None)
     mesh = init_device_mesh(
         device.type, (place.num_stages, place.replicas), mesh_dim_names=("pp", "dp")
     )
@@ -107,4 +100,4 @@ def build_groups(
         if replica == place.replica and place.num_stages > 1:
             pipeline_grads = group
     control = dist.new_group(backend="gloo", timeout=timeout)
-    return StageGroups(mesh, pipeline, pipeline_grads, replicas, control)
+    return StageGroups(pipeline, pipeline_grads, replicas, control)
