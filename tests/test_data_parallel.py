@@ -4,21 +4,28 @@ P=2 stages x D=2 replicas run as four real processes (gloo, a (pp, dp) device
 mesh, DDP's reducer per stage). Twenty steps must equal a single-process loop
 on the whole batch within 1e-5 — also with gradient accumulation and
 clipping — and a D=2 checkpoint must resume at D=1 and at P=3 to within 1e-6
-of the uninterrupted run.
+of the uninterrupted run. One replica's process killed with SIGKILL restarts
+all four from the last commit to bitwise the same weights.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
+import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+import test_resume
 import torch
-from launch_helpers import new_marker, run_launch, write_spec
+from launch_helpers import kill_marked, launch_cmd, launch_env, new_marker, run_launch, write_spec
 from safetensors.torch import load_file
 
-from evtrain.checkpoint import list_checkpoints
+from evtrain.checkpoint import latest_committed, list_checkpoints
 from evtrain.spec import apply_overrides, load_job
 from evtrain.stages.partition import build_full_model
 
@@ -207,3 +214,47 @@ def test_replicas_read_disjoint_shares_that_make_up_the_batch(kind: str) -> None
         torch.testing.assert_close(torch.cat([p[0] for p in parts]), x, rtol=0, atol=0)
         torch.testing.assert_close(torch.cat([p[1] for p in parts]), y, rtol=0, atol=0)
         assert not set(parts[0][0].flatten().tolist()) & set(parts[1][0].flatten().tolist())
+
+
+def test_a_replica_killed_mid_run_restarts_every_process_to_the_same_weights(
+    tmp_path: Path,
+) -> None:
+    hooks = test_resume.ckpt_hook(every_steps=2, keep_last=5)
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    launch(test_resume.write_spec(ref, hooks=hooks), "--dp", "2", "--dump-weights", str(ref / "w"))
+
+    d, pids = tmp_path / "killed", tmp_path / "killed" / "pids"
+    d.mkdir()
+    spec = test_resume.write_spec(d, delay=0.05, pid_dir=str(pids), hooks=hooks)
+    marker = new_marker()
+    args = ("--dp", "2", "--max-restarts", "1", "--log-level", "info", "--dump-weights")
+    proc = subprocess.Popen(
+        launch_cmd(spec, *args, str(d / "w")),
+        env=launch_env(marker),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while (d / "run").is_dir() is False or latest_committed(d / "run") is None:
+            assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint came"
+            time.sleep(0.05)
+        # Rank 3: stage 1 of replica 1 (its layer records RANK-pid when built).
+        victim = int(next(pids.glob("3-*")).name.split("-")[1])
+        os.kill(victim, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        kill_marked(marker)
+    assert proc.returncode == 0, out
+    assert "stage 1 replica 1 was killed by SIGKILL" in out
+    # Every process of both replicas resumed from the commit.
+    assert len(re.findall(r"\bresumed\b.*path=", out)) == 4, out
+    assert len(list(pids.glob("3-*"))) == 2  # the killed process was started again
+    got, want = dumped(d / "w"), dumped(ref / "w")
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
