@@ -36,6 +36,12 @@ Who publishes what:
 * the last stage: ``EvalStarted``/``EvalEnded`` (it holds the metrics), and
   ``EvalProgress`` with its heartbeats while it evaluates.
 
+With data parallelism (`evtrain.stages.mesh`) each of these is replica 0's
+(stage 0 is global rank 0). The other replicas publish only their own
+``StageStarted``, steps, spans, heartbeats, ``StageStopped`` and
+``StageFailed``, all with ``replica`` set: they acknowledge no command,
+write no shard (their weights equal replica 0's) and evaluate nothing.
+
 Evaluation: at an evaluation boundary every stage runs the job's eval sets
 in order (`evtrain.job.Job.eval_sets`), one forward-only pass each. One
 ``EvalEnded`` carries the metrics of all of them, prefixed ``SET/`` for
