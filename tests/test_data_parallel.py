@@ -14,15 +14,13 @@ import json
 import os
 import re
 import signal
-import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import test_resume
 import torch
-from launch_helpers import kill_marked, launch_cmd, launch_env, new_marker, run_launch, write_spec
+from launch_helpers import kill_marked, new_marker, run_launch, start_launch, write_spec
 from safetensors.torch import load_file
 
 from evtrain.checkpoint import latest_committed, list_checkpoints
@@ -229,23 +227,17 @@ def test_a_replica_killed_mid_run_restarts_every_process_to_the_same_weights(
     spec = test_resume.write_spec(d, delay=0.05, pid_dir=str(pids), hooks=hooks)
     marker = new_marker()
     args = ("--dp", "2", "--max-restarts", "1", "--log-level", "info", "--dump-weights")
-    proc = subprocess.Popen(
-        launch_cmd(spec, *args, str(d / "w")),
-        env=launch_env(marker),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    proc = start_launch(spec, *args, str(d / "w"), marker=marker)
     try:
-        deadline = time.monotonic() + 60
-        while (d / "run").is_dir() is False or latest_committed(d / "run") is None:
-            assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint came"
-            time.sleep(0.05)
+        run = d / "run"
+        test_resume._wait_for(
+            lambda: run.is_dir() and latest_committed(run) is not None, 60, "a checkpoint"
+        )
         # Rank 3: stage 1 of replica 1 (its layer records RANK-pid when built).
         victim = int(next(pids.glob("3-*")).name.split("-")[1])
         os.kill(victim, signal.SIGKILL)
-        out, _ = proc.communicate(timeout=90)
+        stdout, stderr = proc.communicate(timeout=90)
+        out = stdout + stderr
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -255,6 +247,4 @@ def test_a_replica_killed_mid_run_restarts_every_process_to_the_same_weights(
     # Every process of both replicas resumed from the commit.
     assert len(re.findall(r"\bresumed\b.*path=", out)) == 4, out
     assert len(list(pids.glob("3-*"))) == 2  # the killed process was started again
-    got, want = dumped(d / "w"), dumped(ref / "w")
-    assert sorted(got) == sorted(want)
-    assert all(torch.equal(got[k], want[k]) for k in want)
+    test_resume.assert_bitwise(dumped(d / "w"), dumped(ref / "w"))
