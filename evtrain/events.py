@@ -231,6 +231,10 @@ class MicrobatchForward(MicrobatchSpan, kw_only=True, tag="microbatch.forward"):
 class MicrobatchBackward(MicrobatchSpan, kw_only=True, tag="microbatch.backward"):
     """One backward computation of one microbatch on one stage."""
 
+    part: Literal["", "input", "weight"] = ""
+    """A zero-bubble schedule's split backward: its ``input`` half (I) or its
+    ``weight`` half (W); empty for a whole backward."""
+
 
 class MicrobatchWait(MicrobatchSpan, kw_only=True, tag="microbatch.wait"):
     """Time a stage blocked on point-to-point communication (``op``: recv_act, recv_grad...)."""

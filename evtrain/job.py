@@ -83,7 +83,7 @@ map-style dataset of ``(input, target)`` pairs (of dicts, with `Job.input_keys`)
 
 
 SCHEDULES: tuple[str, ...] = tuple(s.value for s in Schedule)
-"""Pipeline schedule names (``"gpipe"``, ``"1f1b"``)."""
+"""Pipeline schedule names (``"gpipe"``, ``"1f1b"``, ``"zb"``)."""
 
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
 """Values of `Job.precision`."""
@@ -494,7 +494,8 @@ class Job:
     the meta device with one microbatch of the data). ``None`` is ``"params"``."""
 
     schedule: str = "1f1b"
-    """Pipeline schedule: ``"1f1b"`` or ``"gpipe"``."""
+    """Pipeline schedule: ``"1f1b"``, ``"gpipe"`` or ``"zb"`` (zero bubble: the
+    backward split into input and weight halves, `evtrain.stages.schedules`)."""
 
     device: str = "cpu"
     """``"cpu"`` or ``"cuda"`` (each stage then uses ``cuda:{local_rank}``, NCCL)."""

@@ -104,7 +104,8 @@ class TimelineSpan:
     step: int = 0
     microbatch: int = 0
     op: str = ""
-    """For waits: what the stage waited for (``recv_act``, ``recv_grad``, ``reduce``...)."""
+    """For waits: what the stage waited for (``recv_act``, ``recv_grad``, ``reduce``...);
+    for a split backward's halves: ``input`` or ``weight``."""
     source: str = ""
     """The publishing process (``stage/1``, ``stage/1/2``)."""
     replica: int = 0
@@ -117,11 +118,13 @@ class TimelineSpan:
 
     @property
     def label(self) -> str:
-        """``F3`` (forward of microbatch 3), ``B3``, or ``wait recv_act``."""
+        """``F3`` (forward of microbatch 3), ``B3`` (or its halves ``I3``, ``W3``),
+        or ``wait recv_act``."""
         if self.kind == "forward":
             return f"F{self.microbatch}"
         if self.kind == "backward":
-            return f"B{self.microbatch}"
+            part = {"input": "I", "weight": "W"}.get(self.op, "B")
+            return f"{part}{self.microbatch}"
         return f"wait {self.op}" if self.op else "wait"
 
 
@@ -199,7 +202,11 @@ def spans_from_events(events: Iterable[object]) -> list[TimelineSpan]:
                 end=ev.end,
                 step=ev.step,
                 microbatch=ev.microbatch,
-                op=ev.op if isinstance(ev, MicrobatchWait) else "",
+                op=ev.op
+                if isinstance(ev, MicrobatchWait)
+                else ev.part
+                if isinstance(ev, MicrobatchBackward)
+                else "",
                 source=ev.source,
                 replica=ev.replica,
             )
@@ -262,6 +269,14 @@ def load_run_spans(run_dir: str | Path) -> list[TimelineSpan]:
     return load_run(run_dir).spans
 
 
+_SIMULATED_KINDS: dict[str, SpanKind] = {
+    "forward": "forward",
+    "backward": "backward",
+    "weight": "backward",
+    "reduce": "wait",
+}
+
+
 def spans_from_simulation(
     result: SimulationResult, *, seconds_per_unit: float = 1e-3, step: int = 0
 ) -> list[TimelineSpan]:
@@ -273,12 +288,12 @@ def spans_from_simulation(
     spans = [
         TimelineSpan(
             stage=stage,
-            kind="wait" if span.kind == "reduce" else span.kind,
+            kind=_SIMULATED_KINDS[span.kind],
             start=span.start * seconds_per_unit,
             end=span.end * seconds_per_unit,
             step=step,
             microbatch=span.microbatch,
-            op="reduce" if span.kind == "reduce" else "",
+            op={"reduce": "reduce", "weight": "weight"}.get(span.kind, ""),
             source=f"stage/{stage}",
         )
         for stage, timeline in enumerate(result.timelines)

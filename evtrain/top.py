@@ -18,7 +18,8 @@ stages (`StepMerger`), forward / backward / wait / other shares of step time
 (`StageTimes`), over the last `WINDOW` steps. The wait share is the pipeline
 bubble as that stage sees it (what the Prometheus exporter calls
 ``evtrain_bubble_ratio``); the pipeline line sets the share of all stages
-together against what the schedule predicts, ``(P - 1) / (M + P - 1)``.
+together against what the schedule predicts (`bubble_fraction`: ``(P - 1) /
+(M + P - 1)`` for GPipe and 1F1B).
 With data parallelism every replica of a stage has its own row (its own step
 times, shares, memory and heartbeat), and the run's figures count each step
 once.
@@ -510,10 +511,12 @@ class TopModel(Hook):
 
 def _theory(run: RunStarted) -> float | None:
     try:
-        parse_schedule(run.schedule)  # the formula holds for the schedules evtrain knows
+        schedule = parse_schedule(run.schedule)  # formulas exist for evtrain's schedules only
     except UsageError:
         return None
-    return bubble_fraction(run.num_stages, run.num_microbatches)
+    if schedule.splits_backward and run.num_microbatches < run.num_stages:
+        return None  # zero bubble's formula needs M >= P
+    return bubble_fraction(run.num_stages, run.num_microbatches, schedule)
 
 
 def _pid_alive(pid: int) -> bool | None:

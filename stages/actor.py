@@ -812,20 +812,22 @@ class StageActor:
 
     def _span_event(self, step: int, span: Span) -> Event:
         start, end = self._wall(span.start), self._wall(span.end)
-        mb = span.microbatch
-        stage, replica = self.stage, self.replica
+        where: dict[str, Any] = {
+            "step": step,
+            "stage": self.stage,
+            "replica": self.replica,
+            "microbatch": span.microbatch,
+            "start": start,
+            "end": end,
+        }
         if span.kind == "wait":
-            return MicrobatchWait(
-                step=step,
-                stage=stage,
-                replica=replica,
-                microbatch=mb,
-                start=start,
-                end=end,
-                op=span.op,
-            )
-        kind = MicrobatchForward if span.kind == "forward" else MicrobatchBackward
-        return kind(step=step, stage=stage, replica=replica, microbatch=mb, start=start, end=end)
+            return MicrobatchWait(**where, op=span.op)
+        if span.kind == "forward":
+            return MicrobatchForward(**where)
+        part: Literal["", "input", "weight"] = (
+            "input" if span.op == "input" else "weight" if span.op == "weight" else ""
+        )
+        return MicrobatchBackward(**where, part=part)
 
     def _peak_memory(self) -> int:
         if self.device.type == "cuda":

@@ -14,15 +14,20 @@ How instructions map to communication (see `evtrain.stages.p2p`):
   `RecvActivation` / `RecvGrad` then only wait for the data. gloo moves a
   message only once its receive is posted, so a just-in-time receive would
   cost a round trip. ``recv_window`` can bound how many are posted ahead.
-* 1F1B runs with one extra warm-up forward on every stage but the last
-  (`DEFAULT_LOOKAHEAD`), so activations arrive before they are needed.
+* 1F1B and zero bubble run with one extra warm-up forward on every stage
+  but the last (`DEFAULT_LOOKAHEAD`), so activations arrive before they are
+  needed.
 * `SendActivation` / `SendGrad` post an ``isend`` and never wait for it; the
   sends are waited on once, at the end of the step, when every peer has
   certainly posted the matching receive (so this cannot deadlock).
+* `BackwardInput` / `BackwardWeight` (zero bubble) are the two halves of
+  `Backward` (`evtrain.stages.backward`).
 * `ReduceGrads` makes the gradients final: with data parallelism DDP's
   reducer (`evtrain.stages.data_parallel`) has averaged them over the
-  stage's replicas during the step's last backward, which is the one it arms;
-  here the tied weights' gradients are summed over their stages.
+  stage's replicas during the step's last backward, which is the one it arms
+  (a split backward has no such single backward: its gradients are averaged
+  here, in one flat all-reduce); here too the tied weights' gradients are
+  summed over their stages.
 * `OptimizerStep` is the step boundary: the per-step control exchange
   (global gradient norm, global mean loss, commands, signals —
   `evtrain.stages.control`), clipping, the optimizer and LR-scheduler steps.
@@ -41,6 +46,7 @@ microbatch and computed once at the end of the set.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import time
@@ -54,11 +60,14 @@ from torch import nn
 from evtrain.data import DataStream, eval_microbatches
 from evtrain.job import Job, MetricFactory, is_metric_object
 from evtrain.loading import Reader
+from evtrain.stages.backward import SplitBackward
 from evtrain.stages.boundary import BoundarySpec, call, flatten, split
 from evtrain.stages.control import ControlResult, StepControl
 from evtrain.stages.data_parallel import Replicas
 from evtrain.stages.instructions import (
     Backward,
+    BackwardInput,
+    BackwardWeight,
     Forward,
     Instruction,
     LoadMicrobatch,
@@ -72,7 +81,7 @@ from evtrain.stages.instructions import (
 from evtrain.stages.mesh import Place
 from evtrain.stages.p2p import Mailbox, PendingRecv
 from evtrain.stages.precision import LossScaler, autocast
-from evtrain.stages.schedules import build_schedule
+from evtrain.stages.schedules import Schedule, build_schedule, parse_schedule
 from evtrain.stages.tied import TiedWeights
 
 __all__ = ["DEFAULT_LOOKAHEAD", "EvalSet", "EvalStats", "Span", "StageExecutor", "StepStats"]
@@ -88,7 +97,8 @@ class Span:
     start: float
     end: float
     op: str = ""
-    """For waits: ``recv_act``, ``recv_grad``, ``send``, ``reduce`` or ``control``."""
+    """For waits: ``recv_act``, ``recv_grad``, ``send``, ``reduce`` or ``control``;
+    for the halves of a split backward: ``input`` or ``weight``."""
 
 
 @dataclass
@@ -211,7 +221,9 @@ class StageExecutor:
         self.stop_requested = False
         """Set (from another thread) when this process got SIGTERM/SIGINT."""
 
-        self.lookahead = lookahead if job.schedule == "1f1b" else 0
+        kind = parse_schedule(job.schedule)
+        self.lookahead = 0 if kind is Schedule.GPIPE else lookahead
+        self._split = SplitBackward(self.params) if kind.splits_backward else None
         program = build_schedule(
             job.schedule, stage, num_stages, self.M, lookahead=self.lookahead, reduce_grads=True
         )
@@ -266,6 +278,8 @@ class StageExecutor:
             SendActivation: self._send_activation,
             RecvGrad: self._recv_grad_wait,
             Backward: self._backward,
+            BackwardInput: self._backward_input,
+            BackwardWeight: self._backward_weight,
             SendGrad: self._send_grad,
         }
         compiled = []
@@ -336,11 +350,17 @@ class StageExecutor:
 
     def _reduce_grads(self) -> None:
         """`ReduceGrads`: the replicas' average is in (DDP finalized it at the end of
-        the last backward); sum the tied weights' gradients over their stages."""
-        if self.tied is None:
+        the last backward) or, with a split backward, taken here; sum the tied
+        weights' gradients over their stages."""
+        average = self._split is not None and self.replicas is not None
+        if self.tied is None and not average:
             return
         start = time.perf_counter()
-        self.tied.reduce_grads()
+        if average:
+            assert self.replicas is not None
+            self.replicas.average_grads(self.params)
+        if self.tied is not None:
+            self.tied.reduce_grads()
         end = time.perf_counter()
         self.mailbox.wait_s += end - start
         if self._spans is not None:
@@ -564,21 +584,48 @@ class StageExecutor:
             self._recv_grad[nxt] = self.mailbox.post_recv_grad(spec)
         self._grads[m] = grads
 
-    def _backward(self, m: int) -> None:
-        start = time.perf_counter()
-        tensors: list[torch.Tensor]
-        grads: list[torch.Tensor] | None
+    def _backward_roots(self, m: int) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """What microbatch ``m``'s backward starts from: the scaled loss (last
+        stage), or the outputs that take a gradient with the gradients received."""
         if self.last:
             loss = self._losses[m]
             self._losses[m] = None
             assert loss is not None
             scale = self._loss_scale * (self.scaler.scale if self.scaler is not None else 1.0)
-            tensors, grads = [loss * scale], None
-        else:
-            outs, received = self._outputs[m] or [], self._grads[m] or []
-            self._outputs[m] = self._grads[m] = None
-            pairs = [(o, g) for o, g in zip(outs, received, strict=True) if o.requires_grad]
-            tensors, grads = [o for o, _ in pairs], [g for _, g in pairs]
+            return [loss * scale], None
+        outs, received = self._outputs[m] or [], self._grads[m] or []
+        self._outputs[m] = self._grads[m] = None
+        pairs = [(o, g) for o, g in zip(outs, received, strict=True) if o.requires_grad]
+        return [o for o, _ in pairs], [g for _, g in pairs]
+
+    def _backward_input(self, m: int) -> None:
+        assert self._split is not None
+        start = time.perf_counter()
+        tensors, grads = self._backward_roots(m)
+        with self._local_grads():
+            self._split.input_half(m, tensors, grads, self._in_leaves[m] or [])
+        self._backward_span(m, start, "input")
+
+    def _backward_weight(self, m: int) -> None:
+        assert self._split is not None
+        start = time.perf_counter()
+        with self._local_grads():
+            self._split.weight_half(m)
+        self._backward_span(m, start, "weight")
+
+    def _local_grads(self) -> contextlib.AbstractContextManager[None]:
+        """Gradients accumulate on this replica only (DDP's reducer stays off)."""
+        return self.replicas.accumulating() if self.replicas else contextlib.nullcontext()
+
+    def _backward_span(self, m: int, start: float, part: str = "") -> None:
+        end = time.perf_counter()
+        self._backward_s += end - start
+        if self._spans is not None:
+            self._spans.append(Span("backward", self._mb_offset + m, start, end, part))
+
+    def _backward(self, m: int) -> None:
+        start = time.perf_counter()
+        tensors, grads = self._backward_roots(m)
         if tensors:
             replicas = self.replicas
             if replicas is None:
@@ -589,10 +636,7 @@ class StageExecutor:
             else:
                 with replicas.accumulating():
                     torch.autograd.backward(tensors, grads)
-        end = time.perf_counter()
-        self._backward_s += end - start
-        if self._spans is not None:
-            self._spans.append(Span("backward", self._mb_offset + m, start, end))
+        self._backward_span(m, start)
 
     def _send_grad(self, m: int) -> None:
         leaves = self._in_leaves[m]

@@ -6,8 +6,8 @@ list of these; the stage executor runs the list and the simulator
 is a frozen, hashable msgspec Struct, tagged by class name so a list can be
 msgpack-encoded (e.g. into an event) and decoded back as `Instruction`.
 
-They print compactly for debugging — `L3 RA3 F3 SA3 RG3 B3 SG3 RED OPT` —
-see `format_instructions`.
+They print compactly for debugging — `L3 RA3 F3 SA3 RG3 B3 SG3 RED OPT`, or
+with a split backward `RG3 I3 SG3 ... W3` — see `format_instructions`.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import msgspec
 
 __all__ = [
     "Backward",
+    "BackwardInput",
+    "BackwardWeight",
     "Forward",
     "Instruction",
     "LoadMicrobatch",
@@ -92,6 +94,22 @@ class Backward(_MicrobatchInstruction, frozen=True):
     code: ClassVar[str] = "B"
 
 
+class BackwardInput(_MicrobatchInstruction, frozen=True):
+    """The first half of a split backward: the gradient of this stage's input
+    only (what `SendGrad` sends upstream); the weight gradients wait for
+    `BackwardWeight`. Zero-bubble schedules run it where 1F1B runs `Backward`."""
+
+    code: ClassVar[str] = "I"
+
+
+class BackwardWeight(_MicrobatchInstruction, frozen=True):
+    """The second half of a split backward: the microbatch's weight gradients,
+    from what its `BackwardInput` kept. Not on the critical path, so a
+    schedule places it in what would otherwise be a bubble."""
+
+    code: ClassVar[str] = "W"
+
+
 class SendGrad(_MicrobatchInstruction, frozen=True):
     """Send the gradient of this stage's input to the previous stage (non-blocking)."""
 
@@ -112,23 +130,21 @@ class OptimizerStep(_Base, frozen=True):
     code: ClassVar[str] = "OPT"
 
 
-Instruction = (
+MicrobatchInstruction = (
     LoadMicrobatch
     | RecvActivation
     | Forward
     | SendActivation
     | RecvGrad
     | Backward
+    | BackwardInput
+    | BackwardWeight
     | SendGrad
-    | ReduceGrads
-    | OptimizerStep
-)
-"""Any pipeline instruction (a tagged union, decodable with msgspec)."""
-
-MicrobatchInstruction = (
-    LoadMicrobatch | RecvActivation | Forward | SendActivation | RecvGrad | Backward | SendGrad
 )
 """The instructions about one microbatch (they have ``microbatch``)."""
+
+Instruction = MicrobatchInstruction | ReduceGrads | OptimizerStep
+"""Any pipeline instruction (a tagged union, decodable with msgspec)."""
 
 
 def format_instructions(instructions: Iterable[Instruction]) -> str:

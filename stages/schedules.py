@@ -16,7 +16,7 @@ stage's last backward: the point where the stage's gradients are final —
 averaged over its data-parallel replicas and summed over the stages of its
 tied weights (DeepSpeed's ReduceTiedGrads and ReduceGrads).
 
-The two schedules only differ in how the blocks interleave:
+The schedules differ in how the blocks interleave:
 
 * GPipe: all M forward blocks, then all M backward blocks in the order
   0..M-1 on every stage (as torch.distributed.pipelining's ScheduleGPipe).
@@ -28,9 +28,22 @@ The two schedules only differ in how the blocks interleave:
   (forward w+i, backward i), then the w cool-down backwards. At most
   ``min(P - r, M)`` activations are alive at once.
 
-Both have the bubble fraction (P-1)/(M+P-1) when forward and backward costs
-are equal per stage. M < P is fine: 1F1B then degenerates to warm-up and
-cool-down only on the early stages.
+* Zero bubble ("zb", ZB-H1 of Qi et al., "Zero Bubble Pipeline
+  Parallelism", arXiv 2401.10241; torch's ScheduleInterleavedZeroBubble with
+  one stage per rank builds the same order): the backward is split into
+  `BackwardInput` (I: the input gradient, sent upstream at once) and
+  `BackwardWeight` (W: the weight gradients). Stage r runs 1F1B's warm-up,
+  then (F, I) pairs and cool-down I's as 1F1B runs (F, B), but its W's
+  trail its I's by r microbatches: the last stage defers the most, so the
+  gradient chain back to stage 0 costs I's only, and the deferred W's fill
+  the cool-down bubble. With F = I = W per stage the idle time per stage
+  drops from 1F1B's (P-1)(F+I+W) to (P-1)(F+I-W), a third. Every stage
+  holds at most ``min(P, M)`` activations (a microbatch's activations live
+  until its W): 1F1B's peak, which 1F1B reaches on stage 0 only.
+
+GPipe and 1F1B have the bubble fraction (P-1)/(M+P-1) when forward and
+backward costs are equal per stage. M < P is fine: 1F1B then degenerates to
+warm-up and cool-down only on the early stages.
 
 Receives are meant to block and sends not to (buffered/posted, waited on
 later). With sends that block until the peer receives, the plain 1F1B list
@@ -45,6 +58,8 @@ from enum import StrEnum
 from evtrain.errors import UsageError
 from evtrain.stages.instructions import (
     Backward,
+    BackwardInput,
+    BackwardWeight,
     Forward,
     Instruction,
     LoadMicrobatch,
@@ -72,6 +87,12 @@ class Schedule(StrEnum):
 
     GPIPE = "gpipe"
     ONE_F_ONE_B = "1f1b"
+    ZERO_BUBBLE = "zb"
+
+    @property
+    def splits_backward(self) -> bool:
+        """Whether the backward runs as `BackwardInput` + `BackwardWeight`."""
+        return self is Schedule.ZERO_BUBBLE
 
 
 def parse_schedule(schedule: str | Schedule) -> Schedule:
@@ -110,13 +131,17 @@ def forward_block(stage: int, num_stages: int, microbatch: int) -> list[Instruct
     return block
 
 
-def backward_block(stage: int, num_stages: int, microbatch: int) -> list[Instruction]:
-    """The instructions around microbatch `microbatch`'s backward on `stage`."""
+def backward_block(
+    stage: int, num_stages: int, microbatch: int, *, split: bool = False
+) -> list[Instruction]:
+    """The instructions around microbatch `microbatch`'s backward on `stage`;
+    with ``split`` only its input half (`BackwardInput`), the `BackwardWeight`
+    being placed by the schedule."""
     first, last = stage == 0, stage == num_stages - 1
     block: list[Instruction] = []
     if not last:
         block.append(RecvGrad(microbatch))
-    block.append(Backward(microbatch))
+    block.append(BackwardInput(microbatch) if split else Backward(microbatch))
     if not first:
         block.append(SendGrad(microbatch))
     return block
@@ -139,7 +164,7 @@ def build_schedule(
     `OptimizerStep`. Raises `UsageError` for an unknown schedule name, a count
     below 1 or a stage outside 0..P-1.
 
-    `lookahead` (1F1B only) adds that many warm-up forwards on every stage
+    `lookahead` (1F1B and zero bubble) adds that many warm-up forwards on every stage
     but the last: ``w = min(P - stage - 1 + lookahead, M)``. With unit costs
     the makespan is unchanged, but each activation is sent one (or more)
     microbatch earlier, so the next stage's receive no longer waits for a
@@ -160,7 +185,7 @@ def build_schedule(
         return forward_block(stage, P, m)
 
     def bwd(m: int) -> list[Instruction]:
-        return backward_block(stage, P, m)
+        return backward_block(stage, P, m, split=kind.splits_backward)
 
     program: list[Instruction] = []
     if forward_only:
@@ -176,6 +201,16 @@ def build_schedule(
     else:
         extra = lookahead if stage < P - 1 else 0
         warmup = min(P - stage - 1 + extra, M)
+        # Zero bubble: the W of microbatch m comes after the I of m + stage.
+        lag = stage
+        weights = 0
+
+        def after_backward(m: int) -> None:
+            nonlocal weights
+            if kind.splits_backward and m >= lag:
+                program.append(BackwardWeight(weights))
+                weights += 1
+
         for m in range(warmup):
             program += fwd(m)
         # Steady state: the forward goes first so the activation it sends
@@ -183,8 +218,12 @@ def build_schedule(
         for i in range(M - warmup):
             program += fwd(warmup + i)
             program += bwd(i)
+            after_backward(i)
         for m in range(M - warmup, M):
             program += bwd(m)
+            after_backward(m)
+        if kind.splits_backward:
+            program += [BackwardWeight(m) for m in range(weights, M)]
     if reduce_grads:
         program.append(ReduceGrads())
     program.append(OptimizerStep())
@@ -200,19 +239,29 @@ def max_in_flight(
     lookahead: int = 0,
 ) -> int:
     """Theoretical peak of activations stored on `stage` (forwards whose
-    backward has not run): ``min(P - stage, M)`` for 1F1B (plus `lookahead`
-    on every stage but the last), ``M`` for GPipe."""
+    backward, or `BackwardWeight`, has not run): ``min(P - stage, M)`` for 1F1B,
+    ``min(P, M)`` for zero bubble (both plus `lookahead` on every stage but the
+    last), ``M`` for GPipe."""
     kind = parse_schedule(schedule)
     _check_shape(stage, num_stages, num_microbatches)
     if kind is Schedule.GPIPE:
         return num_microbatches
     extra = lookahead if stage < num_stages - 1 else 0
-    return min(num_stages - stage + extra, num_microbatches)
+    held = num_stages if kind is Schedule.ZERO_BUBBLE else num_stages - stage
+    return min(held + extra, num_microbatches)
 
 
-def bubble_fraction(num_stages: int, num_microbatches: int) -> float:
-    """Idle share of a step for GPipe and 1F1B with equal per-stage costs:
-    ``(P - 1) / (M + P - 1)``."""
+def bubble_fraction(
+    num_stages: int, num_microbatches: int, schedule: str | Schedule = Schedule.ONE_F_ONE_B
+) -> float:
+    """Idle share of a step with equal per-stage costs: ``(P - 1) / (M + P - 1)``
+    for GPipe and 1F1B; for zero bubble at M >= P, with I = W = half a
+    backward and a backward twice a forward, ``(P - 1) / (3M + P - 1)``: a
+    third of 1F1B's idle time per stage, over a step that much shorter."""
+    kind = parse_schedule(schedule)
     _check_positive("num_stages", num_stages)
     _check_positive("num_microbatches", num_microbatches)
-    return (num_stages - 1) / (num_microbatches + num_stages - 1)
+    P, M = num_stages, num_microbatches
+    if kind is Schedule.ZERO_BUBBLE:
+        return (P - 1) / (3 * M + P - 1)
+    return (P - 1) / (M + P - 1)

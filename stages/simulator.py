@@ -5,8 +5,11 @@ The model is the one the stage executor implements:
 * Compute (`Forward`, `Backward`) takes `forward_cost` / `backward_cost` time,
   `ReduceGrads` ``reduce_cost`` (the part of the gradient reduction not
   hidden behind the last backward); loads, communication and `OptimizerStep`
-  take none. A stage's data-parallel replicas run the same program in step,
-  so one pipeline stands for all of them.
+  take none. A split backward's `BackwardWeight` takes ``weight_cost`` (half
+  the backward unless given) and its `BackwardInput` the rest — except on the
+  first stage, whose input needs no gradient: there I is empty and W is the
+  whole backward, as the executor runs it. A stage's data-parallel replicas
+  run the same program in step, so one pipeline stands for all of them.
 * Between neighbours there are four FIFO channels (activations s -> s+1,
   gradients s+1 -> s), matched in order as torch.distributed point-to-point
   messages are. A send is buffered: it never blocks (the executor posts it and
@@ -42,6 +45,8 @@ from typing import Literal, NamedTuple
 from evtrain.errors import UsageError
 from evtrain.stages.instructions import (
     Backward,
+    BackwardInput,
+    BackwardWeight,
     Forward,
     Instruction,
     LoadMicrobatch,
@@ -83,11 +88,12 @@ class DeadlockError(ScheduleError):
 
 class Span(NamedTuple):
     """One interval on a stage's timeline: a microbatch's compute, or the step's
-    gradient reduction (``"reduce"``, microbatch -1; not counted as busy)."""
+    gradient reduction (``"reduce"``, microbatch -1; not counted as busy). A
+    split backward draws its I as ``"backward"`` and its W as ``"weight"``."""
 
     start: float
     end: float
-    kind: Literal["forward", "backward", "reduce"]
+    kind: Literal["forward", "backward", "weight", "reduce"]
     microbatch: int
 
 
@@ -97,7 +103,7 @@ class SimulationResult:
 
     `timelines[s]` lists stage s's compute spans in execution order;
     `peak_in_flight[s]` is the most activations stage s held at once
-    (forwards done whose backward was not yet done); `busy[s]` its compute
+    (forwards done whose backward, or W, was not yet done); `busy[s]` its compute
     time; `makespan` the time the last stage finished; `bubble_fraction`
     ``1 - sum(busy) / (P * makespan)`` (0 when the makespan is 0).
     """
@@ -143,7 +149,10 @@ class _Stage:
         self.loaded: set[int] = set()
         self.received: dict[str, set[int]] = {_ACT: set(), _GRAD: set()}
         self.forwarded: set[int] = set()
+        self.input_grads: set[int] = set()
+        """Microbatches whose input gradient is computed (B or I)."""
         self.backwarded: set[int] = set()
+        """Microbatches whose backward is complete (B or W)."""
         self.optimizer_steps = 0
         self.reduced = False
         self.in_flight = 0
@@ -163,11 +172,20 @@ def simulate(
     rendezvous_sends: bool = False,
     reduce_grads: bool = False,
     reduce_cost: float = 0.0,
+    weight_cost: float | None = None,
+    lookahead: int = 0,
 ) -> SimulationResult:
-    """Build every stage's program for `schedule` ("gpipe" or "1f1b") and
+    """Build every stage's program for `schedule` ("gpipe", "1f1b" or "zb") and
     simulate one step; see `simulate_programs`."""
     programs = [
-        build_schedule(schedule, s, num_stages, num_microbatches, reduce_grads=reduce_grads)
+        build_schedule(
+            schedule,
+            s,
+            num_stages,
+            num_microbatches,
+            reduce_grads=reduce_grads,
+            lookahead=lookahead,
+        )
         for s in range(num_stages)
     ]
     return simulate_programs(
@@ -177,6 +195,7 @@ def simulate(
         backward_cost,
         rendezvous_sends=rendezvous_sends,
         reduce_cost=reduce_cost,
+        weight_cost=weight_cost,
     )
 
 
@@ -188,22 +207,31 @@ def simulate_programs(
     *,
     rendezvous_sends: bool = False,
     reduce_cost: float = 0.0,
+    weight_cost: float | None = None,
 ) -> SimulationResult:
     """Simulate one step of arbitrary per-stage programs (`programs[s]` for
     stage s) over `num_microbatches` microbatches.
 
-    A program without any `Backward` is a forward-only (evaluation) program;
-    otherwise every microbatch must be backwarded once and the program must
-    end the step with exactly one `OptimizerStep`. Raises `DeadlockError` or
+    A program without any backward is a forward-only (evaluation) program;
+    otherwise every microbatch must be backwarded once — by `Backward`, or by
+    `BackwardInput` then `BackwardWeight` — and the program must end the step
+    with exactly one `OptimizerStep`. Raises `DeadlockError` or
     `ScheduleError` as described in the module docstring.
     """
+    if weight_cost is None:
+        weight_cost = backward_cost / 2
     for name, cost in (
         ("forward_cost", forward_cost),
         ("backward_cost", backward_cost),
         ("reduce_cost", reduce_cost),
+        ("weight_cost", weight_cost),
     ):
         if not math.isfinite(cost) or cost < 0:
             raise UsageError(f"{name} must be a finite number >= 0, got {cost!r}")
+    if weight_cost > backward_cost:
+        raise UsageError(
+            f"weight_cost ({weight_cost!r}) is a part of backward_cost ({backward_cost!r})"
+        )
     if not programs:
         raise UsageError("programs must hold at least one stage's program")
     if num_microbatches < 1:
@@ -245,7 +273,13 @@ def simulate_programs(
 
     def compute(s: int, ins: MicrobatchInstruction, cost: float) -> None:
         st = stages[s]
-        kind: Literal["forward", "backward"] = "forward" if isinstance(ins, Forward) else "backward"
+        kind: Literal["forward", "backward", "weight"] = (
+            "forward"
+            if isinstance(ins, Forward)
+            else "weight"
+            if isinstance(ins, BackwardWeight)
+            else "backward"
+        )
         st.spans.append(Span(st.clock, st.clock + cost, kind, ins.microbatch))
         st.clock += cost
         st.busy += cost
@@ -277,7 +311,7 @@ def simulate_programs(
             case SendGrad():
                 if first:
                     raise fail(s, ins, "the first stage has no previous stage")
-                if m not in st.backwarded:
+                if m not in st.input_grads:
                     raise fail(s, ins, "sends a gradient before its backward")
                 return send(s, ins, _GRAD, s - 1)
             case Forward():
@@ -291,14 +325,26 @@ def simulate_programs(
                 st.forwarded.add(m)
                 st.in_flight += 1
                 st.peak = max(st.peak, st.in_flight)
-            case Backward():
-                if m in st.backwarded:
+            case Backward() | BackwardInput():
+                if m in st.input_grads:
                     raise fail(s, ins, "backwards the microbatch twice")
                 if m not in st.forwarded:
                     raise fail(s, ins, "backward before its forward")
                 if not last and m not in st.received[_GRAD]:
                     raise fail(s, ins, "backward before its gradient was received")
-                compute(s, ins, backward_cost)
+                st.input_grads.add(m)
+                if isinstance(ins, Backward):
+                    compute(s, ins, backward_cost)
+                    st.backwarded.add(m)
+                    st.in_flight -= 1
+                else:
+                    compute(s, ins, 0.0 if first else backward_cost - weight_cost)
+            case BackwardWeight():
+                if m in st.backwarded:
+                    raise fail(s, ins, "backwards the microbatch twice")
+                if m not in st.input_grads:
+                    raise fail(s, ins, "weight gradients before the input gradient")
+                compute(s, ins, backward_cost if first else weight_cost)
                 st.backwarded.add(m)
                 st.in_flight -= 1
             case ReduceGrads():
@@ -351,7 +397,7 @@ def _check_complete(
     or never (forward-only), one optimizer step per training program, and no
     message left unreceived."""
     everything = set(range(M))
-    training = any(st.backwarded for st in stages)
+    training = any(st.input_grads for st in stages)
     for s, st in enumerate(stages):
         if st.forwarded != everything:
             missing = everything - st.forwarded

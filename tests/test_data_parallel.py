@@ -128,11 +128,24 @@ def test_two_replicas_of_two_stages_equal_single_process_training(uninterrupted:
     assert sorted(p.name for p in committed[0].path.glob("stage-*")) == ["stage-0", "stage-1"]
 
 
-def test_with_gradient_accumulation_and_clipping(tmp_path: Path) -> None:
+@pytest.mark.parametrize("schedule", ["1f1b", "zb"])
+def test_with_gradient_accumulation_and_clipping(tmp_path: Path, schedule: str) -> None:
+    """Also with zero bubble, whose split backward averages the replicas' gradients
+    itself: DDP's reducer never sees them."""
     spec = spec_file(tmp_path, accum=2)
     grad_clip = 0.05
     weights = str(tmp_path / "weights")
-    out = launch(spec, "--dp", "2", "--grad-clip", str(grad_clip), "--dump-weights", weights)
+    out = launch(
+        spec,
+        "--dp",
+        "2",
+        "--schedule",
+        schedule,
+        "--grad-clip",
+        str(grad_clip),
+        "--dump-weights",
+        weights,
+    )
     assert f"run completed: {STEPS}/{STEPS} steps" in out
     check_against_reference(tmp_path, grad_clip)
     assert {r["samples"] for r in records(tmp_path) if "samples" in r} == {64}

@@ -1,13 +1,13 @@
 """Pipelined training through `evtrain launch` equals plain single-process training.
 
-For P in {1, 2, 3, 4} (both schedules at 2 and 4), a small MLP is trained a few steps
+For P in {1, 2, 3, 4} (every schedule at 2 and 4), a small MLP is trained a few steps
 by a real ``evtrain launch`` (broker, hook process, elastic agent, P stage
 workers). The per-step losses come from the bus (a recorder hook,
 tests/launch_hooks.py) and the final weights from the workers'
 ``--dump-weights``; both must match a plain PyTorch loop over the same
 data, seed and initial weights (fp32, atol 1e-5).
 
-Launch start-up costs seconds, so the six launches run two at a time.
+Launch start-up costs seconds, so the eight launches run two at a time.
 """
 
 from __future__ import annotations
@@ -29,9 +29,18 @@ from evtrain.stages.partition import build_full_model
 pytestmark = pytest.mark.slow
 
 STEPS = 5
-# Both schedules at 2 and 4 stages, 1F1B alone at 1 and 3: at one stage the two
+# Every schedule at 2 and 4 stages, 1F1B alone at 1 and 3: at one stage the
 # schedules run the same computations, and 3 stages add an odd middle, not a schedule.
-CONFIGS = [(1, "1f1b"), (2, "gpipe"), (2, "1f1b"), (3, "1f1b"), (4, "gpipe"), (4, "1f1b")]
+CONFIGS = [
+    (1, "1f1b"),
+    (2, "gpipe"),
+    (2, "1f1b"),
+    (2, "zb"),
+    (3, "1f1b"),
+    (4, "gpipe"),
+    (4, "1f1b"),
+    (4, "zb"),
+]
 PARALLEL_LAUNCHES = 2
 ATOL = 1e-5
 

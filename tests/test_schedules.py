@@ -1,4 +1,4 @@
-"""Schedules are data: check GPipe and 1F1B against theory with the simulator."""
+"""Schedules are data: check GPipe, 1F1B and zero bubble against theory with the simulator."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 from evtrain.errors import UsageError
 from evtrain.stages.instructions import (
     Backward,
+    BackwardInput,
+    BackwardWeight,
     Forward,
     Instruction,
     LoadMicrobatch,
@@ -126,7 +128,7 @@ def test_schedule_names() -> None:
     expected = build_schedule("1f1b", 1, 3, 5)
     assert build_schedule(Schedule.ONE_F_ONE_B, 1, 3, 5) == expected
     assert build_schedule("1F1B", 1, 3, 5) == expected
-    assert [s.value for s in Schedule] == ["gpipe", "1f1b"]
+    assert [s.value for s in Schedule] == ["gpipe", "1f1b", "zb"]
 
 
 def test_forward_only_program() -> None:
@@ -181,16 +183,19 @@ def test_simulation_matches_theory(schedule: str, P: int) -> None:
 
 def check_timelines(timelines, M: int) -> None:
     """Independent of the simulator's own checks: each stage computes every
-    microbatch's forward and backward once, forward first, with no overlap;
-    forward goes down the pipe, backward comes back up."""
+    microbatch's forward and backward (or I and W) once, in that order, with no
+    overlap; forward goes down the pipe, backward (I) comes back up."""
     where = []
     for spans in timelines:
+        kinds = ["backward", "forward"] + (["weight"] if spans[-1].kind == "weight" else [])
         assert sorted((sp.kind, sp.microbatch) for sp in spans) == sorted(
-            itertools.product(["backward", "forward"], range(M))
+            itertools.product(kinds, range(M))
         )
         assert all(a.end <= b.start for a, b in itertools.pairwise(spans))
         at = {(sp.kind, sp.microbatch): sp for sp in spans}
         assert all(at["forward", m].end <= at["backward", m].start for m in range(M))
+        if "weight" in kinds:
+            assert all(at["backward", m].end <= at["weight", m].start for m in range(M))
         where.append(at)
     for s, m in itertools.product(range(len(timelines) - 1), range(M)):
         assert where[s]["forward", m].end <= where[s + 1]["forward", m].start
@@ -211,6 +216,108 @@ def test_uneven_costs(schedule: str, P: int, M: int, f: float, b: float) -> None
     assert result.makespan == pytest.approx((M + P - 1) * (f + b))
     assert result.busy == pytest.approx([M * (f + b)] * P)
     check_timelines(result.timelines, M)
+
+
+# --- zero bubble (ZB-H1) --------------------------------------------------------
+
+
+def test_zero_bubble_programs_exact() -> None:
+    """Stage r's W's trail its I's by r microbatches: the last stage defers the most."""
+    assert [text(p) for p in programs("zb", 2, 4)] == [
+        "L0 F0 SA0 L1 F1 SA1 RG0 I0 W0 L2 F2 SA2 RG1 I1 W1 L3 F3 SA3 RG2 I2 W2 RG3 I3 W3 OPT",
+        "L0 RA0 F0 I0 SG0 L1 RA1 F1 I1 SG1 W0 L2 RA2 F2 I2 SG2 W1 L3 RA3 F3 I3 SG3 W2 W3 OPT",
+    ]
+    assert text(build_schedule("zb", 1, 3, 3)) == (
+        "RA0 F0 SA0 RA1 F1 SA1 RG0 I0 SG0 RA2 F2 SA2 RG1 I1 SG1 W0 RG2 I2 SG2 W1 W2 OPT"
+    )
+
+
+@pytest.mark.parametrize("P", STAGES)
+def test_zero_bubble_structure(P: int) -> None:
+    for M, s in itertools.product(MICROBATCHES, range(P)):
+        prog = build_schedule("zb", s, P, M)
+        kinds = Counter(type(ins) for ins in prog)
+        assert kinds[Forward] == kinds[BackwardInput] == kinds[BackwardWeight] == M
+        assert kinds[Backward] == 0
+        where = {ins: i for i, ins in enumerate(prog)}
+        for m in range(M):
+            assert where[BackwardInput(m)] < where[BackwardWeight(m)]
+            if s > 0:  # the gradient goes upstream right after I, before any W
+                assert where[SendGrad(m)] == where[BackwardInput(m)] + 1
+            if m + s < M:  # W of m waits for the I of m + stage
+                assert where[BackwardWeight(m)] > where[BackwardInput(m + s)]
+        assert [i.microbatch for i in prog if isinstance(i, BackwardWeight)] == list(range(M))
+        assert [i for i in prog if not isinstance(i, BackwardWeight)] == [
+            BackwardInput(i.microbatch) if isinstance(i, Backward) else i
+            for i in build_schedule("1f1b", s, P, M)
+        ], "zero bubble is 1F1B with B split and the W's placed after"
+
+
+@pytest.mark.parametrize("P", STAGES)
+def test_zero_bubble_simulation_matches_theory(P: int) -> None:
+    """F = I = W = 1: idle time per stage (P-1)(F + I - W), a third of 1F1B's (P-1)(F + B)."""
+    for M in MICROBATCHES:
+        zb = simulate("zb", P, M, forward_cost=1, backward_cost=2, weight_cost=1)
+        one = simulate("1f1b", P, M, forward_cost=1, backward_cost=2)
+        assert zb.peak_in_flight == tuple(max_in_flight("zb", s, P, M) for s in range(P))
+        assert zb.peak_in_flight == (min(P, M),) * P  # 1F1B's peak, on every stage
+        assert max(zb.peak_in_flight) == max(one.peak_in_flight)
+        assert zb.busy == one.busy == (3 * M,) * P
+        assert zb.makespan <= one.makespan
+        if M >= P:
+            assert zb.makespan == 3 * M + (P - 1)
+            assert zb.bubble_fraction == pytest.approx(bubble_fraction(P, M, "zb"))
+            assert zb.makespan - 3 * M == (one.makespan - 3 * M) / 3
+        check_timelines(zb.timelines, M)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    P=st.integers(1, 8),
+    M=st.integers(1, 32),
+    f=st.floats(0.1, 5.0),
+    b=st.floats(0.1, 5.0),
+    share=st.floats(0.0, 1.0),
+    lookahead=st.integers(0, 2),
+)
+def test_zero_bubble_never_loses_to_1f1b(
+    P: int, M: int, f: float, b: float, share: float, lookahead: int
+) -> None:
+    w = b * share
+    zb = simulate("zb", P, M, forward_cost=f, backward_cost=b, weight_cost=w, lookahead=lookahead)
+    one = simulate("1f1b", P, M, forward_cost=f, backward_cost=b)
+    assert zb.makespan <= one.makespan + 1e-9
+    assert zb.busy == pytest.approx([M * (f + b)] * P)
+    if M >= P and lookahead == 0 and w <= min(f, b - w):
+        # The paper's ZB-H1 bubble, (P - 1)(T_F + T_B - T_W) with T_B the I half,
+        # where W fits in the gaps it fills (no longer than F or I).
+        assert zb.makespan == pytest.approx(M * (f + b) + (P - 1) * (f + (b - w) - w))
+    check_timelines(zb.timelines, M)
+
+
+@pytest.mark.parametrize(
+    ("stage", "edit", "message"),
+    [
+        (1, lambda p: p.insert(p.index(BackwardInput(0)), BackwardWeight(0)), "before the input"),
+        (0, lambda p: p.insert(p.index(BackwardInput(0)), BackwardWeight(0)), "before the input"),
+        (1, lambda p: p.remove(BackwardWeight(1)), "optimizer step must come once"),
+        (1, lambda p: p.insert(-1, BackwardWeight(1)), "backwards the microbatch twice"),
+        (1, lambda p: p.insert(-1, BackwardInput(1)), "backwards the microbatch twice"),
+        (1, lambda p: p.insert(p.index(SendGrad(1)) + 1, Backward(1)), "twice"),
+    ],
+)
+def test_zero_bubble_mistakes(stage: int, edit, message: str) -> None:
+    progs = programs("zb", 2, 2)
+    edit(progs[stage])
+    with pytest.raises(ScheduleError, match=message):
+        simulate_programs(progs, 2)
+
+
+def test_weight_cost_is_part_of_the_backward() -> None:
+    with pytest.raises(UsageError, match="weight_cost"):
+        simulate("zb", 2, 2, backward_cost=1.0, weight_cost=1.5)
+    with pytest.raises(UsageError, match="weight_cost must be a finite number"):
+        simulate("zb", 2, 2, weight_cost=float("nan"))
 
 
 # --- the checker catches broken schedules -------------------------------------
@@ -236,7 +343,7 @@ def test_receive_out_of_order_is_caught() -> None:
         simulate_programs(progs, 2)
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("schedule", [*SCHEDULES, "zb"])
 @pytest.mark.parametrize(("P", "M"), [(1, 2), (2, 3), (3, 2), (4, 5)])
 def test_dropping_any_instruction_is_caught(schedule: str, P: int, M: int) -> None:
     progs = programs(schedule, P, M)
@@ -294,7 +401,7 @@ def test_instructions_print_compactly_and_roundtrip() -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (("x", 0, 2, 2), "unknown schedule 'x'; choose one of: gpipe, 1f1b"),
+        (("x", 0, 2, 2), "unknown schedule 'x'; choose one of: gpipe, 1f1b, zb"),
         (("1f1b", 0, 0, 2), "num_stages must be an integer >= 1, got 0"),
         (("gpipe", 0, 2, 0), "num_microbatches must be an integer >= 1, got 0"),
         (("1f1b", 2, 2, 2), r"stage must be in 0..1, got 2"),
@@ -323,14 +430,16 @@ def test_bad_simulation_input() -> None:
 # --- data parallelism: the gradient reduction --------------------------------
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb"])
 @pytest.mark.parametrize(("P", "M"), [(1, 3), (2, 4), (4, 8)])
 def test_reduce_grads_comes_after_the_last_backward(schedule: str, P: int, M: int) -> None:
     for stage in range(P):
         prog = build_schedule(schedule, stage, P, M, reduce_grads=True)
         assert prog[-2:] == [ReduceGrads(), OptimizerStep()]
         assert Counter(type(i) for i in prog)[ReduceGrads] == 1
-        last_backward = max(i for i, ins in enumerate(prog) if isinstance(ins, Backward))
+        last_backward = max(
+            i for i, ins in enumerate(prog) if isinstance(ins, Backward | BackwardWeight)
+        )
         assert prog.index(ReduceGrads()) > last_backward
         # Without it, the same program minus the reduction.
         assert [i for i in prog if i != ReduceGrads()] == build_schedule(schedule, stage, P, M)
