@@ -1,18 +1,30 @@
 """evtrain's pipeline engine vs torch.distributed.pipelining, side by side in one run.
 
-Model: an MLP of 8 Linear(512, 512) + ReLU layers, batch 256 split into
-M = 8 microbatches, P = 2 stages (one process each, gloo on CPU, one torch
-thread per process), SGD, MSE loss. Each contender trains a fixed number of
-steps after a warm-up:
+Model: an MLP of 8 Linear(512, 512) + ReLU layers, batch 256 split into M
+microbatches over P stages (one process each, gloo on CPU, one torch thread
+per process), SGD, MSE loss. Each contender trains a fixed number of steps
+after a warm-up:
 
-* evtrain 1F1B and GPipe — real stage workers started with
-  torch.distributed.elastic, publishing their events to a real broker with
-  the default event settings (microbatch spans "sampled"); a subscriber in
-  this process plays the hook. Steps/s come from the last stage's StepEnded
-  timestamps (first timed step's start to last step's end).
-* torch.distributed.pipelining Schedule1F1B and ScheduleGPipe on the same
-  layers with static shapes (input_args/output_args), also under elastic.
-* sequential: one process runs the same 8 microbatches one after another.
+* evtrain 1F1B and zero bubble ("zb", ZB-H1) over the grid of (P, M)
+  configurations (``--grid``, default P = 2, 4 and M = 8, 16), and GPipe at
+  P = 2, M = 8 — real stage workers started with torch.distributed.elastic,
+  publishing their events to a real broker with the default event settings
+  (microbatch spans "sampled"); a subscriber in this process plays the hook.
+  Steps/s come from the last stage's StepEnded timestamps (first timed
+  step's start to last step's end).
+* their torch twins on the same layers with static shapes
+  (input_args/output_args), also under elastic: Schedule1F1B,
+  ScheduleInterleavedZeroBubble given one stage per rank (which orders
+  ZB-H1 as evtrain does) and ScheduleGPipe.
+* sequential: one process runs the same M microbatches one after another.
+
+The bubble bound of a schedule is P times the sequential rate times one
+minus its bubble fraction with a backward twice a forward
+(`evtrain.stages.schedules.bubble_fraction`: ``(P-1)/(M+P-1)`` for 1F1B,
+``(P-1)/(3M+P-1)`` for zero bubble); P = 4 on 2 cores cannot reach it by
+construction (four stages share two cores), so there the ratios to torch are
+the figures that mean something. "Zero bubble removes X of 1F1B's lost time"
+compares the time per step beyond P stages computing all the time.
 
 A second model checks structured stage boundaries: a small pre-LN decoder
 (token + position embedding, 4 blocks of 4-head causal attention and a 4x
@@ -25,12 +37,14 @@ PipelineStage + Schedule1F1B on the same layers split the same way; M = 8
 microbatches of 4 sequences, one thread per process, cross-entropy over the
 unpadded tokens.
 
-Contenders alternate within each repeat; medians over repeats are reported.
-The bubble bound is ``P * M / (M + P - 1)`` times the sequential rate.
-The last line printed is one JSON object.
+Contenders alternate within each repeat (the order reversed every other
+repeat); medians over repeats are reported. The last line printed is one
+JSON object: its top-level keys describe P = 2, M = 8 (``ratio_1f1b``,
+``bound_fraction_1f1b``, ``ratio_zb``, ``bound_fraction_zb``...), ``grid``
+has every configuration.
 
     python bench/pipeline_vs_torch.py [--steps 100] [--warmup 10] [--repeats 3]
-        [--transformer-steps 30] [--transformer-warmup 3]
+        [--grid 2x8,2x16,4x8,4x16] [--transformer-steps 30] [--transformer-warmup 3]
 """
 
 from __future__ import annotations
@@ -47,6 +61,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -262,9 +277,18 @@ def _maybe_pin() -> None:
         os.sched_setaffinity(0, {cpus[int(os.environ.get("LOCAL_RANK", "0")) % len(cpus)]})
 
 
-def torch_worker(kind: str, steps: int, warmup: int) -> float | None:
-    """One rank of torch.distributed.pipelining; rank 0 returns steps/s."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+def torch_worker(kind: str, microbatches: int, steps: int, warmup: int) -> float | None:
+    """One rank of torch.distributed.pipelining (one stage per rank); rank 0 returns steps/s.
+
+    ``kind``: ``1f1b`` (Schedule1F1B), ``gpipe`` (ScheduleGPipe) or ``zb``
+    (ScheduleInterleavedZeroBubble with its one local stage: ZB-H1's order).
+    """
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleavedZeroBubble,
+    )
 
     _maybe_pin()
     torch.set_num_threads(1)
@@ -273,7 +297,7 @@ def torch_worker(kind: str, steps: int, warmup: int) -> float | None:
     per_stage = 2 * LAYERS // world
     torch.manual_seed(rank)
     module = _mlp_layers(rank * per_stage, (rank + 1) * per_stage)
-    mb = BATCH // MICROBATCHES
+    mb = BATCH // microbatches
     stage = PipelineStage(
         module,
         rank,
@@ -287,8 +311,13 @@ def torch_worker(kind: str, steps: int, warmup: int) -> float | None:
         output_grads=(torch.empty(mb, WIDTH),),
         input_grads=(torch.empty(mb, WIDTH),),
     )
-    cls = Schedule1F1B if kind == "1f1b" else ScheduleGPipe
-    schedule = cls(stage, n_microbatches=MICROBATCHES, loss_fn=nn.functional.mse_loss)
+    loss = nn.functional.mse_loss
+    schedule: Any
+    if kind == "zb":
+        schedule = ScheduleInterleavedZeroBubble([stage], n_microbatches=microbatches, loss_fn=loss)
+    else:
+        cls = Schedule1F1B if kind == "1f1b" else ScheduleGPipe
+        schedule = cls(stage, n_microbatches=microbatches, loss_fn=loss)
     optimizer = torch.optim.SGD(module.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(0)
     x, y = torch.randn(BATCH, WIDTH, generator=gen), torch.randn(BATCH, WIDTH, generator=gen)
@@ -375,21 +404,21 @@ def torch_transformer_worker(steps: int, warmup: int) -> float | None:
     return steps / elapsed if first else None
 
 
-def sequential_worker(steps: int, warmup: int) -> float:
-    """One process, the same 8 microbatches in sequence; returns steps/s."""
+def sequential_worker(microbatches: int, steps: int, warmup: int) -> float:
+    """One process, the same microbatches in sequence; returns steps/s."""
     _maybe_pin()
     torch.set_num_threads(1)
     model = _mlp_layers(0, 2 * LAYERS)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(0)
     x, y = torch.randn(BATCH, WIDTH, generator=gen), torch.randn(BATCH, WIDTH, generator=gen)
-    xs, ys = x.chunk(MICROBATCHES), y.chunk(MICROBATCHES)
+    xs, ys = x.chunk(microbatches), y.chunk(microbatches)
     start = 0.0
     for i in range(warmup + steps):
         if i == warmup:
             start = time.perf_counter()
         for xm, ym in zip(xs, ys, strict=True):
-            (nn.functional.mse_loss(model(xm), ym) / MICROBATCHES).backward()
+            (nn.functional.mse_loss(model(xm), ym) / microbatches).backward()
         optimizer.step()
         optimizer.zero_grad()
     return steps / (time.perf_counter() - start)
@@ -406,7 +435,16 @@ def _removing(directory: str) -> Iterator[None]:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def run_evtrain(spec: Path, schedule: str, steps: int, warmup: int, label: str = "") -> float:
+def run_evtrain(
+    spec: Path,
+    schedule: str,
+    steps: int,
+    warmup: int,
+    label: str = "",
+    *,
+    stages: int = STAGES,
+    microbatches: int = MICROBATCHES,
+) -> float:
     """Launch evtrain's stage workers with a live bus; steps/s from StepEnded events."""
     from evtrain.bus import Broker, BusAddress, Subscriber
     from evtrain.events import StepEnded, StepStarted
@@ -417,11 +455,16 @@ def run_evtrain(spec: Path, schedule: str, steps: int, warmup: int, label: str =
         sub = Subscriber(address.endpoint("events_out"), topics=("step.",))
         config = WorkerConfig(
             spec_path=str(spec),
-            overrides={"schedule": schedule, "steps": str(warmup + steps)},
+            overrides={
+                "schedule": schedule,
+                "steps": str(warmup + steps),
+                "stages": str(stages),
+                "microbatches": str(microbatches),
+            },
             bus=str(address),
             run_id=f"bench-{label or schedule}",
         )
-        _launch(STAGES, worker_main, config.encode())
+        _launch(stages, worker_main, config.encode())
         events = []
         quiet_since = time.monotonic()
         while time.monotonic() - quiet_since < 0.5:
@@ -431,7 +474,7 @@ def run_evtrain(spec: Path, schedule: str, steps: int, warmup: int, label: str =
                 quiet_since = time.monotonic()
             time.sleep(0.01)
         sub.close()
-    last = STAGES - 1
+    last = stages - 1
     started = {e.step: e.ts for e in events if isinstance(e, StepStarted) and e.stage == last}
     ended = {e.step: e.ts for e in events if isinstance(e, StepEnded) and e.stage == last}
     first, final = warmup + 1, warmup + steps
@@ -443,16 +486,60 @@ def run_evtrain(spec: Path, schedule: str, steps: int, warmup: int, label: str =
 # ------------------------------------------------------------------------ main
 
 
+SCHEDULES = ("1f1b", "zb")
+"""The schedules timed over the whole grid, each against its torch twin."""
+TWINS = {"1f1b": "Schedule1F1B", "zb": "ScheduleInterleavedZeroBubble, 1 stage/rank"}
+HEADLINE = (STAGES, MICROBATCHES)
+"""The configuration the summary's top-level keys describe (P=2, M=8)."""
+KINDS = (
+    *(f"{side}_{s}" for s in SCHEDULES for side in ("evtrain", "torch")),
+    "evtrain_gpipe",
+    "torch_gpipe",
+    "sequential",
+    "evtrain_transformer",
+    "torch_transformer",
+)
+HEADLINE_ONLY = {"evtrain_gpipe", "torch_gpipe", "evtrain_transformer", "torch_transformer"}
+
+
+def _grid(text: str) -> list[tuple[int, int]]:
+    configs = []
+    for item in text.split(","):
+        p, _, m = item.strip().partition("x")
+        if not (p.isdigit() and m.isdigit()) or int(p) < 2 or BATCH % int(m):
+            raise argparse.ArgumentTypeError(
+                f"{item!r}: expected PxM with P >= 2 and M dividing {BATCH}, e.g. 2x8"
+            )
+        configs.append((int(p), int(m)))
+    return configs
+
+
+def _bound(kind: str, P: int, M: int, sequential: float | None) -> float | None:
+    """The bubble bound: P stages computing all the time but for the schedule's bubble."""
+    from evtrain.stages.schedules import bubble_fraction
+
+    if sequential is None:
+        return None
+    return P * sequential * (1 - bubble_fraction(P, M, kind))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=100, help="timed steps per contender")
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps first")
     parser.add_argument("--repeats", type=int, default=3, help="alternating repeats")
     parser.add_argument(
+        "--grid",
+        type=_grid,
+        default=_grid("2x8,2x16,4x8,4x16"),
+        help="comma-separated PxM configurations for the schedules (default: "
+        "2x8,2x16,4x8,4x16); GPipe and the decoder run at 2x8 only",
+    )
+    parser.add_argument(
         "--only",
         default="",
-        help="comma-separated subset of contenders to run (for quick checks; "
-        "the summary then has null for the others)",
+        help=f"comma-separated subset of contenders ({', '.join(KINDS)}) for quick "
+        "checks; the summary then has null for the others",
     )
     parser.add_argument(
         "--pin",
@@ -473,20 +560,20 @@ def main() -> None:
     if args.pin:
         os.environ["EVTRAIN_PIN_CPU"] = "1"
 
-    names = (
-        "evtrain_1f1b",
-        "torch_1f1b",
-        "evtrain_gpipe",
-        "torch_gpipe",
-        "sequential",
-        "evtrain_transformer",
-        "torch_transformer",
-    )
-    chosen = [n for n in args.only.split(",") if n] or list(names)
-    unknown = set(chosen) - set(names)
+    chosen = [n for n in args.only.split(",") if n] or list(KINDS)
+    unknown = set(chosen) - set(KINDS)
     if unknown:
-        parser.error(f"unknown contenders {sorted(unknown)}; choose from {', '.join(names)}")
-    results: dict[str, list[float]] = {k: [] for k in names if k in chosen}
+        parser.error(f"unknown contenders {sorted(unknown)}; choose from {', '.join(KINDS)}")
+    grid: list[tuple[int, int]] = list(dict.fromkeys([HEADLINE, *args.grid]))
+    runs: list[tuple[str, int, int]] = []
+    for P, M in grid:
+        for kind in KINDS:
+            if kind not in chosen or (kind in HEADLINE_ONLY and (P, M) != HEADLINE):
+                continue
+            if kind == "sequential" and any(k == kind and m == M for k, _, m in runs):
+                continue  # one process: the same for every P
+            runs.append((kind, P, M))
+    results: dict[tuple[str, int, int], list[float]] = {r: [] for r in runs}
     with tempfile.TemporaryDirectory(prefix="evt-bench-") as tmp:
         spec = Path(tmp) / "bench_spec.py"
         spec.write_text(SPEC)
@@ -494,26 +581,42 @@ def main() -> None:
         transformer_spec.write_text(TRANSFORMER_SPEC)
         t_steps, t_warmup = args.transformer_steps, args.transformer_warmup
         for repeat in range(args.repeats):
-            for name in results:
-                if name == "evtrain_transformer":
+            # Reversed every other repeat: slow drift of the machine's load cancels.
+            for kind, P, M in runs if repeat % 2 == 0 else runs[::-1]:
+                if kind == "evtrain_transformer":
                     rate = run_evtrain(transformer_spec, "1f1b", t_steps, t_warmup, "transformer")
-                elif name == "torch_transformer":
-                    out = _launch(STAGES, torch_transformer_worker, t_steps, t_warmup)
-                    rate = float(out[0])
-                elif name.startswith("evtrain_"):
-                    rate = run_evtrain(spec, name.split("_")[1], args.steps, args.warmup)
-                elif name.startswith("torch_"):
-                    out = _launch(STAGES, torch_worker, name.split("_")[1], args.steps, args.warmup)
+                elif kind == "torch_transformer":
+                    rate = float(_launch(P, torch_transformer_worker, t_steps, t_warmup)[0])
+                elif kind.startswith("evtrain_"):
+                    schedule = kind.split("_")[1]
+                    rate = run_evtrain(
+                        spec, schedule, args.steps, args.warmup, stages=P, microbatches=M
+                    )
+                elif kind.startswith("torch_"):
+                    out = _launch(P, torch_worker, kind.split("_")[1], M, args.steps, args.warmup)
                     rate = float(out[0])
                 else:
-                    rate = float(_launch(1, sequential_worker, args.steps, args.warmup)[0])
-                results[name].append(rate)
+                    rate = float(_launch(1, sequential_worker, M, args.steps, args.warmup)[0])
+                results[kind, P, M].append(rate)
                 print(
-                    f"repeat {repeat + 1}/{args.repeats}  {name:19s} {rate:6.2f} steps/s",
+                    f"repeat {repeat + 1}/{args.repeats}  P={P} M={M:<3d} {kind:19s} "
+                    f"{rate:6.2f} steps/s",
                     flush=True,
                 )
+    _report(results, grid, args)
 
-    med = {k: statistics.median(results[k]) if results.get(k) else None for k in names}
+
+def _report(
+    results: dict[tuple[str, int, int], list[float]],
+    grid: list[tuple[int, int]],
+    args: argparse.Namespace,
+) -> None:
+    def med(kind: str, P: int, M: int) -> float | None:
+        if kind == "sequential":  # run once per M, at the first P that has it
+            values = next((v for (k, _, m), v in results.items() if k == kind and m == M), None)
+        else:
+            values = results.get((kind, P, M))
+        return statistics.median(values) if values else None
 
     def ratio(a: float | None, b: float | None) -> float | None:
         return None if a is None or b is None else a / b
@@ -521,75 +624,105 @@ def main() -> None:
     def fmt(x: float | None) -> str:
         return "n/a" if x is None else f"{x:.3f}"
 
-    bound = (
-        None
-        if med["sequential"] is None
-        else STAGES * MICROBATCHES / (MICROBATCHES + STAGES - 1) * med["sequential"]
-    )
-    print()
-    print(f"{'contender':19s} {'median':>8s} {'best':>8s}  runs (steps/s)")
-    for name, values in results.items():
-        runs = " ".join(f"{v:.2f}" for v in values)
-        print(f"{name:19s} {statistics.median(values):8.2f} {max(values):8.2f}  {runs}")
-    ratio_1f1b = ratio(med["evtrain_1f1b"], med["torch_1f1b"])
-    ratio_gpipe = ratio(med["evtrain_gpipe"], med["torch_gpipe"])
-    per_repeat = [
-        e / t
-        for e, t in zip(
-            results.get("evtrain_1f1b", []), results.get("torch_1f1b", []), strict=False
-        )
-    ]
-    each = " ".join(f"{r:.3f}" for r in per_repeat)
-    best = {k: max(v) if v else None for k, v in ((k, results.get(k)) for k in names)}
-    best_ratio_1f1b = ratio(best["evtrain_1f1b"], best["torch_1f1b"])
-    print(f"evtrain/torch 1F1B  {fmt(ratio_1f1b)}  (per repeat: {each})")
-    print(f"evtrain/torch 1F1B, best runs {fmt(best_ratio_1f1b)}")
-    print(f"evtrain/torch GPipe {fmt(ratio_gpipe)}")
-    fraction = ratio(med["evtrain_1f1b"], bound)
-    print(f"bubble bound {fmt(bound)} steps/s; evtrain 1F1B reaches {fmt(fraction)} of it")
-    ratio_transformer = ratio(med["evtrain_transformer"], med["torch_transformer"])
-    per_repeat_transformer = [
-        e / t
-        for e, t in zip(
-            results.get("evtrain_transformer", []),
-            results.get("torch_transformer", []),
-            strict=False,
-        )
-    ]
-    each_transformer = " ".join(f"{r:.3f}" for r in per_repeat_transformer)
-    print(
-        f"decoder, (hidden, mask) boundary: evtrain {fmt(med['evtrain_transformer'])}, "
-        f"torch {fmt(med['torch_transformer'])} steps/s"
-    )
-    print(f"evtrain/torch 1F1B decoder {fmt(ratio_transformer)}  (per repeat: {each_transformer})")
-
     def rounded(x: float | None) -> float | None:
         return None if x is None else round(x, 3)
 
+    def per_repeat(a: str, b: str, P: int, M: int) -> list[float]:
+        pairs = zip(results.get((a, P, M), []), results.get((b, P, M), []), strict=False)
+        return [round(x / y, 3) for x, y in pairs]
+
+    print()
+    print(f"{'contender':19s} {'P':>2s} {'M':>3s} {'median':>8s} {'best':>8s}  runs (steps/s)")
+    for (kind, P, M), values in results.items():
+        runs = " ".join(f"{v:.2f}" for v in values)
+        print(
+            f"{kind:19s} {P:2d} {M:3d} {statistics.median(values):8.2f} {max(values):8.2f}  {runs}"
+        )
+    print()
+    rows = []
+    for P, M in grid:
+        sequential = med("sequential", P, M)
+        ideal = None if sequential is None else P * sequential
+        row: dict[str, Any] = {"stages": P, "microbatches": M}
+        for schedule in SCHEDULES:
+            ours, theirs = med(f"evtrain_{schedule}", P, M), med(f"torch_{schedule}", P, M)
+            bound = _bound(schedule, P, M, sequential)
+            row[f"evtrain_{schedule}_steps_per_s"] = rounded(ours)
+            row[f"torch_{schedule}_steps_per_s"] = rounded(theirs)
+            row[f"ratio_{schedule}"] = rounded(ratio(ours, theirs))
+            row[f"ratio_{schedule}_per_repeat"] = per_repeat(
+                f"evtrain_{schedule}", f"torch_{schedule}", P, M
+            )
+            row[f"bound_{schedule}_steps_per_s"] = rounded(bound)
+            row[f"bound_fraction_{schedule}"] = rounded(ratio(ours, bound))
+            print(
+                f"P={P} M={M:<3d} evtrain/torch {schedule:5s} {fmt(ratio(ours, theirs))}  "
+                f"(twin: {TWINS[schedule]}; per repeat: "
+                f"{' '.join(map(str, row[f'ratio_{schedule}_per_repeat']))})  "
+                f"bubble bound {fmt(bound)} steps/s, reached {fmt(ratio(ours, bound))}"
+            )
+        one, zb = med("evtrain_1f1b", P, M), med("evtrain_zb", P, M)
+        recovered = None
+        if ideal is not None and one is not None and zb is not None and 1 / one > 1 / ideal:
+            # Time per step beyond P stages computing all the time: what the bubble
+            # (and the pipeline's overheads) cost; the share of it zero bubble removes.
+            recovered = 1 - (1 / zb - 1 / ideal) / (1 / one - 1 / ideal)
+        row["zb_bubble_recovered"] = rounded(recovered)
+        print(f"P={P} M={M:<3d} zero bubble removes {fmt(recovered)} of 1F1B's lost time")
+        rows.append(row)
+
+    P, M = HEADLINE
+    headline = rows[0]
+    ratio_1f1b = headline["ratio_1f1b"]
+    ratio_gpipe = ratio(med("evtrain_gpipe", P, M), med("torch_gpipe", P, M))
+    each = headline["ratio_1f1b_per_repeat"]
+    best = {
+        k: max(results[k, P, M]) if results.get((k, P, M)) else None
+        for k in ("evtrain_1f1b", "torch_1f1b")
+    }
+    best_ratio_1f1b = ratio(best["evtrain_1f1b"], best["torch_1f1b"])
+    print()
+    print(f"evtrain/torch 1F1B  {fmt(ratio_1f1b)}  (per repeat: {' '.join(map(str, each))})")
+    print(f"evtrain/torch 1F1B, best runs {fmt(best_ratio_1f1b)}")
+    print(f"evtrain/torch ZB    {fmt(headline['ratio_zb'])}")
+    print(f"evtrain/torch GPipe {fmt(ratio_gpipe)}")
+    ratio_transformer = ratio(med("evtrain_transformer", P, M), med("torch_transformer", P, M))
+    per_repeat_transformer = per_repeat("evtrain_transformer", "torch_transformer", P, M)
+    print(
+        f"decoder, (hidden, mask) boundary: evtrain {fmt(med('evtrain_transformer', P, M))}, "
+        f"torch {fmt(med('torch_transformer', P, M))} steps/s"
+    )
+    print(
+        f"evtrain/torch 1F1B decoder {fmt(ratio_transformer)}  "
+        f"(per repeat: {' '.join(map(str, per_repeat_transformer))})"
+    )
     summary = {
-        "evtrain_1f1b_steps_per_s": rounded(med["evtrain_1f1b"]),
-        "torch_1f1b_steps_per_s": rounded(med["torch_1f1b"]),
-        "evtrain_gpipe_steps_per_s": rounded(med["evtrain_gpipe"]),
-        "torch_gpipe_steps_per_s": rounded(med["torch_gpipe"]),
-        "sequential_steps_per_s": rounded(med["sequential"]),
-        "ratio_1f1b": rounded(ratio_1f1b),
+        "evtrain_1f1b_steps_per_s": headline["evtrain_1f1b_steps_per_s"],
+        "torch_1f1b_steps_per_s": headline["torch_1f1b_steps_per_s"],
+        "evtrain_gpipe_steps_per_s": rounded(med("evtrain_gpipe", P, M)),
+        "torch_gpipe_steps_per_s": rounded(med("torch_gpipe", P, M)),
+        "sequential_steps_per_s": rounded(med("sequential", P, M)),
+        "ratio_1f1b": ratio_1f1b,
         "ratio_gpipe": rounded(ratio_gpipe),
-        "ratio_1f1b_per_repeat": [round(r, 3) for r in per_repeat],
-        "ratio_1f1b_median_of_repeats": rounded(statistics.median(per_repeat))
-        if per_repeat
-        else None,
+        "ratio_1f1b_per_repeat": each,
+        "ratio_1f1b_median_of_repeats": rounded(statistics.median(each)) if each else None,
         "ratio_1f1b_best": rounded(best_ratio_1f1b),
-        "bound_steps_per_s": rounded(bound),
-        "bound_fraction_1f1b": rounded(fraction),
-        "evtrain_transformer_steps_per_s": rounded(med["evtrain_transformer"]),
-        "torch_transformer_steps_per_s": rounded(med["torch_transformer"]),
+        "bound_steps_per_s": headline["bound_1f1b_steps_per_s"],
+        "bound_fraction_1f1b": headline["bound_fraction_1f1b"],
+        "ratio_zb": headline["ratio_zb"],
+        "bound_fraction_zb": headline["bound_fraction_zb"],
+        "zb_bubble_recovered": headline["zb_bubble_recovered"],
+        "ratio_interleaved": headline.get("ratio_interleaved"),
+        "evtrain_transformer_steps_per_s": rounded(med("evtrain_transformer", P, M)),
+        "torch_transformer_steps_per_s": rounded(med("torch_transformer", P, M)),
         "ratio_transformer_tuple": rounded(ratio_transformer),
-        "ratio_transformer_tuple_per_repeat": [round(r, 3) for r in per_repeat_transformer],
+        "ratio_transformer_tuple_per_repeat": per_repeat_transformer,
+        "grid": rows,
         "steps": args.steps,
         "warmup": args.warmup,
         "repeats": args.repeats,
-        "transformer_steps": t_steps,
-        "transformer_warmup": t_warmup,
+        "transformer_steps": args.transformer_steps,
+        "transformer_warmup": args.transformer_warmup,
     }
     print(json.dumps(summary))
 
