@@ -363,9 +363,10 @@ run_check pipeline_cuda "$CHECK_TIMEOUT" "$SUMMARY" "$EVTRAIN" launch examples/m
 
 # bench/pipeline_vs_torch.py takes no device option: it measures the CPU engines.
 if ((DRY_RUN)); then
-    BENCH_ARGS=(--only "evtrain_1f1b,torch_1f1b" --steps 3 --warmup 1 --repeats 1)
+    BENCH_ARGS=(--only "evtrain_1f1b,torch_1f1b" --grid 2x8 --steps 3 --warmup 1 --repeats 1)
 else
-    BENCH_ARGS=(--steps 30 --warmup 5 --repeats 1 --transformer-steps 10 --transformer-warmup 2)
+    BENCH_ARGS=(--grid 2x8 --steps 30 --warmup 5 --repeats 1 --transformer-steps 10
+        --transformer-warmup 2)
 fi
 DETAIL_PREFIX="CPU only (the bench has no device option): "
 run_check pipeline_bench 150 '^evtrain/torch 1F1B +[0-9n]' \
