@@ -123,6 +123,8 @@ class RunStarted(Event, kw_only=True, tag="run.started"):
     run_dir: str = ""
     data_parallel: NumReplicas = 1
     """Replicas D of the pipeline; every stage runs on D processes."""
+    virtual_stages: Annotated[int, msgspec.Meta(ge=1, le=MAX_STAGES)] = 1
+    """Model chunks V per stage (interleaved schedules; 1 otherwise)."""
 
 
 class RunEnded(Event, kw_only=True, tag="run.ended"):
@@ -222,6 +224,8 @@ class MicrobatchSpan(Event, kw_only=True):
     """The microbatch, or -1 for a wait outside any microbatch (control at a step end)."""
     start: Timestamp
     end: Timestamp
+    chunk: Annotated[int, msgspec.Meta(ge=0, lt=MAX_STAGES)] = 0
+    """The stage's model chunk (interleaved schedules' virtual stage) the span is for."""
 
 
 class MicrobatchForward(MicrobatchSpan, kw_only=True, tag="microbatch.forward"):

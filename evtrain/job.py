@@ -46,8 +46,8 @@ import torch
 from torch import nn
 
 from evtrain.data import DataStream
-from evtrain.errors import SpecError
-from evtrain.stages.schedules import Schedule
+from evtrain.errors import SpecError, UsageError
+from evtrain.stages.schedules import Schedule, check_virtual_stages
 
 __all__ = [
     "BALANCE_MODES",
@@ -481,6 +481,12 @@ class Job:
     stages: int = 2
     """Number of pipeline stages P (at most the number of layers)."""
 
+    virtual_stages: int = 1
+    """Model chunks V per stage for ``schedule="interleaved"`` (>= 2 there, 1 for every
+    other schedule): the model is split into P x V chunks and stage s holds chunks
+    s, s + P, s + 2P, ... (Megatron's interleaved placement). `balance` then has one
+    entry per chunk. Needs `layers` and no `tied` weights."""
+
     data_parallel: int = 1
     """Replicas D of the pipeline (data parallelism): P x D processes on a (pp, dp)
     device mesh. Every replica reads its own ``batch_size / D`` samples of each batch
@@ -494,8 +500,9 @@ class Job:
     the meta device with one microbatch of the data). ``None`` is ``"params"``."""
 
     schedule: str = "1f1b"
-    """Pipeline schedule: ``"1f1b"``, ``"gpipe"`` or ``"zb"`` (zero bubble: the
-    backward split into input and weight halves, `evtrain.stages.schedules`)."""
+    """Pipeline schedule: ``"1f1b"``, ``"gpipe"``, ``"zb"`` (zero bubble: the
+    backward split into input and weight halves) or ``"interleaved"`` (interleaved
+    1F1B over `virtual_stages` chunks per stage); see `evtrain.stages.schedules`."""
 
     device: str = "cpu"
     """``"cpu"`` or ``"cuda"`` (each stage then uses ``cuda:{local_rank}``, NCCL)."""
@@ -641,17 +648,21 @@ class Job:
         if not isinstance(self.run_dir, Path) or str(self.run_dir) in ("", "."):
             raise SpecError("run_dir", f"expected a directory path, got {self.run_dir!r}")
         _check_int("stages", self.stages, minimum=1)
-        if self.layers is not None and self.stages > len(self.layers):
-            raise SpecError(
-                "stages", f"{self.stages} stages but only {len(self.layers)} layers to place"
-            )
-        self._validate_balance()
-        self._validate_model_options()
+        _check_int("virtual_stages", self.virtual_stages, minimum=1)
         if self.schedule not in SCHEDULES:
             raise SpecError(
                 "schedule",
                 f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}",
             )
+        self._validate_virtual_stages()
+        if self.layers is not None and self.num_chunks > len(self.layers):
+            what = "stages" if self.virtual_stages == 1 else "model chunks"
+            raise SpecError(
+                "stages" if self.virtual_stages == 1 else "virtual_stages",
+                f"{self.num_chunks} {what} but only {len(self.layers)} layers to place",
+            )
+        self._validate_balance()
+        self._validate_model_options()
         if self.device not in DEVICES:
             hint = (
                 "; use 'cuda': each stage takes cuda:{local_rank}"
@@ -692,6 +703,27 @@ class Job:
             if not callable(factory):
                 raise SpecError("layers", f"layer {i} is not callable: {factory!r}")
 
+    def _validate_virtual_stages(self) -> None:
+        try:
+            check_virtual_stages(
+                self.schedule, self.stages, self.num_microbatches, self.virtual_stages
+            )
+        except UsageError as exc:
+            raise SpecError("virtual_stages", str(exc)) from None
+        if self.virtual_stages > 1 and self.model is not None:
+            raise SpecError(
+                "virtual_stages",
+                "model chunks need layers=: a model= stage runs the model's own forward "
+                "over the units it keeps, which cannot stop between two of its chunks",
+            )
+        if self.virtual_stages > 1 and self.tied:
+            raise SpecError("virtual_stages", "tied weights are not supported with model chunks")
+
+    @property
+    def num_chunks(self) -> int:
+        """Model chunks: ``stages * virtual_stages`` (the units are split into these)."""
+        return self.stages * self.virtual_stages
+
     def _validate_balance(self) -> None:
         if self.balance is None:
             return
@@ -705,9 +737,10 @@ class Job:
             return
         if not isinstance(self.balance, tuple) or not all(_is_int(b) for b in self.balance):
             raise SpecError("balance", f"expected a list of integers, got {self.balance!r}")
-        if len(self.balance) != self.stages:
+        if len(self.balance) != self.num_chunks:
+            per = "stages is" if self.virtual_stages == 1 else "stages x virtual_stages is"
             raise SpecError(
-                "balance", f"has {len(self.balance)} entries but stages is {self.stages}"
+                "balance", f"has {len(self.balance)} entries but {per} {self.num_chunks}"
             )
         if any(b < 1 for b in self.balance):
             raise SpecError(

@@ -798,13 +798,14 @@ class Launcher:
     def _print_header(self) -> None:
         job, address = self.job, self.address
         steps = f"{job.max_steps} steps" if job.max_steps is not None else f"{job.epochs} epochs"
+        chunks = f" x {job.virtual_stages} chunks" if job.virtual_stages > 1 else ""
         if self.options.evaluate is not None:
             steps = "evaluation only"
         self._say(
             f"evtrain launch: run {self.run_id} | {job.name} | {_world(job)} "
-            f"({job.schedule}, {job.num_microbatches} microbatches) | {steps}"
+            f"({job.schedule}{chunks}, {job.num_microbatches} microbatches) | {steps}"
         )
-        if job.stages > 1 and self.split is not None:
+        if job.num_chunks > 1 and self.split is not None:
             self._say(f"  split: {self.split.describe()}")
         attach = f"evtrain hook MODULE:CLASS --bus {address}"
         secured = ""

@@ -201,6 +201,13 @@ OVERRIDES: dict[str, Override] = {
         ),
         Override("schedule", "schedule", _parse_str, "a name", f"one of {', '.join(SCHEDULES)}"),
         Override(
+            "virtual-stages",
+            "virtual_stages",
+            _parse_int,
+            "an integer",
+            "model chunks V per stage for --schedule interleaved (P x V chunks)",
+        ),
+        Override(
             "steps",
             "max_steps",
             _parse_optional_int,

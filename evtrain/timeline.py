@@ -110,6 +110,8 @@ class TimelineSpan:
     """The publishing process (``stage/1``, ``stage/1/2``)."""
     replica: int = 0
     """The stage's data-parallel replica (0 without data parallelism)."""
+    chunk: int = 0
+    """The stage's model chunk (interleaved schedules), shown as ``F3@1``."""
 
     @property
     def duration(self) -> float:
@@ -119,12 +121,13 @@ class TimelineSpan:
     @property
     def label(self) -> str:
         """``F3`` (forward of microbatch 3), ``B3`` (or its halves ``I3``, ``W3``),
-        or ``wait recv_act``."""
+        ``F3@1`` on model chunk 1, or ``wait recv_act``."""
+        chunk = f"@{self.chunk}" if self.chunk else ""
         if self.kind == "forward":
-            return f"F{self.microbatch}"
+            return f"F{self.microbatch}{chunk}"
         if self.kind == "backward":
             part = {"input": "I", "weight": "W"}.get(self.op, "B")
-            return f"{part}{self.microbatch}"
+            return f"{part}{self.microbatch}{chunk}"
         return f"wait {self.op}" if self.op else "wait"
 
 
@@ -209,6 +212,7 @@ def spans_from_events(events: Iterable[object]) -> list[TimelineSpan]:
                 else "",
                 source=ev.source,
                 replica=ev.replica,
+                chunk=ev.chunk,
             )
         )
     spans.sort(key=lambda s: (s.start, s.stage, s.replica))
@@ -295,6 +299,7 @@ def spans_from_simulation(
             microbatch=span.microbatch,
             op={"reduce": "reduce", "weight": "weight"}.get(span.kind, ""),
             source=f"stage/{stage}",
+            chunk=span.chunk,
         )
         for stage, timeline in enumerate(result.timelines)
         for span in timeline

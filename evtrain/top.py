@@ -79,7 +79,7 @@ from evtrain.hooks.step_merge import MergedStep, Place, StepMerger, StepWindow, 
 from evtrain.hooks.timer import StageTimes
 from evtrain.logs import LOG_STREAM
 from evtrain.run_state import MAX_PLACES
-from evtrain.stages.schedules import bubble_fraction, parse_schedule
+from evtrain.stages.schedules import Schedule, bubble_fraction, parse_schedule
 
 __all__ = ["TopModel", "TopView", "render", "watch"]
 
@@ -514,9 +514,13 @@ def _theory(run: RunStarted) -> float | None:
         schedule = parse_schedule(run.schedule)  # formulas exist for evtrain's schedules only
     except UsageError:
         return None
-    if schedule.splits_backward and run.num_microbatches < run.num_stages:
-        return None  # zero bubble's formula needs M >= P
-    return bubble_fraction(run.num_stages, run.num_microbatches, schedule)
+    later = (Schedule.ZERO_BUBBLE, Schedule.INTERLEAVED)
+    if schedule in later and run.num_microbatches < run.num_stages:
+        return None  # their formulas need M >= P
+    try:
+        return bubble_fraction(run.num_stages, run.num_microbatches, schedule, run.virtual_stages)
+    except UsageError:  # a chunk count the schedule refuses: no theory for it
+        return None
 
 
 def _pid_alive(pid: int) -> bool | None:

@@ -123,6 +123,7 @@ communication error) before `StageFailed` is published.
 from __future__ import annotations
 
 import datetime
+import functools
 import math
 import os
 import resource
@@ -193,6 +194,7 @@ from evtrain.stages.mesh import Place, StageGroups, build_groups
 from evtrain.stages.orders import Orders
 from evtrain.stages.p2p import Mailbox, exchange_shapes, infer_output_spec
 from evtrain.stages.partition import (
+    build_stage_chunks,
     build_stage_module,
     partition,
     stage_aliases,
@@ -502,6 +504,7 @@ class StageActor:
                     batch_size=job.batch_size,
                     start_step=start_step,
                     data_parallel=job.data_parallel,
+                    virtual_stages=job.virtual_stages,
                     run_dir=str(job.run_dir),
                 )
             )
@@ -609,29 +612,44 @@ class StageActor:
                 timeout=PROCESS_GROUP_TIMEOUT,
                 device_id=self.device if cuda else None,
             )
-        self.groups = build_groups(self.place, self.device, backend, PROCESS_GROUP_TIMEOUT)
+        V = job.virtual_stages
+        self.groups = build_groups(
+            self.place, self.device, backend, PROCESS_GROUP_TIMEOUT, virtual_stages=V
+        )
         ranges = partition(job)
         # Per-stage RNG for randomness inside layers (dropout); layer init is
         # seeded per layer by build_stage_module, independent of the partition.
         replica_key = () if self.place.replica == 0 else ("replica", self.place.replica)
         torch.manual_seed(derive_seed(job.seed, "stage", self.stage, *replica_key))
-        self.module = build_stage_module(job, ranges[self.stage], self.device)
+        if V == 1:
+            self.module = build_stage_module(job, ranges[self.stage], self.device)
+            self.chunks = [self.module]
+        else:
+            # Interleaved: this stage's chunks are the model's chunks stage, stage + P...
+            chunked = build_stage_chunks(
+                job, [ranges[v * self.num_stages + self.stage] for v in range(V)], self.device
+            )
+            self.module, self.chunks = chunked, list(vars(chunked)["chunks"])
         self.module.train()
         if job.activation_checkpointing:
             for unit in stage_unit_modules(job, self.module):
                 checkpoint_layer(unit)
-        compile_module(self.module, job.compile)
+        for chunk in self.chunks:
+            compile_module(chunk, job.compile)
         self.tied = TiedWeights(tied_groups(job, ranges), self.place, self.module, backend)
         self.tied.sync()
         trainable = any(p.requires_grad for p in self.module.parameters())
         if self.groups.replicas is not None and trainable:
             self.replicas = Replicas(self.module, self.groups.replicas, self.device)
+        place = self.place
+        ring = V > 1  # chunks wrap from the last stage back to the first
         self._mailbox = Mailbox(
-            prev=self.place.prev,
-            next=self.place.next,
+            prev=place.rank_of((place.stage - 1) % place.num_stages) if ring else place.prev,
+            next=place.rank_of((place.stage + 1) % place.num_stages) if ring else place.next,
             device=self.device,
             act_group=self.groups.pipeline,
             grad_group=self.groups.pipeline_grads,
+            chunk_groups=self.groups.chunks,
         )
         self.control = StepControl(
             rank=self.place.rank,
@@ -669,17 +687,23 @@ class StageActor:
                 BoundarySpec(tree, tuple(TensorSpec((n, *t.shape[1:]), t.dtype) for t in leaves))
                 for n in sizes
             ]
-        units = stage_units(module)
-        where = f"stage {self.stage} (units {units.start}..{units.stop - 1})"
-        in_specs, out_specs = exchange_shapes(
-            prev=self.place.prev,
-            next=self.place.next,
-            input_specs=input_specs,
-            output_spec_of=lambda spec: self._infer(spec, where),
-            group=self._mailbox.act_group,
-            device=self.device if self.device.type == "cuda" else torch.device("cpu"),
-        )
-        specs = dict(zip(sizes, zip(in_specs, out_specs, strict=True), strict=True))
+        specs = []
+        P, chunks = self.num_stages, len(self.chunks)
+        for v, chunk in enumerate(self.chunks):
+            # Model chunk c = v * P + stage; in order around the ring, each chunk's
+            # input spec comes from chunk c - 1 (on the previous stage).
+            c = v * P + self.stage
+            units = stage_units(chunk)
+            where = f"stage {self.stage} (units {units[0]}..{units[-1]})"
+            in_specs, out_specs = exchange_shapes(
+                prev=self._mailbox.prev if c > 0 else None,
+                next=self._mailbox.next if c < P * chunks - 1 else None,
+                input_specs=input_specs if c == 0 else None,
+                output_spec_of=functools.partial(self._infer, chunk, where=where),
+                group=self._mailbox.act_group,
+                device=self.device if self.device.type == "cuda" else torch.device("cpu"),
+            )
+            specs.append(dict(zip(sizes, zip(in_specs, out_specs, strict=True), strict=True)))
 
         params = [p for p in module.parameters() if p.requires_grad]
         optimizer = job.optimizer(params) if params else None
@@ -699,6 +723,7 @@ class StageActor:
             place=self.place,
             stream=stream,
             specs=specs,
+            chunks=self.chunks,
             train=train_reader,
             evaluations=evaluations,
         )
@@ -712,11 +737,11 @@ class StageActor:
         self._restore(optimizer, scheduler)
         return total
 
-    def _infer(self, spec: BoundarySpec, where: str) -> BoundarySpec:
+    def _infer(self, chunk: nn.Module, spec: BoundarySpec, *, where: str) -> BoundarySpec:
         # Under the run's autocast: the agreed dtypes are those training sends.
-        assert self.job is not None and self.module is not None
+        assert self.job is not None
         with autocast(self.job.precision, self.device):
-            return infer_output_spec(self.module, spec, self.device, where)
+            return infer_output_spec(chunk, spec, self.device, where)
 
     def _restore(self, optimizer: torch.optim.Optimizer | None, scheduler: object) -> None:
         """Resume from a checkpoint or load weights, as the config says (blocking, collective)."""
@@ -819,6 +844,7 @@ class StageActor:
             "microbatch": span.microbatch,
             "start": start,
             "end": end,
+            "chunk": span.chunk,
         }
         if span.kind == "wait":
             return MicrobatchWait(**where, op=span.op)

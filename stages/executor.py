@@ -84,6 +84,9 @@ from evtrain.stages.precision import LossScaler, autocast
 from evtrain.stages.schedules import Schedule, build_schedule, parse_schedule
 from evtrain.stages.tied import TiedWeights
 
+_Program = list[tuple[Callable[[int, int], None], int, int]]
+"""A compiled instruction list: (handler, microbatch, chunk) triples."""
+
 __all__ = ["DEFAULT_LOOKAHEAD", "EvalSet", "EvalStats", "Span", "StageExecutor", "StepStats"]
 
 
@@ -99,6 +102,8 @@ class Span:
     op: str = ""
     """For waits: ``recv_act``, ``recv_grad``, ``send``, ``reduce`` or ``control``;
     for the halves of a split backward: ``input`` or ``weight``."""
+    chunk: int = 0
+    """The model chunk (interleaved schedules' virtual stage) of the microbatch."""
 
 
 @dataclass
@@ -159,9 +164,12 @@ activation waits drop to ~0 in the steady state, steps ~7% shorter)."""
 class StageExecutor:
     """Executes the instruction lists of one pipeline stage.
 
-    ``specs`` maps every microbatch size of the run to this stage's (input,
-    output) `BoundarySpec`, as agreed by `evtrain.stages.p2p.exchange_shapes`
-    (the output spec is None on the last stage, which sends nothing).
+    ``specs[v]`` maps every microbatch size of the run to the (input, output)
+    `BoundarySpec` of this stage's model chunk v, as agreed by
+    `evtrain.stages.p2p.exchange_shapes` (the output spec is None on the
+    model's last chunk, which sends nothing). ``chunks`` are the chunks'
+    modules (interleaved schedules; default: ``module`` is the only chunk),
+    ``module`` holds them all.
     ``train``/``evaluation`` read the first stage's inputs and the last
     stage's targets (`evtrain.loading`); other stages have None. ``lookahead`` applies to 1F1B (see
     `DEFAULT_LOOKAHEAD`); ``recv_window`` bounds the receives posted ahead
@@ -184,7 +192,8 @@ class StageExecutor:
         tied: TiedWeights | None = None,
         replicas: Replicas | None = None,
         place: Place | None = None,
-        specs: dict[int, tuple[BoundarySpec, BoundarySpec | None]],
+        specs: Sequence[dict[int, tuple[BoundarySpec, BoundarySpec | None]]],
+        chunks: Sequence[nn.Module] | None = None,
         train: Reader | None,
         evaluations: Sequence[EvalSet] = (),
         recv_window: int | None = None,
@@ -197,6 +206,16 @@ class StageExecutor:
         self.last = stage == num_stages - 1
         self.device = device
         self.module = module
+        self.chunks = list(chunks) if chunks is not None else [module]
+        self.V = len(self.chunks)
+        model_chunks = num_stages * self.V
+        # Model chunk v * P + stage: which of ours read the inputs, compute the loss.
+        self._first = [v * num_stages + stage == 0 for v in range(self.V)]
+        self._last = [v * num_stages + stage == model_chunks - 1 for v in range(self.V)]
+        # Where what a chunk sends lands: the receiving chunk's index on the
+        # neighbour (the ring wraps from the last stage to the first).
+        self._next_chunk = [v + (stage == num_stages - 1) for v in range(self.V)]
+        self._prev_chunk = [v - (stage == 0) for v in range(self.V)]
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.mailbox = mailbox
@@ -209,7 +228,7 @@ class StageExecutor:
         stage skips the same steps."""
         self._skipped = False
         self.stream = stream
-        self.specs = specs
+        self.specs = list(specs)
         self.train = train
         self.evaluations = list(evaluations)
         self.eval_batches_done = 0
@@ -225,7 +244,13 @@ class StageExecutor:
         self.lookahead = 0 if kind is Schedule.GPIPE else lookahead
         self._split = SplitBackward(self.params) if kind.splits_backward else None
         program = build_schedule(
-            job.schedule, stage, num_stages, self.M, lookahead=self.lookahead, reduce_grads=True
+            job.schedule,
+            stage,
+            num_stages,
+            self.M,
+            lookahead=self.lookahead,
+            reduce_grads=True,
+            virtual_stages=self.V,
         )
         if program[-2:] != [ReduceGrads(), OptimizerStep()]:
             raise RuntimeError("a training schedule must end with ReduceGrads, OptimizerStep")
@@ -233,13 +258,17 @@ class StageExecutor:
         # the reduction and the boundary run once, after the last pass.
         self._pass_program = self._compile(program[:-2])
         backwards = [i.microbatch for i in program if isinstance(i, Backward)]
-        self._last_backward = backwards[-1] if backwards else -1
-        """The microbatch whose backward ends the pass: the one the reducer is armed for."""
+        self._last_backward = backwards[-1] if backwards and self.V == 1 else -1
+        """The microbatch whose backward ends the pass: the one the reducer is armed for
+        (with one chunk; several chunks average their gradients at `ReduceGrads`)."""
+        self._average_at_reduce = self._split is not None or self.V > 1
         self._final_pass = False
-        self._eval_programs: dict[int, list[tuple[Callable[[int], None], int]]] = {}
+        self._eval_programs: dict[int, _Program] = {}
         self._loss_scale = 1.0 / (self.M * job.grad_accum)
 
-        # Per-pass state, indexed by microbatch.
+        # Per-pass state, indexed by slot: chunk v's microbatch m is slot v * n + m
+        # in a pass of n microbatches.
+        self._n = 0
         self._inputs: list[Any] = []
         # The input leaves that send a gradient back, and the output leaves
         # (all of them until sent, then only those that take a gradient).
@@ -270,8 +299,8 @@ class StageExecutor:
 
     # ------------------------------------------------------------ compilation
 
-    def _compile(self, program: Sequence[Instruction]) -> list[tuple[Callable[[int], None], int]]:
-        handlers: dict[type, Callable[[int], None]] = {
+    def _compile(self, program: Sequence[Instruction]) -> _Program:
+        handlers: dict[type, Callable[[int, int], None]] = {
             LoadMicrobatch: self._load,
             RecvActivation: self._recv_activation,
             Forward: self._forward,
@@ -286,7 +315,9 @@ class StageExecutor:
         for instruction in program:
             if isinstance(instruction, ReduceGrads | OptimizerStep):
                 raise RuntimeError(f"{instruction} may only end a training program")
-            compiled.append((handlers[type(instruction)], instruction.microbatch))
+            compiled.append(
+                (handlers[type(instruction)], instruction.microbatch, instruction.chunk)
+            )
         return compiled
 
     # ---------------------------------------------------------------- training
@@ -305,15 +336,13 @@ class StageExecutor:
         self._training = True
         index = step - 1
         mb = self.job.microbatch_size
-        in_spec, out_spec = self.specs[mb]
         for accum in range(self.job.grad_accum):
             self._mb_offset = accum * self.M
             self._final_pass = accum == self.job.grad_accum - 1
-            sizes = [mb] * self.M
-            self._begin_pass(sizes, [in_spec] * self.M, [out_spec] * self.M)
+            self._begin_pass([mb] * self.M)
             self._load_batch(self.stream.batch_index(index, accum))
-            for handler, microbatch in self._pass_program:
-                handler(microbatch)
+            for handler, microbatch, chunk in self._pass_program:
+                handler(microbatch, chunk)
         self._final_pass = False
         self._reduce_grads()
         lr = float(self.optimizer.param_groups[0]["lr"]) if self.optimizer is not None else None
@@ -352,7 +381,7 @@ class StageExecutor:
         """`ReduceGrads`: the replicas' average is in (DDP finalized it at the end of
         the last backward) or, with a split backward, taken here; sum the tied
         weights' gradients over their stages."""
-        average = self._split is not None and self.replicas is not None
+        average = self._average_at_reduce and self.replicas is not None
         if self.tied is None and not average:
             return
         start = time.perf_counter()
@@ -427,42 +456,43 @@ class StageExecutor:
 
     # ------------------------------------------------------------------ passes
 
-    def _begin_pass(
-        self,
-        sizes: Sequence[int],
-        in_specs: Sequence[BoundarySpec],
-        out_specs: Sequence[BoundarySpec | None],
-    ) -> None:
+    def _begin_pass(self, sizes: Sequence[int]) -> None:
         n = len(sizes)
+        slots = n * self.V
+        self._n = n
         self._sizes = list(sizes)
-        self._inputs = [None] * n
-        self._in_leaves = [None] * n
-        self._targets = [None] * n
-        self._outputs = [None] * n
-        self._losses = [None] * n
-        self._grads = [None] * n
-        self._act_specs = list(in_specs)
-        self._out_specs = list(out_specs)
-        self._recv_act = [None] * n
-        self._recv_grad = [None] * n
+        self._inputs = [None] * slots
+        self._in_leaves = [None] * slots
+        self._targets = [None] * slots
+        self._outputs = [None] * slots
+        self._losses = [None] * slots
+        self._grads = [None] * slots
+        self._act_specs = [self.specs[v][size][0] for v in range(self.V) for size in sizes]
+        self._out_specs = [self.specs[v][size][1] for v in range(self.V) for size in sizes]
+        self._recv_act = [None] * slots
+        self._recv_grad = [None] * slots
         # Post receives early: gloo moves a send's data only once the receive
         # is posted, so a just-in-time receive costs a round trip per message.
         window = min(self.recv_window, n)
-        if not self.first:
-            for m in range(window):
-                self._recv_act[m] = self.mailbox.post_recv_activation(self._act_specs[m])
+        for v in range(self.V):
+            if not self._first[v]:
+                for m in range(window):
+                    k = v * n + m
+                    self._recv_act[k] = self.mailbox.post_recv_activation(self._act_specs[k], v)
         # Gradient receives are posted right after the first activation send
         # (`_post_grad_receives`): not needed before then, and posting them
         # here would delay the first stage's first forward, which the whole
         # pipeline waits for.
-        self._grads_posted = self.last or not self._training
+        self._grads_posted = (self.last and self.V == 1) or not self._training
 
     def _post_grad_receives(self) -> None:
         self._grads_posted = True
-        for m in range(min(self.recv_window, len(self._out_specs))):
-            spec = self._out_specs[m]
-            if spec is not None and spec.carries_grad:
-                self._recv_grad[m] = self.mailbox.post_recv_grad(spec)
+        n = self._n
+        for v in range(self.V):
+            for m in range(min(self.recv_window, n)):
+                spec = self._out_specs[v * n + m]
+                if spec is not None and spec.carries_grad:
+                    self._recv_grad[v * n + m] = self.mailbox.post_recv_grad(spec, v)
 
     def _end_pass(self) -> None:
         self._inputs = self._targets = self._losses = []
@@ -481,66 +511,75 @@ class StageExecutor:
 
     # ------------------------------------------------------------ instructions
 
-    def _load(self, m: int) -> None:
-        if self.first:
-            self._inputs[m] = self._batch_x[m]
-        if self.last:
-            self._targets[m] = self._batch_y[m]
+    def _load(self, m: int, v: int) -> None:
+        k = v * self._n + m
+        if self._first[v]:
+            self._inputs[k] = self._batch_x[m]
+        if self._last[v]:
+            self._targets[k] = self._batch_y[m]
 
-    def _recv_activation(self, m: int) -> None:
-        pending = self._recv_act[m]
-        assert pending is not None, f"activation {m} was never posted"
-        self._recv_act[m] = None
+    def _recv_activation(self, m: int, v: int) -> None:
+        n = self._n
+        k = v * n + m
+        pending = self._recv_act[k]
+        assert pending is not None, f"activation {m} of chunk {v} was never posted"
+        self._recv_act[k] = None
         leaves, start, end = self.mailbox.wait(pending)
         if self._spans is not None:
-            self._spans.append(Span("wait", self._mb_offset + m, start, end, "recv_act"))
+            self._spans.append(Span("wait", self._mb_offset + m, start, end, "recv_act", v))
         nxt = m + self.recv_window
-        if nxt < len(self._recv_act):
-            self._recv_act[nxt] = self.mailbox.post_recv_activation(self._act_specs[nxt])
-        spec = self._act_specs[m]
+        if nxt < n:
+            self._recv_act[k + self.recv_window] = self.mailbox.post_recv_activation(
+                self._act_specs[k + self.recv_window], v
+            )
+        spec = self._act_specs[k]
         if self._training:
             grad_leaves = [
                 leaf.requires_grad_(True)
                 for leaf, leaf_spec in zip(leaves, spec.leaves, strict=True)
                 if leaf_spec.carries_grad
             ]
-            self._in_leaves[m] = grad_leaves
-        self._inputs[m] = spec.unflatten(leaves)
+            self._in_leaves[k] = grad_leaves
+        self._inputs[k] = spec.unflatten(leaves)
 
-    def _forward(self, m: int) -> None:
-        x = self._inputs[m]
-        self._inputs[m] = None
+    def _forward(self, m: int, v: int) -> None:
+        k = v * self._n + m
+        x = self._inputs[k]
+        self._inputs[k] = None
+        last = self._last[v]
         start = time.perf_counter()
-        replicas = self.replicas if self._training else None
+        # One chunk goes through DDP's wrapper (its reducer is armed by hand);
+        # several chunks are their layers, averaged at ReduceGrads instead.
+        replicas = self.replicas if self._training and self.V == 1 else None
         with autocast(self.job.precision, self.device):
             if replicas is None:
-                out = call(self.module, x)
+                out = call(self.chunks[v], x)
             else:
                 with replicas.accumulating():
                     out = call(replicas.module, x)
             loss = None
-            if self.last and self._training:
-                target = self._targets[m]
+            if last and self._training:
+                target = self._targets[k]
                 assert target is not None
                 loss = self.job.loss_fn(out, target)
-        if self.last:
+        if last:
             if loss is not None:
-                self._losses[m] = loss
+                self._losses[k] = loss
                 detached = loss.detach()
                 self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
             else:
-                self._eval_metrics(out, self._targets[m], self._sizes[m])
+                self._eval_metrics(out, self._targets[k], self._sizes[m])
         else:
-            self._outputs[m] = self._output_leaves(out, m)
+            self._outputs[k] = self._output_leaves(out, m, v)
         end = time.perf_counter()
         self._forward_s += end - start
         if self._spans is not None:
-            self._spans.append(Span("forward", self._mb_offset + m, start, end))
+            self._spans.append(Span("forward", self._mb_offset + m, start, end, "", v))
 
-    def _output_leaves(self, out: Any, m: int) -> list[torch.Tensor]:
+    def _output_leaves(self, out: Any, m: int, v: int) -> list[torch.Tensor]:
         """The leaves of output ``m``, checked against the spec agreed before training."""
         _tree, leaves = flatten(out, f"stage {self.stage}")
-        spec = self._out_specs[m]
+        spec = self._out_specs[v * self._n + m]
         assert spec is not None
         if len(leaves) != len(spec.leaves) or any(
             t.shape != s.shape or t.dtype != s.dtype
@@ -555,77 +594,84 @@ class StageExecutor:
             )
         return leaves
 
-    def _send_activation(self, m: int) -> None:
-        leaves = self._outputs[m]
-        spec = self._out_specs[m]
+    def _send_activation(self, m: int, v: int) -> None:
+        k = v * self._n + m
+        leaves = self._outputs[k]
+        spec = self._out_specs[k]
         assert leaves is not None and spec is not None
-        self.mailbox.send_activation(leaves)
+        self.mailbox.send_activation(leaves, self._next_chunk[v])
         if not self._training:
-            self._outputs[m] = None
+            self._outputs[k] = None
             return
         # Keep only what the backward needs.
-        self._outputs[m] = [t for t, s in zip(leaves, spec.leaves, strict=True) if s.carries_grad]
+        self._outputs[k] = [t for t, s in zip(leaves, spec.leaves, strict=True) if s.carries_grad]
         if not self._grads_posted:
             self._post_grad_receives()
 
-    def _recv_grad_wait(self, m: int) -> None:
+    def _recv_grad_wait(self, m: int, v: int) -> None:
         if not self._grads_posted:  # a program without SendActivation first
             self._post_grad_receives()
-        pending = self._recv_grad[m]
-        self._recv_grad[m] = None
+        n = self._n
+        k = v * n + m
+        pending = self._recv_grad[k]
+        self._recv_grad[k] = None
         if pending is None:  # integer outputs carry no gradient
             return
         grads, start, end = self.mailbox.wait(pending)
         if self._spans is not None:
-            self._spans.append(Span("wait", self._mb_offset + m, start, end, "recv_grad"))
+            self._spans.append(Span("wait", self._mb_offset + m, start, end, "recv_grad", v))
         nxt = m + self.recv_window
-        spec = self._out_specs[nxt] if nxt < len(self._out_specs) else None
+        spec = self._out_specs[k + self.recv_window] if nxt < n else None
         if spec is not None and spec.carries_grad:
-            self._recv_grad[nxt] = self.mailbox.post_recv_grad(spec)
-        self._grads[m] = grads
+            self._recv_grad[k + self.recv_window] = self.mailbox.post_recv_grad(spec, v)
+        self._grads[k] = grads
 
-    def _backward_roots(self, m: int) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    def _backward_roots(
+        self, m: int, v: int
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         """What microbatch ``m``'s backward starts from: the scaled loss (last
-        stage), or the outputs that take a gradient with the gradients received."""
-        if self.last:
-            loss = self._losses[m]
-            self._losses[m] = None
+        chunk), or the outputs that take a gradient with the gradients received."""
+        k = v * self._n + m
+        if self._last[v]:
+            loss = self._losses[k]
+            self._losses[k] = None
             assert loss is not None
             scale = self._loss_scale * (self.scaler.scale if self.scaler is not None else 1.0)
             return [loss * scale], None
-        outs, received = self._outputs[m] or [], self._grads[m] or []
-        self._outputs[m] = self._grads[m] = None
+        outs, received = self._outputs[k] or [], self._grads[k] or []
+        self._outputs[k] = self._grads[k] = None
         pairs = [(o, g) for o, g in zip(outs, received, strict=True) if o.requires_grad]
         return [o for o, _ in pairs], [g for _, g in pairs]
 
-    def _backward_input(self, m: int) -> None:
+    def _backward_input(self, m: int, v: int) -> None:
         assert self._split is not None
         start = time.perf_counter()
-        tensors, grads = self._backward_roots(m)
+        tensors, grads = self._backward_roots(m, v)
+        k = v * self._n + m
         with self._local_grads():
-            self._split.input_half(m, tensors, grads, self._in_leaves[m] or [])
-        self._backward_span(m, start, "input")
+            self._split.input_half(k, tensors, grads, self._in_leaves[k] or [])
+        self._backward_span(m, v, start, "input")
 
-    def _backward_weight(self, m: int) -> None:
+    def _backward_weight(self, m: int, v: int) -> None:
         assert self._split is not None
         start = time.perf_counter()
         with self._local_grads():
-            self._split.weight_half(m)
-        self._backward_span(m, start, "weight")
+            self._split.weight_half(v * self._n + m)
+        self._backward_span(m, v, start, "weight")
 
     def _local_grads(self) -> contextlib.AbstractContextManager[None]:
         """Gradients accumulate on this replica only (DDP's reducer stays off)."""
         return self.replicas.accumulating() if self.replicas else contextlib.nullcontext()
 
-    def _backward_span(self, m: int, start: float, part: str = "") -> None:
+    def _backward_span(self, m: int, v: int, start: float, part: str = "") -> None:
         end = time.perf_counter()
         self._backward_s += end - start
         if self._spans is not None:
-            self._spans.append(Span("backward", self._mb_offset + m, start, end, part))
+            self._spans.append(Span("backward", self._mb_offset + m, start, end, part, v))
 
-    def _backward(self, m: int) -> None:
+    def _backward(self, m: int, v: int) -> None:
         start = time.perf_counter()
-        tensors, grads = self._backward_roots(m)
+        tensors, grads = self._backward_roots(m, v)
         if tensors:
             replicas = self.replicas
             if replicas is None:
@@ -636,15 +682,17 @@ class StageExecutor:
             else:
                 with replicas.accumulating():
                     torch.autograd.backward(tensors, grads)
-        self._backward_span(m, start)
+        self._backward_span(m, v, start)
 
-    def _send_grad(self, m: int) -> None:
-        leaves = self._in_leaves[m]
-        self._in_leaves[m] = None
+    def _send_grad(self, m: int, v: int) -> None:
+        k = v * self._n + m
+        leaves = self._in_leaves[k]
+        self._in_leaves[k] = None
         if not leaves:
             return
         self.mailbox.send_grad(
-            [x.grad if x.grad is not None else torch.zeros_like(x) for x in leaves]
+            [x.grad if x.grad is not None else torch.zeros_like(x) for x in leaves],
+            self._prev_chunk[v],
         )
 
     # -------------------------------------------------------------- evaluation
@@ -713,11 +761,8 @@ class StageExecutor:
         return results
 
     def _eval_batch(self, batch: Sequence[range], reader: Reader | None) -> None:
-        sizes = [len(r) for r in batch]
         self._mb_offset = 0
-        self._begin_pass(
-            sizes, [self.specs[n][0] for n in sizes], [self.specs[n][1] for n in sizes]
-        )
+        self._begin_pass([len(r) for r in batch])
         self._batch_x = []
         self._batch_y = []
         if reader is not None:
@@ -728,12 +773,17 @@ class StageExecutor:
         if program is None:
             program = self._compile(
                 build_schedule(
-                    self.job.schedule, self.stage, self.num_stages, len(batch), forward_only=True
+                    self.job.schedule,
+                    self.stage,
+                    self.num_stages,
+                    len(batch),
+                    forward_only=True,
+                    virtual_stages=self.V,
                 )
             )
             self._eval_programs[len(batch)] = program
-        for handler, microbatch in program:
-            handler(microbatch)
+        for handler, microbatch, chunk in program:
+            handler(microbatch, chunk)
 
     def _eval_metrics(self, output: Any, target: Any, n: int) -> None:
         assert target is not None

@@ -6,8 +6,9 @@ list of these; the stage executor runs the list and the simulator
 is a frozen, hashable msgspec Struct, tagged by class name so a list can be
 msgpack-encoded (e.g. into an event) and decoded back as `Instruction`.
 
-They print compactly for debugging — `L3 RA3 F3 SA3 RG3 B3 SG3 RED OPT`, or
-with a split backward `RG3 I3 SG3 ... W3` — see `format_instructions`.
+They print compactly for debugging — `L3 RA3 F3 SA3 RG3 B3 SG3 RED OPT`, with
+a split backward `RG3 I3 SG3 ... W3`, on a process's second model chunk
+`RA3@1 F3@1 SA3@1` — see `format_instructions`.
 """
 
 from __future__ import annotations
@@ -47,12 +48,19 @@ class _Base(msgspec.Struct, frozen=True, tag=True):
 
 
 class _MicrobatchInstruction(_Base, frozen=True):
-    """An instruction about one microbatch, numbered 0..M-1 within the step."""
+    """An instruction about one microbatch, numbered 0..M-1 within the step.
+
+    ``chunk`` is the model chunk it applies to, 0..V-1 among the process's
+    virtual stages (interleaved schedules; always 0 otherwise). It prints as
+    ``F3@1`` (forward of microbatch 3 on chunk 1).
+    """
 
     microbatch: int
+    chunk: int = 0
 
     def __repr__(self) -> str:
-        return f"{self.code}{self.microbatch}"
+        where = f"@{self.chunk}" if self.chunk else ""
+        return f"{self.code}{self.microbatch}{where}"
 
     __str__ = __repr__
 

@@ -13,6 +13,11 @@ The groups one process uses:
   group). ``pipeline_grads`` — the same ranks again, for gradients: a group of
   its own has its own connections, so a gradient never queues behind an
   activation.
+* ``chunks`` — with V virtual stages (interleaved), one more (activation,
+  gradient) pair of groups over the same ranks for each model chunk v >= 1 of
+  a stage: what flows *into* chunk v travels on pair v (pair 0 is
+  ``pipeline``, ``pipeline_grads``), so every group carries one chunk's
+  messages in microbatch order — as NCCL, which ignores tags, needs.
 * ``replicas`` — its stage's D replicas (the mesh's ``dp`` group), over which
   DDP's reducer averages the gradients.
 * ``control`` — every process, always gloo (the per-step control exchange,
@@ -80,14 +85,20 @@ class StageGroups:
     pipeline_grads: dist.ProcessGroup | None
     replicas: dist.ProcessGroup | None
     control: dist.ProcessGroup | None
+    chunks: list[tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]]
+    """(activations, gradients) into each model chunk v, pair 0 included."""
 
 
 def build_groups(
-    place: Place, device: torch.device, backend: str, timeout: datetime.timedelta
+    place: Place,
+    device: torch.device,
+    backend: str,
+    timeout: datetime.timedelta,
+    virtual_stages: int = 1,
 ) -> StageGroups:
     """Create the mesh and every group (collective: all processes call it, in step)."""
     if place.world_size == 1:
-        return StageGroups(None, None, None, None)
+        return StageGroups(None, None, None, None, [(None, None)])
     mesh = init_device_mesh(
         device.type, (place.num_stages, place.replicas), mesh_dim_names=("pp", "dp")
     )
@@ -99,5 +110,17 @@ def build_groups(
         group = dist.new_group(ranks, backend=backend, timeout=timeout)
         if replica == place.replica and place.num_stages > 1:
             pipeline_grads = group
+    chunks: list[tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]] = [
+        (pipeline, pipeline_grads)
+    ]
+    for _chunk in range(1, virtual_stages):
+        pair: tuple[dist.ProcessGroup | None, dist.ProcessGroup | None] = (None, None)
+        for replica in range(place.replicas):
+            ranks = [place.rank_of(s, replica) for s in range(place.num_stages)]
+            act = dist.new_group(ranks, backend=backend, timeout=timeout)
+            grad = dist.new_group(ranks, backend=backend, timeout=timeout)
+            if replica == place.replica:
+                pair = (act, grad)
+        chunks.append(pair)
     control = dist.new_group(backend="gloo", timeout=timeout)
-    return StageGroups(pipeline, pipeline_grads, replicas, control)
+    return StageGroups(pipeline, pipeline_grads, replicas, control, chunks)

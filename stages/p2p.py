@@ -153,8 +153,10 @@ class Mailbox:
     """One stage's posted receives and unfinished sends, with wait-time accounting.
 
     ``prev``/``next`` are the global ranks of the neighbour stages of this
-    replica (None at the ends). Activations use ``act_group``, gradients
-    ``grad_group``.
+    replica (None at the ends; with model chunks, the ring's neighbours).
+    Activations use ``act_group``, gradients ``grad_group``; with model chunks
+    what goes into chunk v (``chunk``, the receiver's) uses ``chunk_groups[v]``
+    (`evtrain.stages.mesh`), whose pair 0 is (``act_group``, ``grad_group``).
     """
 
     prev: int | None
@@ -162,20 +164,27 @@ class Mailbox:
     device: torch.device
     act_group: dist.ProcessGroup | None
     grad_group: dist.ProcessGroup | None
+    chunk_groups: Sequence[tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]] = ()
     wait_s: float = 0.0
     """Seconds blocked in ``wait()`` since the last `reset_wait`."""
     _sends: list[tuple[dist.Work, torch.Tensor]] = field(default_factory=list)
 
-    def post_recv_activation(self, spec: BoundarySpec) -> PendingRecv:
+    def _act(self, chunk: int) -> dist.ProcessGroup | None:
+        return self.chunk_groups[chunk][0] if chunk else self.act_group
+
+    def _grad(self, chunk: int) -> dist.ProcessGroup | None:
+        return self.chunk_groups[chunk][1] if chunk else self.grad_group
+
+    def post_recv_activation(self, spec: BoundarySpec, chunk: int = 0) -> PendingRecv:
         """Post the receives of one activation's leaves from the previous stage."""
         assert self.prev is not None
-        return self._post(spec.leaves, self.prev, self.act_group)
+        return self._post(spec.leaves, self.prev, self._act(chunk))
 
-    def post_recv_grad(self, spec: BoundarySpec) -> PendingRecv:
+    def post_recv_grad(self, spec: BoundarySpec, chunk: int = 0) -> PendingRecv:
         """Post the receives of the gradients of one output's grad-carrying leaves."""
         assert self.next is not None
         return self._post(
-            [leaf for leaf in spec.leaves if leaf.carries_grad], self.next, self.grad_group
+            [leaf for leaf in spec.leaves if leaf.carries_grad], self.next, self._grad(chunk)
         )
 
     def _post(
@@ -195,15 +204,16 @@ class Mailbox:
         self.wait_s += end - start
         return pending.buffers, start, end
 
-    def send_activation(self, leaves: Sequence[torch.Tensor]) -> None:
-        """Post the sends of an output's leaves to the next stage (waited on in `drain_sends`)."""
+    def send_activation(self, leaves: Sequence[torch.Tensor], chunk: int = 0) -> None:
+        """Post the sends of an output's leaves to the next stage's chunk ``chunk``
+        (waited on in `drain_sends`)."""
         assert self.next is not None
-        self._send(leaves, self.next, self.act_group)
+        self._send(leaves, self.next, self._act(chunk))
 
-    def send_grad(self, grads: Sequence[torch.Tensor]) -> None:
-        """Post the sends of an input's leaf gradients to the previous stage."""
+    def send_grad(self, grads: Sequence[torch.Tensor], chunk: int = 0) -> None:
+        """Post the sends of an input's leaf gradients to the previous stage's chunk ``chunk``."""
         assert self.prev is not None
-        self._send(grads, self.prev, self.grad_group)
+        self._send(grads, self.prev, self._grad(chunk))
 
     def _send(
         self, tensors: Sequence[torch.Tensor], dst: int, group: dist.ProcessGroup | None

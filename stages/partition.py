@@ -58,9 +58,11 @@ from evtrain.stages.tied import TiedGroup, resolve_ties
 __all__ = [
     "KeptItems",
     "SplitPlan",
+    "StageChunks",
     "StageModule",
     "build_full_model",
     "build_layer",
+    "build_stage_chunks",
     "build_stage_module",
     "layer_param_counts",
     "meta_units",
@@ -269,7 +271,8 @@ def partition(
 ) -> list[range]:
     """Contiguous unit-index ranges, one per stage.
 
-    With a `Job`, ``num_stages`` and ``balance`` default to ``job.stages`` and
+    With a `Job`, ``num_stages`` and ``balance`` default to ``job.num_chunks`` (its
+    stages times its virtual stages: one range per model chunk) and
     ``job.balance`` (or the job's ``split_points``). With sizes the ranges
     follow them; ``"compute"`` minimizes the largest per-stage training-FLOP
     estimate (`evtrain.stages.survey`, falling back to parameter counts
@@ -283,7 +286,7 @@ def partition(
     """
     if isinstance(job_or_layers, Job):
         job: Job | None = job_or_layers
-        num_stages = job_or_layers.stages if num_stages is None else num_stages
+        num_stages = job_or_layers.num_chunks if num_stages is None else num_stages
         balance = job_or_layers.balance if balance is None else balance
     else:
         job = None
@@ -460,7 +463,7 @@ def plan_split(job: Job) -> SplitPlan:
     costs: tuple[float, ...] | None = None
     try:
         if job.model is not None:
-            if ranges is None or job.stages > 1:
+            if ranges is None or job.num_chunks > 1:
                 costs = tuple(_model_costs(job))
         else:
             costs = tuple(float(c) for c in survey(units, example_microbatch(job)).costs)
@@ -469,7 +472,7 @@ def plan_split(job: Job) -> SplitPlan:
             "model cannot run on meta; its outputs are checked by the stages", reason=str(exc)
         )
     if ranges is None:
-        sizes = _balanced_split(costs, job.stages) if costs is not None else None
+        sizes = _balanced_split(costs, job.num_chunks) if costs is not None else None
         ranges = partition(job, balance=sizes if sizes is not None else "params")
         tied_groups(job, ranges)
     if job.model is not None and costs is not None:
@@ -556,6 +559,40 @@ class KeptItems(nn.ModuleDict):
 
     def __iter__(self) -> Iterator[nn.Module]:  # type: ignore[override]
         return iter(self.values())
+
+
+class StageChunks(nn.ModuleDict):
+    """The model chunks of one stage under interleaved schedules: every layer it
+    holds, keyed by global index as in `StageModule` (so ``state_dict()`` keys
+    are the unsplit model's), and ``chunks``, one `StageModule` per chunk over
+    the same layer objects, in the stage's chunk order. It has no forward of
+    its own: the executor calls the chunks.
+    """
+
+    def __init__(self, chunks: Sequence[Mapping[int, nn.Module]]) -> None:
+        views = [StageModule(c) for c in chunks]
+        super().__init__({str(i): layer for c in chunks for i, layer in sorted(c.items())})
+        # A plain attribute, not submodules: each layer is registered once, here.
+        vars(self)["chunks"] = views
+
+    @property
+    def chunk_ranges(self) -> list[range]:
+        """The global layer range of each chunk."""
+        return [view.layer_range for view in vars(self)["chunks"]]
+
+    def __iter__(self) -> Iterator[nn.Module]:  # type: ignore[override]
+        return iter(self.values())
+
+
+def build_stage_chunks(
+    job: Job, unit_ranges: Sequence[range], device: torch.device | str = "cpu"
+) -> StageChunks:
+    """Build the chunks ``unit_ranges`` of one stage (`Job.layers` only) on ``device``."""
+    if job.layers is None:
+        raise SpecError("virtual_stages", "model chunks need layers=")
+    module = StageChunks([{i: build_layer(job, i) for i in r} for r in unit_ranges])
+    vars(module).update(layer_range=None, tied_aliases={})
+    return module.to(device)
 
 
 def _build_model(job: Job) -> nn.Module:
@@ -666,8 +703,11 @@ def build_stage_module(
     return module.to(device)
 
 
-def stage_units(module: nn.Module) -> range:
-    """The unit range a module from `build_stage_module` holds."""
+def stage_units(module: nn.Module) -> Sequence[int]:
+    """The units a module from `build_stage_module` (a range) or `build_stage_chunks`
+    (every chunk's units, in order) holds."""
+    if isinstance(module, StageChunks):
+        return [i for r in module.chunk_ranges for i in r]
     units = vars(module).get("layer_range")
     assert isinstance(units, range), "not a stage module"
     return units
@@ -675,7 +715,7 @@ def stage_units(module: nn.Module) -> range:
 
 def stage_unit_modules(job: Job, module: nn.Module) -> list[nn.Module]:
     """The unit modules a stage module holds, in order (layers, or a model's kept units)."""
-    if isinstance(module, StageModule):
+    if isinstance(module, StageModule | StageChunks):
         return list(module)
     names = unit_names(job)
     return [module.get_submodule(names[i]) for i in stage_units(module)]

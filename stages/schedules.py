@@ -1,4 +1,4 @@
-"""Pipeline schedules as pure functions of (schedule, stage, P, M).
+"""Pipeline schedules as pure functions of (schedule, stage, P, M[, V]).
 
 `build_schedule` returns the instruction list one stage runs for one training
 step. Each microbatch m appears on every stage as a forward block and a
@@ -41,6 +41,19 @@ The schedules differ in how the blocks interleave:
   holds at most ``min(P, M)`` activations (a microbatch's activations live
   until its W): 1F1B's peak, which 1F1B reaches on stage 0 only.
 
+* Interleaved 1F1B ("interleaved", Narayanan et al., arXiv 2104.04473;
+  Megatron's and torch's ScheduleInterleaved1F1B): the model is split into
+  P x V chunks and stage s holds chunks s, s+P, ..., s+(V-1)P — every
+  instruction names its local chunk v. Microbatches go through the chunks in
+  rounds of ``M / r`` (``r = max(1, M // P)`` rounds, so M must be a multiple
+  of r): stage s warms up with ``(V-1) M/r + 2(P-1-s)`` forwards, cycling
+  through its chunks round by round (depth first), then alternates one
+  forward and one backward, the backwards visiting the chunks in reverse.
+  The idle time is 1F1B's divided by V; the price is V times the
+  point-to-point messages and more chunk activations held (each 1/V of a
+  stage's). The chunks' messages travel around a ring: the last stage's
+  chunk v feeds the first stage's chunk v+1.
+
 GPipe and 1F1B have the bubble fraction (P-1)/(M+P-1) when forward and
 backward costs are equal per stage. M < P is fine: 1F1B then degenerates to
 warm-up and cool-down only on the early stages.
@@ -53,6 +66,7 @@ deadlocks — an executor must then pair a send with the following receive
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from enum import StrEnum
 
 from evtrain.errors import UsageError
@@ -76,6 +90,7 @@ __all__ = [
     "backward_block",
     "bubble_fraction",
     "build_schedule",
+    "check_virtual_stages",
     "forward_block",
     "max_in_flight",
     "parse_schedule",
@@ -88,6 +103,7 @@ class Schedule(StrEnum):
     GPIPE = "gpipe"
     ONE_F_ONE_B = "1f1b"
     ZERO_BUBBLE = "zb"
+    INTERLEAVED = "interleaved"
 
     @property
     def splits_backward(self) -> bool:
@@ -117,33 +133,50 @@ def _check_shape(stage: int, num_stages: int, num_microbatches: int) -> None:
         raise UsageError(f"stage must be in 0..{num_stages - 1}, got {stage!r}")
 
 
-def forward_block(stage: int, num_stages: int, microbatch: int) -> list[Instruction]:
-    """The instructions around microbatch `microbatch`'s forward on `stage`."""
-    first, last = stage == 0, stage == num_stages - 1
+def _ends(stage: int, num_stages: int, chunk: int, virtual_stages: int) -> tuple[bool, bool]:
+    """Whether model chunk ``chunk * P + stage`` is the model's first and its last."""
+    model_chunk = chunk * num_stages + stage
+    return model_chunk == 0, model_chunk == num_stages * virtual_stages - 1
+
+
+def forward_block(
+    stage: int, num_stages: int, microbatch: int, chunk: int = 0, virtual_stages: int = 1
+) -> list[Instruction]:
+    """The instructions around microbatch `microbatch`'s forward on `stage`
+    (on its model chunk `chunk` of `virtual_stages`)."""
+    first, last = _ends(stage, num_stages, chunk, virtual_stages)
+    m, v = microbatch, chunk
     block: list[Instruction] = []
     if first or last:
-        block.append(LoadMicrobatch(microbatch))
+        block.append(LoadMicrobatch(m, v))
     if not first:
-        block.append(RecvActivation(microbatch))
-    block.append(Forward(microbatch))
+        block.append(RecvActivation(m, v))
+    block.append(Forward(m, v))
     if not last:
-        block.append(SendActivation(microbatch))
+        block.append(SendActivation(m, v))
     return block
 
 
 def backward_block(
-    stage: int, num_stages: int, microbatch: int, *, split: bool = False
+    stage: int,
+    num_stages: int,
+    microbatch: int,
+    chunk: int = 0,
+    virtual_stages: int = 1,
+    *,
+    split: bool = False,
 ) -> list[Instruction]:
-    """The instructions around microbatch `microbatch`'s backward on `stage`;
-    with ``split`` only its input half (`BackwardInput`), the `BackwardWeight`
-    being placed by the schedule."""
-    first, last = stage == 0, stage == num_stages - 1
+    """The instructions around microbatch `microbatch`'s backward on `stage`
+    (on its model chunk `chunk`); with ``split`` only its input half
+    (`BackwardInput`), the `BackwardWeight` being placed by the schedule."""
+    first, last = _ends(stage, num_stages, chunk, virtual_stages)
+    m, v = microbatch, chunk
     block: list[Instruction] = []
     if not last:
-        block.append(RecvGrad(microbatch))
-    block.append(BackwardInput(microbatch) if split else Backward(microbatch))
+        block.append(RecvGrad(m, v))
+    block.append(BackwardInput(m, v) if split else Backward(m, v))
     if not first:
-        block.append(SendGrad(microbatch))
+        block.append(SendGrad(m, v))
     return block
 
 
@@ -156,8 +189,13 @@ def build_schedule(
     forward_only: bool = False,
     lookahead: int = 0,
     reduce_grads: bool = False,
+    virtual_stages: int = 1,
 ) -> list[Instruction]:
     """The instruction list stage `stage` of `num_stages` runs for one step.
+
+    ``virtual_stages`` (V, interleaved only, where it must be >= 2) is the
+    number of model chunks each stage holds: stage s holds chunks
+    ``v * P + s`` (see the module docstring).
 
     `forward_only=True` gives the evaluation program: the forward blocks in
     order 0..M-1 (the same for both schedules), with no backward and no
@@ -179,21 +217,27 @@ def build_schedule(
     _check_shape(stage, num_stages, num_microbatches)
     if not isinstance(lookahead, int) or isinstance(lookahead, bool) or lookahead < 0:
         raise UsageError(f"lookahead must be an integer >= 0, got {lookahead!r}")
-    P, M = num_stages, num_microbatches
+    check_virtual_stages(kind, num_stages, num_microbatches, virtual_stages)
+    P, M, V = num_stages, num_microbatches, virtual_stages
 
-    def fwd(m: int) -> list[Instruction]:
-        return forward_block(stage, P, m)
+    def fwd(m: int, v: int = 0) -> list[Instruction]:
+        return forward_block(stage, P, m, v, V)
 
-    def bwd(m: int) -> list[Instruction]:
-        return backward_block(stage, P, m, split=kind.splits_backward)
+    def bwd(m: int, v: int = 0) -> list[Instruction]:
+        return backward_block(stage, P, m, v, V, split=kind.splits_backward)
 
     program: list[Instruction] = []
     if forward_only:
-        for m in range(M):
-            program += fwd(m)
+        # Chunk by chunk: each chunk's input comes from an earlier chunk, so
+        # every receive has its send issued before it (no deadlock).
+        for v in range(V):
+            for m in range(M):
+                program += fwd(m, v)
         return program
 
-    if kind is Schedule.GPIPE:
+    if kind is Schedule.INTERLEAVED:
+        program += _interleaved(stage, P, M, V, lookahead, fwd, bwd)
+    elif kind is Schedule.GPIPE:
         for m in range(M):
             program += fwd(m)
         for m in range(M):
@@ -230,6 +274,72 @@ def build_schedule(
     return program
 
 
+def check_virtual_stages(
+    schedule: str | Schedule, num_stages: int, num_microbatches: int, virtual_stages: int
+) -> None:
+    """`UsageError` unless ``virtual_stages`` fits the schedule and shape.
+
+    Interleaved needs V >= 2 chunks per stage and P >= 2 stages, and M a
+    multiple of its rounds, ``max(1, M // P)`` (as torch's
+    ScheduleInterleaved1F1B); the other schedules hold one chunk per stage.
+    """
+    kind = parse_schedule(schedule)
+    _check_positive("virtual_stages", virtual_stages)
+    if kind is not Schedule.INTERLEAVED:
+        if virtual_stages != 1:
+            raise UsageError(
+                f"virtual_stages={virtual_stages} needs schedule 'interleaved' "
+                f"({kind.value} holds one model chunk per stage)"
+            )
+        return
+    if virtual_stages < 2 or num_stages < 2:
+        raise UsageError(
+            "the interleaved schedule needs virtual_stages >= 2 and stages >= 2, got "
+            f"virtual_stages={virtual_stages} and stages={num_stages} (with one chunk "
+            "per stage, use 1f1b)"
+        )
+    rounds = max(1, num_microbatches // num_stages)
+    if num_microbatches % rounds:
+        raise UsageError(
+            f"the interleaved schedule runs microbatches in rounds of "
+            f"{num_microbatches // rounds}: num_microbatches ({num_microbatches}) must be a "
+            f"multiple of {rounds}, e.g. a multiple of the {num_stages} stages"
+        )
+
+
+def _interleaved(
+    stage: int,
+    P: int,
+    M: int,
+    V: int,
+    lookahead: int,
+    fwd: Callable[[int, int], list[Instruction]],
+    bwd: Callable[[int, int], list[Instruction]],
+) -> list[Instruction]:
+    """Interleaved 1F1B's order for ``stage`` (see the module docstring)."""
+    per_round = M // max(1, M // P)
+    total = M * V
+    warmup = _interleaved_warmup(stage, P, M, V, lookahead)
+    forwards, backwards = [0] * V, [0] * V
+    program: list[Instruction] = []
+    for op in range(total + warmup):
+        if op < total:
+            v = (op // per_round) % V
+            program += fwd(forwards[v], v)
+            forwards[v] += 1
+        if op >= warmup:
+            v = V - 1 - ((op - warmup) // per_round) % V
+            program += bwd(backwards[v], v)
+            backwards[v] += 1
+    return program
+
+
+def _interleaved_warmup(stage: int, P: int, M: int, V: int, lookahead: int) -> int:
+    rounds = max(1, M // P)
+    extra = lookahead if stage < P - 1 else 0
+    return min((V - 1) * (M // rounds) + 2 * (P - 1 - stage) + extra, M * V)
+
+
 def max_in_flight(
     schedule: str | Schedule,
     stage: int,
@@ -237,13 +347,20 @@ def max_in_flight(
     num_microbatches: int,
     *,
     lookahead: int = 0,
+    virtual_stages: int = 1,
 ) -> int:
     """Theoretical peak of activations stored on `stage` (forwards whose
-    backward, or `BackwardWeight`, has not run): ``min(P - stage, M)`` for 1F1B,
-    ``min(P, M)`` for zero bubble (both plus `lookahead` on every stage but the
-    last), ``M`` for GPipe."""
+    backward, or `BackwardWeight`, has not run), over all its chunks:
+    ``min(P - stage, M)`` for 1F1B, ``min(P, M)`` for zero bubble (both plus
+    `lookahead` on every stage but the last), ``M`` for GPipe, one more than
+    its warm-up forwards for interleaved: ``min((V-1)·M/r + 2(P-1-stage) + 1,
+    V·M)`` with ``r = max(1, M // P)`` rounds, plus `lookahead`."""
     kind = parse_schedule(schedule)
     _check_shape(stage, num_stages, num_microbatches)
+    check_virtual_stages(kind, num_stages, num_microbatches, virtual_stages)
+    if kind is Schedule.INTERLEAVED:
+        warmup = _interleaved_warmup(stage, num_stages, num_microbatches, virtual_stages, lookahead)
+        return min(warmup + 1, num_microbatches * virtual_stages)
     if kind is Schedule.GPIPE:
         return num_microbatches
     extra = lookahead if stage < num_stages - 1 else 0
@@ -252,16 +369,24 @@ def max_in_flight(
 
 
 def bubble_fraction(
-    num_stages: int, num_microbatches: int, schedule: str | Schedule = Schedule.ONE_F_ONE_B
+    num_stages: int,
+    num_microbatches: int,
+    schedule: str | Schedule = Schedule.ONE_F_ONE_B,
+    virtual_stages: int = 1,
 ) -> float:
     """Idle share of a step with equal per-stage costs: ``(P - 1) / (M + P - 1)``
     for GPipe and 1F1B; for zero bubble at M >= P, with I = W = half a
     backward and a backward twice a forward, ``(P - 1) / (3M + P - 1)``: a
-    third of 1F1B's idle time per stage, over a step that much shorter."""
+    third of 1F1B's idle time per stage, over a step that much shorter; for
+    interleaved with V chunks per stage and M a multiple of P,
+    ``(P - 1) / (V·M + P - 1)``: 1F1B's idle time divided by V."""
     kind = parse_schedule(schedule)
     _check_positive("num_stages", num_stages)
     _check_positive("num_microbatches", num_microbatches)
     P, M = num_stages, num_microbatches
     if kind is Schedule.ZERO_BUBBLE:
         return (P - 1) / (3 * M + P - 1)
+    if kind is Schedule.INTERLEAVED:
+        check_virtual_stages(kind, P, M, virtual_stages)
+        return (P - 1) / (virtual_stages * M + P - 1)
     return (P - 1) / (M + P - 1)

@@ -95,6 +95,8 @@ class Span(NamedTuple):
     end: float
     kind: Literal["forward", "backward", "weight", "reduce"]
     microbatch: int
+    chunk: int = 0
+    """The process's model chunk (virtual stage), 0..V-1."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,12 +148,13 @@ class _Stage:
         self.program = program
         self.pc = 0
         self.clock = 0.0
-        self.loaded: set[int] = set()
-        self.received: dict[str, set[int]] = {_ACT: set(), _GRAD: set()}
-        self.forwarded: set[int] = set()
-        self.input_grads: set[int] = set()
+        # Every set holds (chunk, microbatch) pairs.
+        self.loaded: set[tuple[int, int]] = set()
+        self.received: dict[str, set[tuple[int, int]]] = {_ACT: set(), _GRAD: set()}
+        self.forwarded: set[tuple[int, int]] = set()
+        self.input_grads: set[tuple[int, int]] = set()
         """Microbatches whose input gradient is computed (B or I)."""
-        self.backwarded: set[int] = set()
+        self.backwarded: set[tuple[int, int]] = set()
         """Microbatches whose backward is complete (B or W)."""
         self.optimizer_steps = 0
         self.reduced = False
@@ -238,18 +241,21 @@ def simulate_programs(
         raise UsageError(f"num_microbatches must be >= 1, got {num_microbatches!r}")
 
     P, M = len(programs), num_microbatches
+    # Virtual stages: rank s holds chunks v = 0..V-1, the model's chunks v * P + s.
+    V = 1 + max((getattr(i, "chunk", 0) for p in programs for i in p), default=0)
+    C = P * V
     stages = [_Stage(p) for p in programs]
-    # channels[(kind, src, dst)]: FIFO of messages sent but not yet received.
+    # channels[(kind, src chunk, dst chunk)]: FIFO of messages sent but not yet received.
     channels: dict[tuple[str, int, int], deque[_Message]] = {}
 
     def fail(s: int, ins: Instruction, why: str) -> ScheduleError:
         return ScheduleError(f"stage {s} at {ins} (instruction {stages[s].pc}): {why}")
 
-    def send(s: int, ins: MicrobatchInstruction, kind: str, dst: int) -> bool:
+    def send(s: int, ins: MicrobatchInstruction, kind: str, src: int, dst: int) -> bool:
         st = stages[s]
         if st.pending_send is None:
             msg = _Message(ins.microbatch, st.clock)
-            channels.setdefault((kind, s, dst), deque()).append(msg)
+            channels.setdefault((kind, src, dst), deque()).append(msg)
             if not rendezvous_sends:
                 return True
             st.pending_send = msg
@@ -259,16 +265,16 @@ def simulate_programs(
         st.pending_send = None
         return True
 
-    def recv(s: int, ins: MicrobatchInstruction, kind: str, src: int) -> bool:
+    def recv(s: int, ins: MicrobatchInstruction, kind: str, src: int, dst: int) -> bool:
         st = stages[s]
-        queue = channels.get((kind, src, s))
+        queue = channels.get((kind, src, dst))
         if not queue:
             return False
         msg = queue.popleft()
         if msg.microbatch != ins.microbatch:
             raise fail(s, ins, f"would receive the {kind} of microbatch {msg.microbatch}")
         st.clock = msg.taken_at = max(st.clock, msg.sent_at)
-        st.received[kind].add(ins.microbatch)
+        st.received[kind].add((ins.chunk, ins.microbatch))
         return True
 
     def compute(s: int, ins: MicrobatchInstruction, cost: float) -> None:
@@ -280,82 +286,87 @@ def simulate_programs(
             if isinstance(ins, BackwardWeight)
             else "backward"
         )
-        st.spans.append(Span(st.clock, st.clock + cost, kind, ins.microbatch))
+        st.spans.append(Span(st.clock, st.clock + cost, kind, ins.microbatch, ins.chunk))
         st.clock += cost
         st.busy += cost
 
     def step(s: int, ins: Instruction) -> bool:
         """Execute `ins` on stage s; False when it must wait."""
         st = stages[s]
-        first, last = s == 0, s == P - 1
         m = getattr(ins, "microbatch", 0)
+        v = getattr(ins, "chunk", 0)
         if not 0 <= m < M:
             raise fail(s, ins, f"microbatch outside 0..{M - 1}")
+        if v < 0:
+            raise fail(s, ins, "negative chunk")
+        c = v * P + s  # the model chunk
+        first, last = c == 0, c == C - 1
+        k = (v, m)
         match ins:
             case LoadMicrobatch():
-                st.loaded.add(m)
+                st.loaded.add(k)
             case RecvActivation():
                 if first:
                     raise fail(s, ins, "the first stage has no previous stage")
-                return recv(s, ins, _ACT, s - 1)
+                return recv(s, ins, _ACT, c - 1, c)
             case RecvGrad():
                 if last:
                     raise fail(s, ins, "the last stage has no next stage")
-                return recv(s, ins, _GRAD, s + 1)
+                return recv(s, ins, _GRAD, c + 1, c)
             case SendActivation():
                 if last:
                     raise fail(s, ins, "the last stage has no next stage")
-                if m not in st.forwarded:
+                if k not in st.forwarded:
                     raise fail(s, ins, "sends an activation before its forward")
-                return send(s, ins, _ACT, s + 1)
+                return send(s, ins, _ACT, c, c + 1)
             case SendGrad():
                 if first:
                     raise fail(s, ins, "the first stage has no previous stage")
-                if m not in st.input_grads:
+                if k not in st.input_grads:
                     raise fail(s, ins, "sends a gradient before its backward")
-                return send(s, ins, _GRAD, s - 1)
+                return send(s, ins, _GRAD, c, c - 1)
             case Forward():
-                if m in st.forwarded:
+                if k in st.forwarded:
                     raise fail(s, ins, "forwards the microbatch twice")
-                if (first or last) and m not in st.loaded:
+                if (first or last) and k not in st.loaded:
                     raise fail(s, ins, "forward before LoadMicrobatch (inputs/targets)")
-                if not first and m not in st.received[_ACT]:
+                if not first and k not in st.received[_ACT]:
                     raise fail(s, ins, "forward before its activation was received")
                 compute(s, ins, forward_cost)
-                st.forwarded.add(m)
+                st.forwarded.add(k)
                 st.in_flight += 1
                 st.peak = max(st.peak, st.in_flight)
             case Backward() | BackwardInput():
-                if m in st.input_grads:
+                if k in st.input_grads:
                     raise fail(s, ins, "backwards the microbatch twice")
-                if m not in st.forwarded:
+                if k not in st.forwarded:
                     raise fail(s, ins, "backward before its forward")
-                if not last and m not in st.received[_GRAD]:
+                if not last and k not in st.received[_GRAD]:
                     raise fail(s, ins, "backward before its gradient was received")
-                st.input_grads.add(m)
+                st.input_grads.add(k)
                 if isinstance(ins, Backward):
                     compute(s, ins, backward_cost)
-                    st.backwarded.add(m)
+                    st.backwarded.add(k)
                     st.in_flight -= 1
                 else:
                     compute(s, ins, 0.0 if first else backward_cost - weight_cost)
             case BackwardWeight():
-                if m in st.backwarded:
+                if k in st.backwarded:
                     raise fail(s, ins, "backwards the microbatch twice")
-                if m not in st.input_grads:
+                if k not in st.input_grads:
                     raise fail(s, ins, "weight gradients before the input gradient")
                 compute(s, ins, backward_cost if first else weight_cost)
-                st.backwarded.add(m)
+                st.backwarded.add(k)
                 st.in_flight -= 1
             case ReduceGrads():
-                if len(st.backwarded) != M or st.reduced:
+                if len(st.backwarded) != M * V or st.reduced:
                     raise fail(s, ins, "gradients must be reduced once, after all M backwards")
                 if reduce_cost:
                     st.spans.append(Span(st.clock, st.clock + reduce_cost, "reduce", -1))
                 st.clock += reduce_cost
                 st.reduced = True
             case OptimizerStep():
-                if len(st.backwarded) != M or st.optimizer_steps:
+                if len(st.backwarded) != M * V or st.optimizer_steps:
                     raise fail(s, ins, "optimizer step must come once, after all M backwards")
                 st.optimizer_steps += 1
             case _:
@@ -375,8 +386,8 @@ def simulate_programs(
     if stuck:
         raise DeadlockError(stuck, {s: stages[s].pc for s in stuck})
 
-    _check_complete(stages, channels, M)
-    _check_cross_stage_order(stages)
+    _check_complete(stages, channels, M, V)
+    _check_cross_stage_order(stages, V)
     makespan = max(st.clock for st in stages)
     busy = tuple(st.busy for st in stages)
     return SimulationResult(
@@ -391,39 +402,65 @@ def simulate_programs(
 
 
 def _check_complete(
-    stages: list[_Stage], channels: dict[tuple[str, int, int], deque[_Message]], M: int
+    stages: list[_Stage],
+    channels: dict[tuple[str, int, int], deque[_Message]],
+    M: int,
+    V: int,
 ) -> None:
-    """Every microbatch forwarded once per stage, backwarded once (training)
-    or never (forward-only), one optimizer step per training program, and no
-    message left unreceived."""
-    everything = set(range(M))
+    """Every microbatch forwarded once per stage (and chunk), backwarded once
+    (training) or never (forward-only), one optimizer step per training
+    program, and no message left unreceived."""
+    everything = {(v, m) for v in range(V) for m in range(M)}
     training = any(st.input_grads for st in stages)
+
+    def named(items: set[tuple[int, int]]) -> set[int] | set[str]:
+        if V == 1:
+            return {m for _, m in items}
+        return {f"{m}@{v}" for v, m in items}
+
     for s, st in enumerate(stages):
         if st.forwarded != everything:
-            missing = everything - st.forwarded
+            missing = named(everything - st.forwarded)
             raise ScheduleError(f"stage {s} never forwards microbatches {missing}")
         if training and st.backwarded != everything:
-            missing = everything - st.backwarded
+            missing = named(everything - st.backwarded)
             raise ScheduleError(f"stage {s} never backwards microbatches {missing}")
         if training and st.optimizer_steps != 1:
             raise ScheduleError(f"stage {s} has no OptimizerStep")
+    P = len(stages)
     for (kind, src, dst), queue in channels.items():
         if queue:
             mbs = [msg.microbatch for msg in queue]
-            raise ScheduleError(f"stage {dst} never receives the {kind}s {mbs} sent by stage {src}")
+            if V == 1:
+                where, whence = f"stage {dst}", f"stage {src}"
+            else:
+                where = f"stage {dst % P} (chunk {dst})"
+                whence = f"stage {src % P} (chunk {src})"
+            raise ScheduleError(f"{where} never receives the {kind}s {mbs} sent by {whence}")
 
 
-def _check_cross_stage_order(stages: list[_Stage]) -> None:
-    """Forward of m ends on s before it starts on s+1; backward of m ends on
-    s+1 before it starts on s. Implied by the receives when the program has
-    them; checked on the timelines so a schedule cannot skip them."""
-    spans = [{(sp.kind, sp.microbatch): sp for sp in st.spans} for st in stages]
-    for s in range(len(stages) - 1):
-        for (kind, m), here in spans[s].items():
-            there = spans[s + 1].get((kind, m))
-            if there is None:
-                continue
-            if kind == "forward" and here.end > there.start:
-                raise ScheduleError(f"forward of microbatch {m} starts on stage {s + 1} too early")
-            if kind == "backward" and there.end > here.start:
-                raise ScheduleError(f"backward of microbatch {m} starts on stage {s} too early")
+def _check_cross_stage_order(stages: list[_Stage], V: int) -> None:
+    """Forward of m ends on model chunk c before it starts on c+1; backward of m
+    ends on c+1 before it starts on c (chunk c is stage c mod P's chunk c // P;
+    with one chunk per stage, the stages). Implied by the receives when the
+    program has them; checked on the timelines so a schedule cannot skip them."""
+    P = len(stages)
+    spans = {
+        (sp.kind, sp.chunk * P + s, sp.microbatch): sp
+        for s, st in enumerate(stages)
+        for sp in st.spans
+    }
+    for (kind, c, m), here in spans.items():
+        there = spans.get((kind, c + 1, m))
+        if there is None:
+            continue
+        if kind == "forward" and here.end > there.start:
+            raise ScheduleError(
+                f"forward of microbatch {m} starts on {_where(c + 1, P, V)} too early"
+            )
+        if kind == "backward" and there.end > here.start:
+            raise ScheduleError(f"backward of microbatch {m} starts on {_where(c, P, V)} too early")
+
+
+def _where(chunk: int, P: int, V: int) -> str:
+    return f"stage {chunk}" if V == 1 else f"stage {chunk % P} (chunk {chunk})"

@@ -128,10 +128,10 @@ def test_two_replicas_of_two_stages_equal_single_process_training(uninterrupted:
     assert sorted(p.name for p in committed[0].path.glob("stage-*")) == ["stage-0", "stage-1"]
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb"])
+@pytest.mark.parametrize("schedule", ["1f1b", "zb", "interleaved"])
 def test_with_gradient_accumulation_and_clipping(tmp_path: Path, schedule: str) -> None:
-    """Also with zero bubble, whose split backward averages the replicas' gradients
-    itself: DDP's reducer never sees them."""
+    """Also with zero bubble and interleaved 1F1B (2 chunks per stage), which average
+    the replicas' gradients themselves: DDP's reducer never sees them."""
     spec = spec_file(tmp_path, accum=2)
     grad_clip = 0.05
     weights = str(tmp_path / "weights")
@@ -141,6 +141,8 @@ def test_with_gradient_accumulation_and_clipping(tmp_path: Path, schedule: str) 
         "2",
         "--schedule",
         schedule,
+        "--virtual-stages",
+        "2" if schedule == "interleaved" else "1",
         "--grad-clip",
         str(grad_clip),
         "--dump-weights",
@@ -159,23 +161,24 @@ def test_a_two_replica_checkpoint_resumes_at_another_shape(
     tmp_path: Path, uninterrupted: Path, layout: tuple[str, str]
 ) -> None:
     stages, dp = layout
+    resume_and_compare(uninterrupted, tmp_path, "--stages", stages, "--dp", dp)
+
+
+def resume_and_compare(uninterrupted: Path, directory: Path, *layout: str) -> None:
+    """Resume ``uninterrupted``'s step-10 checkpoint in ``layout``: the same end, within 1e-6."""
     checkpoint = next(c for c in list_checkpoints(uninterrupted / "run") if c.step == 10)
-    spec = spec_file(tmp_path)
     out = launch(
-        spec,
-        "--stages",
-        stages,
-        "--dp",
-        dp,
+        spec_file(directory),
+        *layout,
         "--resume",
         str(checkpoint.path),
         "--log-level",
         "info",
         "--dump-weights",
-        str(tmp_path / "weights"),
+        str(directory / "weights"),
     )
     assert "step=10" in out  # resumed after step 10, not from scratch
-    assert_close(dumped(tmp_path / "weights"), dumped(uninterrupted / "weights"), 1e-6)
+    assert_close(dumped(directory / "weights"), dumped(uninterrupted / "weights"), 1e-6)
 
 
 def _square(i: int) -> dict[str, torch.Tensor]:

@@ -89,6 +89,15 @@ def make_job(**overrides: Any) -> Job:
         (dict(balance=[9, 0]), "balance"),
         (dict(balance=[2, 2, 5]), "balance"),
         (dict(schedule="zero-bubble"), "schedule"),
+        (dict(virtual_stages=2), "virtual_stages"),
+        (dict(schedule="interleaved"), "virtual_stages"),
+        (dict(schedule="interleaved", virtual_stages=0), "virtual_stages"),
+        (dict(schedule="interleaved", virtual_stages=5), "virtual_stages"),  # 10 > 9 layers
+        (dict(schedule="interleaved", virtual_stages=2, balance=[1, 2]), "balance"),
+        (
+            dict(schedule="interleaved", virtual_stages=2, tied=[("0.weight", "2.weight")]),
+            "virtual_stages",
+        ),
         (dict(device="gpu"), "device"),
         (dict(device="cuda:1"), "device"),
         (dict(hooks=[dict(every=3)]), "hooks"),
@@ -679,3 +688,14 @@ def test_scheduler_is_told_the_run_length_after_overrides() -> None:
     )
     optimizer = plain.optimizer(nn.Linear(2, 2).parameters())
     assert isinstance(plain.build_scheduler(optimizer), torch.optim.lr_scheduler.StepLR)
+
+
+def test_model_chunks_need_layers() -> None:
+    with pytest.raises(SpecError, match="model chunks need layers=") as info:
+        make_job(
+            layers=None,
+            model=functools.partial(nn.Sequential, *(nn.Linear(8, 8) for _ in range(4))),
+            schedule="interleaved",
+            virtual_stages=2,
+        )
+    assert info.value.field == "virtual_stages"

@@ -7,7 +7,7 @@ tests/launch_hooks.py) and the final weights from the workers'
 ``--dump-weights``; both must match a plain PyTorch loop over the same
 data, seed and initial weights (fp32, atol 1e-5).
 
-Launch start-up costs seconds, so the eight launches run two at a time.
+Launch start-up costs seconds, so the nine launches run two at a time.
 """
 
 from __future__ import annotations
@@ -29,13 +29,15 @@ from evtrain.stages.partition import build_full_model
 pytestmark = pytest.mark.slow
 
 STEPS = 5
-# Every schedule at 2 and 4 stages, 1F1B alone at 1 and 3: at one stage the
-# schedules run the same computations, and 3 stages add an odd middle, not a schedule.
+# Every schedule at 2 and 4 stages (interleaved at 2, over 2 chunks per stage: the
+# 6 layers make no more), 1F1B alone at 1 and 3: at one stage the schedules run
+# the same computations, and 3 stages add an odd middle, not a schedule.
 CONFIGS = [
     (1, "1f1b"),
     (2, "gpipe"),
     (2, "1f1b"),
     (2, "zb"),
+    (2, "interleaved"),
     (3, "1f1b"),
     (4, "gpipe"),
     (4, "1f1b"),
@@ -84,6 +86,8 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any
             str(stages),
             "--schedule",
             schedule,
+            "--virtual-stages",
+            "2" if schedule == "interleaved" else "1",
             "--run-dir",
             str(out / "run"),
             "--dump-weights",

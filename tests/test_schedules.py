@@ -1,4 +1,4 @@
-"""Schedules are data: check GPipe, 1F1B and zero bubble against theory with the simulator."""
+"""Schedules are data: check every schedule against theory with the simulator."""
 
 from __future__ import annotations
 
@@ -128,7 +128,7 @@ def test_schedule_names() -> None:
     expected = build_schedule("1f1b", 1, 3, 5)
     assert build_schedule(Schedule.ONE_F_ONE_B, 1, 3, 5) == expected
     assert build_schedule("1F1B", 1, 3, 5) == expected
-    assert [s.value for s in Schedule] == ["gpipe", "1f1b", "zb"]
+    assert [s.value for s in Schedule] == ["gpipe", "1f1b", "zb", "interleaved"]
 
 
 def test_forward_only_program() -> None:
@@ -320,6 +320,114 @@ def test_weight_cost_is_part_of_the_backward() -> None:
         simulate("zb", 2, 2, weight_cost=float("nan"))
 
 
+# --- interleaved 1F1B (virtual stages) -------------------------------------------
+
+
+def interleaved(P: int, M: int, V: int, **kw: int) -> list[list[Instruction]]:
+    return [build_schedule("interleaved", s, P, M, virtual_stages=V, **kw) for s in range(P)]
+
+
+def test_interleaved_programs_exact() -> None:
+    """Megatron's order: chunk by chunk in rounds of P microbatches, depth first."""
+    assert [text(p) for p in interleaved(2, 2, 2)] == [
+        "L0 F0 SA0 L1 F1 SA1 RA0@1 F0@1 SA0@1 RA1@1 F1@1 SA1@1 RG0@1 B0@1 SG0@1 RG1@1 B1@1 "
+        "SG1@1 RG0 B0 RG1 B1 OPT",
+        "RA0 F0 SA0 RA1 F1 SA1 L0@1 RA0@1 F0@1 B0@1 SG0@1 L1@1 RA1@1 F1@1 B1@1 SG1@1 RG0 B0 "
+        "SG0 RG1 B1 SG1 OPT",
+    ]
+
+
+@pytest.mark.parametrize("P", range(2, 7))
+@pytest.mark.parametrize("V", [2, 3, 4])
+def test_interleaved_simulation_matches_theory(P: int, V: int) -> None:
+    """F = 1, B = 2: 1F1B's idle time divided by V; peak memory one chunk's
+    activation per warm-up forward, plus one."""
+    for M in [m for m in MICROBATCHES if m % max(1, m // P) == 0]:
+        for lookahead in (0, 1):
+            result = simulate_programs(interleaved(P, M, V, lookahead=lookahead), M, 1, 2)
+            assert result.peak_in_flight == tuple(
+                max_in_flight("interleaved", s, P, M, virtual_stages=V, lookahead=lookahead)
+                for s in range(P)
+            )
+            assert result.busy == (3 * M * V,) * P  # each chunk is 1/V of a stage: unit costs
+            if M >= P:
+                one = simulate("1f1b", P, M, forward_cost=V, backward_cost=2 * V)
+                idle = result.makespan - 3 * M * V
+                assert idle == pytest.approx((one.makespan - 3 * M * V) / V)
+                assert result.bubble_fraction == pytest.approx(
+                    bubble_fraction(P, M, "interleaved", V)
+                )
+            check_chunk_timelines(result.timelines, P, M, V)
+
+
+def check_chunk_timelines(timelines, P: int, M: int, V: int) -> None:
+    """Every (chunk, microbatch) forward and backward once per stage; forwards go
+    down the model's chunks, backwards come back up, across the ring."""
+    at = {}
+    for s, spans in enumerate(timelines):
+        assert sorted((sp.kind, sp.chunk, sp.microbatch) for sp in spans) == sorted(
+            itertools.product(["backward", "forward"], range(V), range(M))
+        )
+        assert all(a.end <= b.start for a, b in itertools.pairwise(spans))
+        at.update({(sp.kind, sp.chunk * P + s, sp.microbatch): sp for sp in spans})
+    for c, m in itertools.product(range(P * V - 1), range(M)):
+        assert at["forward", c, m].end <= at["forward", c + 1, m].start
+        assert at["backward", c + 1, m].end <= at["backward", c, m].start
+    assert all(
+        at["forward", P * V - 1, m].end <= at["backward", P * V - 1, m].start for m in range(M)
+    )
+
+
+def test_interleaved_forward_only_goes_chunk_by_chunk() -> None:
+    progs = [
+        build_schedule("interleaved", s, 2, 3, virtual_stages=2, forward_only=True)
+        for s in range(2)
+    ]
+    assert (
+        text(progs[0])
+        == "L0 F0 SA0 L1 F1 SA1 L2 F2 SA2 RA0@1 F0@1 SA0@1 RA1@1 F1@1 SA1@1 RA2@1 F2@1 SA2@1"
+    )
+    result = simulate_programs(progs, 3)
+    assert result.makespan == 2 * 3 + 2 - 1  # V * M forwards per stage, P - 1 to fill
+
+
+@pytest.mark.parametrize(
+    ("schedule", "P", "M", "V", "message"),
+    [
+        ("interleaved", 2, 4, 1, "virtual_stages >= 2"),
+        ("interleaved", 1, 4, 2, "stages >= 2"),
+        ("1f1b", 2, 4, 2, "needs schedule 'interleaved'"),
+        ("interleaved", 4, 9, 2, "must be a multiple of 2"),
+        ("interleaved", 2, 4, 0, "virtual_stages must be an integer >= 1"),
+    ],
+)
+def test_virtual_stages_are_checked(schedule: str, P: int, M: int, V: int, message: str) -> None:
+    with pytest.raises(UsageError, match=message):
+        build_schedule(schedule, 0, P, M, virtual_stages=V)
+    # Rounds of P microbatches, or one round of all of them when M < 2P.
+    for M in (3, 6, 8, 10):
+        simulate_programs(interleaved(4, M, 2), M)
+
+
+def test_dropping_any_interleaved_instruction_is_caught() -> None:
+    progs = interleaved(2, 2, 2)
+    for s, k in [(s, k) for s, prog in enumerate(progs) for k in range(len(prog))]:
+        broken = [list(p) for p in progs]
+        dropped = broken[s].pop(k)
+        with pytest.raises(ScheduleError):
+            simulate_programs(broken, 2)
+            pytest.fail(f"dropping {dropped} on stage {s} went unnoticed")
+
+
+def test_swapping_chunks_is_caught() -> None:
+    progs = interleaved(2, 2, 2)
+    # Stage 1 sends chunk 1's gradient to the previous stage's chunk: swap two chunks' blocks.
+    i, j = progs[1].index(RecvActivation(0)), progs[1].index(RecvActivation(0, 1))
+    progs[1][i], progs[1][j] = progs[1][j], progs[1][i]
+    with pytest.raises(ScheduleError):
+        simulate_programs(progs, 2)
+
+
 # --- the checker catches broken schedules -------------------------------------
 
 
@@ -401,7 +509,7 @@ def test_instructions_print_compactly_and_roundtrip() -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (("x", 0, 2, 2), "unknown schedule 'x'; choose one of: gpipe, 1f1b, zb"),
+        (("x", 0, 2, 2), "unknown schedule 'x'; choose one of: gpipe, 1f1b, zb, interleaved"),
         (("1f1b", 0, 0, 2), "num_stages must be an integer >= 1, got 0"),
         (("gpipe", 0, 2, 0), "num_microbatches must be an integer >= 1, got 0"),
         (("1f1b", 2, 2, 2), r"stage must be in 0..1, got 2"),

@@ -297,13 +297,25 @@ def reference_run(spec: Path, overrides: dict[str, str]) -> tuple[list[float], d
 
 
 # (stages, schedule, microbatches, grad_accum, grad_clip): every P runs GPipe and
-# 1F1B, P > 1 zero bubble too; clipping, accumulation and M < P are spread over it.
+# 1F1B, P > 1 zero bubble too, P = 2 and 3 interleaved over 2 chunks per stage (the
+# 7 layers make no more chunks); clipping, accumulation and M < P are spread over it.
 MATRIX = {
     1: [("gpipe", "4", 1, "none"), ("1f1b", "4", 2, "0.05")],
-    2: [("gpipe", "4", 2, "0.05"), ("1f1b", "4", 1, "none"), ("zb", "4", 2, "0.05")],
-    3: [("gpipe", "2", 1, "0.05"), ("1f1b", "4", 2, "none"), ("zb", "2", 1, "none")],
+    2: [
+        ("gpipe", "4", 2, "0.05"),
+        ("1f1b", "4", 1, "none"),
+        ("zb", "4", 2, "0.05"),
+        ("interleaved", "4", 2, "0.05"),
+    ],
+    3: [
+        ("gpipe", "2", 1, "0.05"),
+        ("1f1b", "4", 2, "none"),
+        ("zb", "2", 1, "none"),
+        ("interleaved", "2", 1, "none"),
+    ],
     4: [("gpipe", "4", 1, "none"), ("1f1b", "2", 1, "0.05"), ("zb", "4", 2, "none")],
 }
+CHUNKS = {"interleaved": 2}
 
 
 @pytest.mark.parametrize("stages", [1, 2, 3, 4])
@@ -314,6 +326,7 @@ def test_pipeline_equals_single_process(stages: int, tmp_path: Path, bus: Bus, p
         overrides = {
             "stages": str(stages),
             "schedule": schedule,
+            "virtual_stages": str(CHUNKS.get(schedule, 1)),
             "microbatches": microbatches,
             "grad_clip": clip,
         }
@@ -389,8 +402,12 @@ def test_pipeline_equals_single_process(stages: int, tmp_path: Path, bus: Bus, p
         # microbatch_spans="all": one forward and one backward span per microbatch,
         # or, for zero bubble, one of each half of the backward.
         M = int(overrides["microbatches"]) * (2 if "a2" in Path(config.spec_path).name else 1)
+        V = int(overrides["virtual_stages"])
         forwards = bus.of(MicrobatchForward, run_id)
-        assert len(forwards) == stages * M * len(ref_losses), what
+        assert len(forwards) == stages * V * M * len(ref_losses), what
+        assert Counter(f.chunk for f in forwards) == {
+            v: stages * M * len(ref_losses) for v in range(V)
+        }, what
         parts = Counter(b.part for b in bus.of(MicrobatchBackward, run_id))
         if overrides["schedule"] == "zb":
             assert parts == {"input": len(forwards), "weight": len(forwards)}, what

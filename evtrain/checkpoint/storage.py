@@ -152,7 +152,8 @@ class ShardRecord(msgspec.Struct, kw_only=True):
     stage: int
     num_stages: int
     layers: list[int]
-    """``[start, stop)`` global layer indices this stage held."""
+    """``[start, stop)`` global layer indices this stage held; one such pair after
+    the other when it held several model chunks (interleaved schedules)."""
     reason: str = ""
     metric: float | None = None
     """The evaluated metric value a best checkpoint was saved for."""
@@ -464,7 +465,11 @@ def commit_checkpoint(
     if len(steps) != 1:
         raise CheckpointError(f"the shards of {ckpt} were saved at different steps {sorted(steps)}")
     # Every layer exactly once: the shards tile the model.
-    covered = sorted((r.layers[0], r.layers[1]) for r in records)
+    covered = sorted(
+        (start, stop)
+        for r in records
+        for start, stop in zip(r.layers[::2], r.layers[1::2], strict=True)
+    )
     for (_, stop), (start, _) in itertools.pairwise(covered):
         if stop != start:
             raise CheckpointError(f"the shards of {ckpt} do not tile the layers: {covered}")

@@ -539,6 +539,11 @@ class ShardWriter:
 
 
 def _layer_range(module: nn.Module) -> list[int]:
+    """``[start, stop]`` of the layers ``module`` holds; ``[start, stop, start, stop,
+    ...]``, one pair per chunk, for a stage of several model chunks."""
+    chunk_ranges = getattr(module, "chunk_ranges", None)
+    if isinstance(chunk_ranges, list):
+        return [bound for r in chunk_ranges for bound in (r.start, r.stop)]
     layer_range = getattr(module, "layer_range", None)
     if isinstance(layer_range, range):
         return [layer_range.start, layer_range.stop]
