@@ -5,8 +5,9 @@ microbatches over P stages (one process each, gloo on CPU, one torch thread
 per process), SGD, MSE loss. Each contender trains a fixed number of steps
 after a warm-up:
 
-* evtrain 1F1B and zero bubble ("zb", ZB-H1) over the grid of (P, M)
-  configurations (``--grid``, default P = 2, 4 and M = 8, 16), and GPipe at
+* evtrain 1F1B, zero bubble ("zb", ZB-H1) and interleaved 1F1B (two model
+  chunks per stage) over the grid of (P, M) configurations (``--grid``,
+  default P = 2, 4 and M = 8, 16), and GPipe at
   P = 2, M = 8 — real stage workers started with torch.distributed.elastic,
   publishing their events to a real broker with the default event settings
   (microbatch spans "sampled"); a subscriber in this process plays the hook.
@@ -15,13 +16,15 @@ after a warm-up:
 * their torch twins on the same layers with static shapes
   (input_args/output_args), also under elastic: Schedule1F1B,
   ScheduleInterleavedZeroBubble given one stage per rank (which orders
-  ZB-H1 as evtrain does) and ScheduleGPipe.
+  ZB-H1 as evtrain does), ScheduleInterleaved1F1B given two stages per rank
+  (the model in 2P chunks, as evtrain splits it) and ScheduleGPipe.
 * sequential: one process runs the same M microbatches one after another.
 
 The bubble bound of a schedule is P times the sequential rate times one
 minus its bubble fraction with a backward twice a forward
 (`evtrain.stages.schedules.bubble_fraction`: ``(P-1)/(M+P-1)`` for 1F1B,
-``(P-1)/(3M+P-1)`` for zero bubble); P = 4 on 2 cores cannot reach it by
+``(P-1)/(3M+P-1)`` for zero bubble, ``(P-1)/(2M+P-1)`` for interleaved over
+two chunks); P = 4 on 2 cores cannot reach it by
 construction (four stages share two cores), so there the ratios to torch are
 the figures that mean something. "Zero bubble removes X of 1F1B's lost time"
 compares the time per step beyond P stages computing all the time.
@@ -40,7 +43,8 @@ unpadded tokens.
 Contenders alternate within each repeat (the order reversed every other
 repeat); medians over repeats are reported. The last line printed is one
 JSON object: its top-level keys describe P = 2, M = 8 (``ratio_1f1b``,
-``bound_fraction_1f1b``, ``ratio_zb``, ``bound_fraction_zb``...), ``grid``
+``bound_fraction_1f1b``, ``ratio_zb``, ``bound_fraction_zb``,
+``ratio_interleaved``...), ``grid``
 has every configuration.
 
     python bench/pipeline_vs_torch.py [--steps 100] [--warmup 10] [--repeats 3]
@@ -280,13 +284,16 @@ def _maybe_pin() -> None:
 def torch_worker(kind: str, microbatches: int, steps: int, warmup: int) -> float | None:
     """One rank of torch.distributed.pipelining (one stage per rank); rank 0 returns steps/s.
 
-    ``kind``: ``1f1b`` (Schedule1F1B), ``gpipe`` (ScheduleGPipe) or ``zb``
-    (ScheduleInterleavedZeroBubble with its one local stage: ZB-H1's order).
+    ``kind``: ``1f1b`` (Schedule1F1B), ``gpipe`` (ScheduleGPipe), ``zb``
+    (ScheduleInterleavedZeroBubble with its one local stage: ZB-H1's order) or
+    ``interleaved`` (ScheduleInterleaved1F1B over `VIRTUAL_STAGES` local stages
+    per rank, rank r holding stages r, r + P, ...).
     """
     from torch.distributed.pipelining import (
         PipelineStage,
         Schedule1F1B,
         ScheduleGPipe,
+        ScheduleInterleaved1F1B,
         ScheduleInterleavedZeroBubble,
     )
 
@@ -294,31 +301,39 @@ def torch_worker(kind: str, microbatches: int, steps: int, warmup: int) -> float
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    per_stage = 2 * LAYERS // world
+    chunks = VIRTUAL_STAGES if kind == "interleaved" else 1
+    per_stage = 2 * LAYERS // (world * chunks)
     torch.manual_seed(rank)
-    module = _mlp_layers(rank * per_stage, (rank + 1) * per_stage)
     mb = BATCH // microbatches
-    stage = PipelineStage(
-        module,
-        rank,
-        world,
-        torch.device("cpu"),
-        # torch 2.13 takes requires_grad from these examples: without it on a later
-        # stage's input, that stage skips its input gradient and the first stage
-        # trains on zeros (less work than the real training evtrain does).
-        input_args=(torch.empty(mb, WIDTH, requires_grad=rank > 0),),
-        output_args=torch.empty(mb, WIDTH, requires_grad=True),
-        output_grads=(torch.empty(mb, WIDTH),),
-        input_grads=(torch.empty(mb, WIDTH),),
-    )
+    stages, modules = [], []
+    for index in range(rank, world * chunks, world):
+        module = _mlp_layers(index * per_stage, (index + 1) * per_stage)
+        modules.append(module)
+        stages.append(
+            PipelineStage(
+                module,
+                index,
+                world * chunks,
+                torch.device("cpu"),
+                # torch 2.13 takes requires_grad from these examples: without it on
+                # a later stage's input, that stage skips its input gradient and the
+                # first stage trains on zeros (less work than evtrain's real training).
+                input_args=(torch.empty(mb, WIDTH, requires_grad=index > 0),),
+                output_args=torch.empty(mb, WIDTH, requires_grad=True),
+                output_grads=(torch.empty(mb, WIDTH),),
+                input_grads=(torch.empty(mb, WIDTH),),
+            )
+        )
     loss = nn.functional.mse_loss
     schedule: Any
     if kind == "zb":
-        schedule = ScheduleInterleavedZeroBubble([stage], n_microbatches=microbatches, loss_fn=loss)
+        schedule = ScheduleInterleavedZeroBubble(stages, n_microbatches=microbatches, loss_fn=loss)
+    elif kind == "interleaved":
+        schedule = ScheduleInterleaved1F1B(stages, n_microbatches=microbatches, loss_fn=loss)
     else:
         cls = Schedule1F1B if kind == "1f1b" else ScheduleGPipe
-        schedule = cls(stage, n_microbatches=microbatches, loss_fn=loss)
-    optimizer = torch.optim.SGD(module.parameters(), lr=1e-3)
+        schedule = cls(stages[0], n_microbatches=microbatches, loss_fn=loss)
+    optimizer = torch.optim.SGD([p for m in modules for p in m.parameters()], lr=1e-3)
     gen = torch.Generator().manual_seed(0)
     x, y = torch.randn(BATCH, WIDTH, generator=gen), torch.randn(BATCH, WIDTH, generator=gen)
     start = 0.0
@@ -444,6 +459,7 @@ def run_evtrain(
     *,
     stages: int = STAGES,
     microbatches: int = MICROBATCHES,
+    virtual_stages: int = 1,
 ) -> float:
     """Launch evtrain's stage workers with a live bus; steps/s from StepEnded events."""
     from evtrain.bus import Broker, BusAddress, Subscriber
@@ -460,6 +476,7 @@ def run_evtrain(
                 "steps": str(warmup + steps),
                 "stages": str(stages),
                 "microbatches": str(microbatches),
+                "virtual_stages": str(virtual_stages),
             },
             bus=str(address),
             run_id=f"bench-{label or schedule}",
@@ -486,9 +503,15 @@ def run_evtrain(
 # ------------------------------------------------------------------------ main
 
 
-SCHEDULES = ("1f1b", "zb")
+SCHEDULES = ("1f1b", "zb", "interleaved")
 """The schedules timed over the whole grid, each against its torch twin."""
-TWINS = {"1f1b": "Schedule1F1B", "zb": "ScheduleInterleavedZeroBubble, 1 stage/rank"}
+VIRTUAL_STAGES = 2
+"""Model chunks per stage for interleaved, on both sides."""
+TWINS = {
+    "1f1b": "Schedule1F1B",
+    "zb": "ScheduleInterleavedZeroBubble, 1 stage/rank",
+    "interleaved": f"ScheduleInterleaved1F1B, {VIRTUAL_STAGES} stages/rank",
+}
 HEADLINE = (STAGES, MICROBATCHES)
 """The configuration the summary's top-level keys describe (P=2, M=8)."""
 KINDS = (
@@ -520,7 +543,8 @@ def _bound(kind: str, P: int, M: int, sequential: float | None) -> float | None:
 
     if sequential is None:
         return None
-    return P * sequential * (1 - bubble_fraction(P, M, kind))
+    chunks = VIRTUAL_STAGES if kind == "interleaved" else 1
+    return P * sequential * (1 - bubble_fraction(P, M, kind, chunks))
 
 
 def main() -> None:
@@ -590,7 +614,13 @@ def main() -> None:
                 elif kind.startswith("evtrain_"):
                     schedule = kind.split("_")[1]
                     rate = run_evtrain(
-                        spec, schedule, args.steps, args.warmup, stages=P, microbatches=M
+                        spec,
+                        schedule,
+                        args.steps,
+                        args.warmup,
+                        stages=P,
+                        microbatches=M,
+                        virtual_stages=VIRTUAL_STAGES if schedule == "interleaved" else 1,
                     )
                 elif kind.startswith("torch_"):
                     out = _launch(P, torch_worker, kind.split("_")[1], M, args.steps, args.warmup)
@@ -685,6 +715,7 @@ def _report(
     print(f"evtrain/torch 1F1B  {fmt(ratio_1f1b)}  (per repeat: {' '.join(map(str, each))})")
     print(f"evtrain/torch 1F1B, best runs {fmt(best_ratio_1f1b)}")
     print(f"evtrain/torch ZB    {fmt(headline['ratio_zb'])}")
+    print(f"evtrain/torch interleaved {fmt(headline['ratio_interleaved'])}")
     print(f"evtrain/torch GPipe {fmt(ratio_gpipe)}")
     ratio_transformer = ratio(med("evtrain_transformer", P, M), med("torch_transformer", P, M))
     per_repeat_transformer = per_repeat("evtrain_transformer", "torch_transformer", P, M)
@@ -712,7 +743,8 @@ def _report(
         "ratio_zb": headline["ratio_zb"],
         "bound_fraction_zb": headline["bound_fraction_zb"],
         "zb_bubble_recovered": headline["zb_bubble_recovered"],
-        "ratio_interleaved": headline.get("ratio_interleaved"),
+        "ratio_interleaved": headline["ratio_interleaved"],
+        "bound_fraction_interleaved": headline["bound_fraction_interleaved"],
         "evtrain_transformer_steps_per_s": rounded(med("evtrain_transformer", P, M)),
         "torch_transformer_steps_per_s": rounded(med("torch_transformer", P, M)),
         "ratio_transformer_tuple": rounded(ratio_transformer),
