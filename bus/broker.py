@@ -29,8 +29,8 @@ payload is received as a Frame because its ``more`` flag is the cheap way to
 see a third frame, asking ``ZMQ_RCVMORE`` through pyzmq costs 0.7 us), plus the
 I/O thread's 1-2 us and, at wakeups of few messages, their syscalls; the state
 service samples steps at a fixed ~40 ms of CPU per second. ``evtrain bus``
-measured 3-5 us per event in all under bench/bus_throughput.py (load average
-3-5) and 3-10 us under bench/fanin.py's paced trials, where bursts of one step
+measured 3-6 us per event in all under bench/bus_throughput.py (load average
+3-6.7) and 3-10 us under bench/fanin.py's paced trials, where bursts of one step
 arrive a few events per wakeup. Holding messages back to forward larger
 bursts (a 0.2 ms pause after a small one halved the wakeups at 70k events/s),
 or receiving a whole burst before sending any of it, showed no CPU saving
