@@ -36,9 +36,10 @@ from evtrain.bus.security import (
     load_server,
 )
 from evtrain.bus.state_service import MAX_REPLY_BYTES, fetch_snapshot, ping_broker, request
-from evtrain.bus.subscriber import Subscriber
+from evtrain.bus.subscriber import DRAIN_LIMIT, Subscriber
 from evtrain.errors import UsageError
 from evtrain.events import (
+    SCHEMA_VERSION,
     BusDrops,
     CheckpointCommitted,
     CheckpointRequested,
@@ -463,6 +464,65 @@ async def test_raw_frames_straight_to_a_subscriber() -> None:
         sub.close()
         ctx.destroy(linger=0)
         shutil.rmtree(directory, ignore_errors=True)
+
+
+async def test_a_burst_with_bad_messages_inside_arrives_whole_and_in_order(
+    buses: Buses,
+) -> None:
+    broker, address = start_bus(buses)
+    sub = Subscriber(address.endpoint("events_out"), [""])
+    await connect(sub, address)
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.XPUB)  # one socket: the broker keeps its order
+    raw.setsockopt(zmq.SNDHWM, 0)
+    raw.connect(address.endpoint("events_in"))
+    try:
+        assert raw.poll(20_000), "the broker's subscription never came"
+        raw.recv()
+        before = broker_forwarded(address)
+        count = 4 * DRAIN_LIMIT + 7
+        framing = rejected = 0
+        for i in range(count):
+            ev = step_event(i, 2)
+            ev.source, ev.seq = "stage/2", i
+            raw.send_multipart([ev.topic, encode(ev)])
+            if i % 40 == 10:  # three frames: the broker drops it
+                raw.send_multipart([ev.topic, encode(ev), b"extra"])
+                framing += 1
+            elif i % 40 == 20:  # a future schema: forwarded, the subscriber refuses it
+                ev.v = SCHEMA_VERSION + 1
+                raw.send_multipart([ev.topic, encode(ev)])
+                rejected += 1
+            elif i % 40 == 30:  # valid payload under another topic: refused too
+                raw.send_multipart([StepStarted.topic, encode(ev)])
+                rejected += 1
+        raw.send_multipart([RunEnded.topic, encode(RunEnded(status="completed", source="t"))])
+        # All of it waits at the broker or the subscriber before the first receive.
+        until(lambda: broker_forwarded(address) >= before + count + rejected + 1)
+        received: list[Message] = []
+        sizes: list[int] = []
+        with anyio.fail_after(20):
+            while not received or not isinstance(received[-1], RunEnded):
+                batch = await sub.receive()
+                sizes.append(len(batch))
+                received += batch
+        assert max(sizes) <= DRAIN_LIMIT
+        steps = [m for m in received if isinstance(m, StepEnded)]
+        assert [(m.step, m.seq) for m in steps] == [(i, i) for i in range(count)]
+        assert sub.gaps.total_missing == 0
+        assert sub.malformed == rejected
+        assert set(sub.malformed_log.counts) == {"unsupported schema version", "topic mismatch"}
+        stats = fetch_stats(address)
+        assert stats is not None and stats.events.malformed == framing
+        assert broker.poll() is None
+    finally:
+        ctx.destroy(linger=0)
+        sub.close()
+
+
+def broker_forwarded(address: BusAddress) -> int:
+    stats = fetch_stats(address)
+    return stats.events.forwarded if stats is not None else 0
 
 
 # --- limits: subscriptions, queues, the state service -----------------------------------
