@@ -14,18 +14,24 @@ gaps in each source's sequence numbers are counted (see `SequenceTracker`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import anyio
 import anyio.lowlevel
-import msgspec
 import structlog
 import zmq
 
 from evtrain.bus.security import CurveConfig
 from evtrain.bus.sequence import SequenceTracker
 from evtrain.errors import UsageError
-from evtrain.events import BY_TAG, SCHEMA_VERSION, AnyMessage, DecodeError, Message, decode
+from evtrain.events import (
+    BY_TAG,
+    SCHEMA_VERSION,
+    DecodeError,
+    Message,
+    decode,
+    decode_unchecked,
+)
 from evtrain.ratelimit import RateLimitedLog
 
 log = structlog.get_logger("evtrain.bus.subscriber")
@@ -43,9 +49,6 @@ _RCVMORE = int(zmq.RCVMORE)
 _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
 _TOPICS: frozenset[bytes] = frozenset(tag.encode() for tag in BY_TAG)
-# The same decoder and checks as `evtrain.events.decode`, called inline: two Python
-# calls less per message. Anything it rejects goes through `decode` for the error.
-_decode_valid: Callable[[bytes], Message] = msgspec.msgpack.Decoder(AnyMessage).decode
 
 
 class Subscriber:
@@ -114,7 +117,7 @@ class Subscriber:
         irregular = self.gaps.irregular
         max_tracked = self.gaps.max_tracked
         topics = _TOPICS
-        fast_decode = _decode_valid
+        fast_decode = decode_unchecked
         version = SCHEMA_VERSION
         start: bytes | None = None  # a frame already read that starts a message
         self._empty = False
