@@ -22,12 +22,18 @@ How instructions map to communication (see `evtrain.stages.p2p`):
   certainly posted the matching receive (so this cannot deadlock).
 * `BackwardInput` / `BackwardWeight` (zero bubble) are the two halves of
   `Backward` (`evtrain.stages.backward`).
+* With model chunks (interleaved schedules) every instruction names the
+  stage's chunk it is for; each (chunk, microbatch) has its own slot of
+  per-pass state, the model's first chunk reads the inputs and its last
+  computes the loss, and what a chunk sends goes to the neighbour's chunk
+  that takes it (the last stage's chunk v feeds the first stage's chunk v+1),
+  on that chunk's own process groups (`evtrain.stages.mesh`).
 * `ReduceGrads` makes the gradients final: with data parallelism DDP's
   reducer (`evtrain.stages.data_parallel`) has averaged them over the
   stage's replicas during the step's last backward, which is the one it arms
-  (a split backward has no such single backward: its gradients are averaged
-  here, in one flat all-reduce); here too the tied weights' gradients are
-  summed over their stages.
+  (a split backward, or several chunks, have no such single backward: their
+  gradients are averaged here, in one flat all-reduce); here too the tied
+  weights' gradients are summed over their stages.
 * `OptimizerStep` is the step boundary: the per-step control exchange
   (global gradient norm, global mean loss, commands, signals —
   `evtrain.stages.control`), clipping, the optimizer and LR-scheduler steps.
