@@ -9,12 +9,21 @@ through their filters (see `evtrain.hooks.hook`). Reading and dispatch are
 separate tasks from `setup` on: the snapshot's events are dispatched first and
 live ones queue behind them, yet acknowledgements of commands reach their
 sender at once, so a handler may send a command and await it while it handles
-the snapshot (a hook restarted mid-run re-arming what it had armed). A
-handler that raises is logged and published as `HookError`; the hook keeps
-running. The first `HOOK_TRACEBACKS` raises of one kind (hook, handler, error
-type) are logged and published with their traceback; after that one line and
-one `HookError` (whose ``count`` says how many raises it stands for) per kind
-at most every `ERROR_REPORT_INTERVAL` seconds, and the rest at teardown.
+the snapshot (a hook restarted mid-run re-arming what it had armed). Each
+wake-up of the reader takes every message ZeroMQ already holds
+(`Subscriber.receive` drains without awaiting again, up to 4096), so a burst
+of events costs one wake-up, not one per event.
+
+A handler that raises is logged and published as `HookError`; the hook keeps
+running, and so do the runner's other hooks. The first `HOOK_TRACEBACKS`
+raises of one kind (hook, handler, error type) are logged and published with
+their traceback; after that one line and one `HookError` (whose ``count``
+says how many raises it stands for) per kind at most every
+`ERROR_REPORT_INTERVAL` seconds, and the rest at teardown. A hook whose
+`setup` raises is logged, published as `HookError` (handler ``setup``) and
+left out while the others run; only when every hook's setup raised does
+`run` raise (the first error). Handlers run one after another: one that
+blocks (or awaits long) delays the other hooks' events, never the stages.
 
 Sequence gaps are published as `BusGaps` at most once a second, for at most
 `MAX_GAP_SOURCES` sources at a time (the ones that lost most).
@@ -39,6 +48,7 @@ from evtrain.bus.publisher import Publisher
 from evtrain.bus.security import CurveConfig
 from evtrain.bus.state_service import fetch_snapshot
 from evtrain.bus.subscriber import Subscriber
+from evtrain.errors import UsageError
 from evtrain.events import (
     BusGaps,
     Command,
@@ -109,20 +119,8 @@ class HookRunner:
         self._buffer = buffer
         self._curve = curve
         self._stop = anyio.Event()
-        # Bound once: a getattr per event and handler shows up at 100k events/s.
-        dispatch: dict[type[Message], list[tuple[Hook, str, _Bound, Accepts | None]]] = {}
-        for hook in self.hooks:
-            for event_type, method, accepts in hook.handlers():
-                entry = (hook, method, getattr(hook, method), accepts)
-                dispatch.setdefault(event_type, []).append(entry)
-        self.topics = sorted({t.topic.decode() for t in dispatch})
-        # Types no handler filters keep the lean path: their handlers as they are.
-        self._handlers: dict[type[Message], list[tuple[Hook, str, _Bound]]] = {
-            event_type: [(hook, method, fn) for hook, method, fn, _ in entries]
-            for event_type, entries in dispatch.items()
-            if all(accepts is None for *_, accepts in entries)
-        }
-        self._filtered = {t: e for t, e in dispatch.items() if t not in self._handlers}
+        self._bind(self.hooks)
+        self.topics = sorted(t.topic.decode() for t in (*self._handlers, *self._filtered))
         if exit_on_run_end and RunEnded.topic.decode() not in self.topics:
             self.topics.append(RunEnded.topic.decode())
         self._publisher: Publisher | None = None
@@ -144,6 +142,22 @@ class HookRunner:
         self._queue: deque[Message] = deque()
         self._queued = anyio.Event()
         self._replayed: dict[tuple[str, bytes], tuple[int, float]] = {}
+
+    def _bind(self, hooks: Sequence[Hook]) -> None:
+        """Build the dispatch tables of ``hooks`` (in priority order)."""
+        # Bound once: a getattr per event and handler shows up at 100k events/s.
+        dispatch: dict[type[Message], list[tuple[Hook, str, _Bound, Accepts | None]]] = {}
+        for hook in hooks:
+            for event_type, method, accepts in hook.handlers():
+                entry = (hook, method, getattr(hook, method), accepts)
+                dispatch.setdefault(event_type, []).append(entry)
+        # Types no handler filters keep the lean path: their handlers as they are.
+        self._handlers: dict[type[Message], list[tuple[Hook, str, _Bound]]] = {
+            event_type: [(hook, method, fn) for hook, method, fn, _ in entries]
+            for event_type, entries in dispatch.items()
+            if all(accepts is None for *_, accepts in entries)
+        }
+        self._filtered = {t: e for t, e in dispatch.items() if t not in self._handlers}
 
     # -- used by hooks -------------------------------------------------------
 
@@ -232,14 +246,24 @@ class HookRunner:
                 self._close()
 
     async def _attach(self, snapshot: list[Message], failed: list[Exception]) -> None:
-        try:
-            for hook in self.hooks:
+        errors: list[Exception] = []
+        left_out: list[Hook] = []
+        for hook in self.hooks:
+            try:
                 await hook.setup()
-        except Exception as exc:
+            except Exception as exc:
+                errors.append(exc)
+                left_out.append(hook)
+        if len(left_out) == len(self.hooks):
             # Raised by `run` itself, not wrapped in the task group's exception group.
-            failed.append(exc)
+            failed.append(errors[0])
             self._stop.set()
             return
+        if left_out:
+            # Siblings in one process do not share a failure: the others go on.
+            for hook, error in zip(left_out, errors, strict=True):
+                self._report_setup_error(hook, error)
+            self._bind([hook for hook in self.hooks if hook not in left_out])
         for msg in snapshot:
             await self._handle(msg)
         self._replayed = {(msg.source, msg.topic): (msg.seq, msg.ts) for msg in snapshot}
@@ -408,6 +432,27 @@ class HookRunner:
                     hook=name,
                     handler=method,
                     event_type=event_type,
+                    error=error,
+                    traceback="".join(traceback.format_exception(exc))[-4000:],
+                )
+            )
+
+    def _report_setup_error(self, hook: Hook, exc: Exception) -> None:
+        name = hook.hook_name()
+        error = safe_text(repr(exc), 1000)
+        log.error(
+            "hook setup failed; the other hooks of this process go on without it",
+            hook=name,
+            error=error,
+            # A usage mistake (a port in use) is its message; anything else a bug to trace.
+            exc_info=None if isinstance(exc, UsageError) else exc,
+        )
+        if self._publisher is not None:
+            self._publisher.publish(
+                HookError(
+                    hook=name,
+                    handler="setup",
+                    event_type="",
                     error=error,
                     traceback="".join(traceback.format_exception(exc))[-4000:],
                 )
