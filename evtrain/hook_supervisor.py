@@ -1,24 +1,54 @@
 """Starting and supervising the hook processes a job spec names.
 
-Each hook of ``job.hooks`` runs as its own ``evtrain hook REF --bus ADDR
---option k=v ... --exit-on-run-end`` process, so a hook that crashes, lags or
-leaks cannot touch the training loop. The `HookSupervisor`:
+Which hooks share a process (`hook_groups`): every built-in hook of the spec
+(`evtrain.hooks.loader.is_builtin`: ``logging``, ``prometheus``, ... or a class
+of ``evtrain.hooks`` / ``evtrain.exporters``) runs in ONE host process, an
+``evtrain hook --hooks JSON --bus ADDR --exit-on-run-end`` whose `HookRunner`
+dispatches each event to all of them in ``priority`` order; every other hook
+(``mymod:MyHook``) runs as its own ``evtrain hook REF --bus ADDR --option k=v
+... --exit-on-run-end`` process, so a user hook that crashes, lags or leaks
+cannot touch the training loop or another hook. A built-in with
+``isolate=True`` in its spec entry gets its own process as well.
+
+Why share: the stages and the hooks compete for the same cores, and each hook
+process spends its own wake-up, receive and decode on every event it wants.
+On a 2-core machine (``bench/hook_overhead.py``: 2 stages, the 8 observing
+built-ins) eight processes spent 4.25 ms of CPU per step; one host spends
+1.1-1.2 ms (that bench's docstring has the step times). The price: in the host,
+built-ins run one after another. A handler that raises is reported
+(`HookError`) and the others go on; one whose ``setup`` raises is left out
+and the others go on; but a built-in that blocks the host's loop delays its
+siblings' events by as long (never the training: events queue in the host,
+and beyond its buffer are dropped and reported as gaps). The built-ins that
+act on the run await the stages: ``checkpoint`` awaits each command's
+acknowledgements and each commit's disk work, ``eval_every`` and
+``early_stopping`` their commands' acknowledgements. That is milliseconds
+while the stages run, but a host restarted after the run ended replays the
+run's start, and the checkpoint hook then waits its ``command_timeout`` for
+acknowledgements that never come while its siblings wait behind it. A host
+that crashes restarts with all its hooks. ``isolate=True`` is for a built-in
+that should neither wait for nor hold up the others.
+
+The `HookSupervisor` keeps one `HookProcess` per process (a host or one hook):
 
 * starts them all and knows one has *attached* when its `HookStarted` event
-  (published by the runner once its subscription is proven live) arrives
-  with the process's pid — the launcher's bus reader calls `attached`;
-* restarts a hook that exits non-zero or dies by a signal before the run
+  (published by the runner once its subscription is proven live, one per
+  process, naming all its hooks) arrives with the process's pid — the
+  launcher's bus reader calls `attached`;
+* restarts a process that exits non-zero or dies by a signal before the run
   ended, after a backoff that doubles per crash, at most ``max_restarts``
-  times (then it gives up on that hook and the run goes on without it); a
-  restarted hook learns the run's state from the broker's snapshot;
+  times (then it gives up on that process and the run goes on without its
+  hooks); a restarted process learns the run's state from the broker's
+  snapshot;
 * at the end (`terminate`, once the launcher gave hooks time to exit by
   themselves on `RunEnded`) sends SIGTERM, then SIGKILL.
 
-Every hook runs in its own session (process group), so a Ctrl-C at the
-terminal reaches only the launcher, which decides the order of shutdown, and
-with ``PR_SET_PDEATHSIG`` so that hooks end even if the launcher is killed
-with SIGKILL. Not thread-safe: call it from one thread (the launcher's event
-loop thread — PDEATHSIG fires when the thread that started a child exits).
+Every hook process runs in its own session (process group), so a Ctrl-C at
+the terminal reaches only the launcher, which decides the order of shutdown,
+and with ``PR_SET_PDEATHSIG`` so that hooks end even if the launcher is
+killed with SIGKILL. Not thread-safe: call it from one thread (the launcher's
+event loop thread — PDEATHSIG fires when the thread that started a child
+exits).
 """
 
 from __future__ import annotations
@@ -37,8 +67,17 @@ from typing import Any
 import structlog
 
 from evtrain.bus.address import BusAddress
+from evtrain.hooks.loader import ISOLATE, shares_host
 
-__all__ = ["HookProcess", "HookStartError", "HookSupervisor", "hook_command", "set_pdeathsig"]
+__all__ = [
+    "HookProcess",
+    "HookStartError",
+    "HookSupervisor",
+    "hook_command",
+    "hook_groups",
+    "host_command",
+    "set_pdeathsig",
+]
 
 log = structlog.get_logger("evtrain.hook_supervisor")
 
@@ -78,19 +117,60 @@ def hook_command(
     """
     cmd = [python, "-m", "evtrain", *log_args, "hook", str(spec["type"]), "--bus", str(bus)]
     for key, value in spec.items():
-        if key == "type":
+        if key in ("type", ISOLATE):
             continue
         cmd += ["--option", f"{key}={json.dumps(value)}"]
     cmd.append("--exit-on-run-end")
     return cmd
 
 
+def host_command(
+    specs: Sequence[Mapping[str, Any]],
+    bus: BusAddress,
+    *,
+    python: str = sys.executable,
+    log_args: Sequence[str] = (),
+) -> list[str]:
+    """The ``evtrain hook --hooks JSON`` command line of a process hosting ``specs``.
+
+    One spec is the single-hook form of `hook_command`.
+    """
+    if len(specs) == 1:
+        return hook_command(specs[0], bus, python=python, log_args=log_args)
+    entries = [{k: v for k, v in spec.items() if k != ISOLATE} for spec in specs]
+    hooks = json.dumps(entries, separators=(",", ":"))
+    cmd = [python, "-m", "evtrain", *log_args, "hook", "--hooks", hooks, "--bus", str(bus)]
+    cmd.append("--exit-on-run-end")
+    return cmd
+
+
+def hook_groups(specs: Sequence[Mapping[str, Any]]) -> list[list[int]]:
+    """Indices of ``specs`` by process: the shared built-ins' host, and one per other hook.
+
+    Processes come in the order of their first hook, hooks in spec order.
+    """
+    groups: list[list[int]] = []
+    host: list[int] | None = None
+    for i, spec in enumerate(specs):
+        if not shares_host(spec):
+            groups.append([i])
+        elif host is None:
+            host = [i]
+            groups.append(host)
+        else:
+            host.append(i)
+    return groups
+
+
 @dataclass
 class HookProcess:
-    """One supervised hook: its spec, its current process, its restart history."""
+    """One supervised process: its hooks' specs, the current process, its restart history.
+
+    Several ``specs`` make it the built-ins' host; its ``label`` joins theirs with ``+``.
+    """
 
     index: int
-    spec: dict[str, Any]
+    specs: list[dict[str, Any]]
     label: str
     proc: subprocess.Popen[bytes] | None = None
     attached: bool = False
@@ -134,13 +214,21 @@ class HookSupervisor:
         self.python = python
         self.log_args = tuple(log_args)
         self.run_ended = False
-        labels: dict[str, int] = {}
-        self.hooks: list[HookProcess] = []
-        for i, spec in enumerate(specs):
+        seen: dict[str, int] = {}
+        labels: list[str] = []
+        for spec in specs:
             name = str(spec["type"]).rpartition(":")[2] or str(spec["type"])
-            labels[name] = labels.get(name, 0) + 1
-            label = name if labels[name] == 1 else f"{name}#{labels[name]}"
-            self.hooks.append(HookProcess(index=i, spec=dict(spec), label=label))
+            seen[name] = seen.get(name, 0) + 1
+            labels.append(name if seen[name] == 1 else f"{name}#{seen[name]}")
+        self.hooks: list[HookProcess] = [
+            HookProcess(
+                index=i,
+                specs=[dict(specs[j]) for j in group],
+                label="+".join(labels[j] for j in group),
+            )
+            for i, group in enumerate(hook_groups(specs))
+        ]
+        """One per process, in `hook_groups` order."""
 
     # -- starting ----------------------------------------------------------------
 
@@ -150,7 +238,7 @@ class HookSupervisor:
             self._start(hook)
 
     def _start(self, hook: HookProcess) -> None:
-        cmd = hook_command(hook.spec, self.bus, python=self.python, log_args=self.log_args)
+        cmd = host_command(hook.specs, self.bus, python=self.python, log_args=self.log_args)
         hook.proc = subprocess.Popen(
             cmd,
             env=self.env,

@@ -21,7 +21,10 @@ One `Launcher` runs one job on this node:
    already running (``evtrain bus``, e.g. its own docker-compose service),
    and the launcher waits until it answers.
 3. It starts the spec's hooks as supervised processes
-   (`evtrain.hook_supervisor`) and waits until each has attached.
+   (`evtrain.hook_supervisor`) and waits until each has attached: the
+   built-in hooks together in one host process (``priority`` orders them
+   there), every other hook, and a built-in whose spec entry says
+   ``isolate=True``, in a process of its own.
 4. It starts the stage workers through torch.distributed.elastic, run by a
    child process (`evtrain.elastic_agent`; that module says why a process
    and not a thread), and follows the run: progress line (`evtrain.progress`)

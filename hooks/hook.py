@@ -4,7 +4,11 @@ A hook is an event subscriber. It declares handlers with ``@on(EventType)``; a
 `HookRunner` subscribes to exactly those topics and calls the handlers in
 priority order (lower first, ties by registration order). The same class runs
 in its own process (``evtrain hook pkg.mod:Class --bus ENDPOINT``) or inside any
-asyncio program (tests, notebooks) through `HookRunner`.
+asyncio program (tests, notebooks) through `HookRunner`. Under ``evtrain
+launch`` each user hook of the spec runs in a process of its own, while the
+built-in hooks share one host process and runner, where their ``priority``
+orders them; a built-in's spec entry with ``isolate=True`` gives it its own
+process (`evtrain.hook_supervisor`).
 
 ``@on`` takes filters, as ignite's ``Events.X(every=, once=)`` does:
 ``@on(StepEnded, every=10)`` calls the handler for steps 10, 20, ...;

@@ -1,4 +1,13 @@
-"""Resolve hook references (``logging`` or ``pkg.module:Class``) and their options."""
+"""Resolve hook references (``logging`` or ``pkg.module:Class``) and their options.
+
+A job spec's hook entry is a dict: ``type`` (the reference), the hook's
+constructor options, and ``isolate``, which is the launcher's, not the hook's.
+The launcher runs every *built-in* hook (`is_builtin`: a short name of
+`BUILTIN_HOOKS`, or a class of ``evtrain.hooks`` / ``evtrain.exporters``) of a
+spec in one shared host process, and every other hook in a process of its
+own; ``isolate=True`` gives a built-in its own process too
+(`evtrain.hook_supervisor` says what sharing costs and saves).
+"""
 
 from __future__ import annotations
 
@@ -27,6 +36,17 @@ BUILTIN_HOOKS: dict[str, str] = {
     "checkpoint": "evtrain.hooks.checkpoint:CheckpointHook",
 }
 """Short names of the built-in hooks and exporters -> ``module:Class``."""
+
+ISOLATE = "isolate"
+"""Spec key: ``True`` runs a built-in hook in its own process instead of the shared host."""
+
+_BUILTIN_PACKAGES = ("evtrain.hooks", "evtrain.exporters")
+
+
+def is_builtin(ref: str) -> bool:
+    """Whether ``ref`` names a hook evtrain ships (a short name, or a class of its packages)."""
+    module = BUILTIN_HOOKS.get(ref, ref).partition(":")[0]
+    return any(module == pkg or module.startswith(f"{pkg}.") for pkg in _BUILTIN_PACKAGES)
 
 
 def resolve_hook_class(ref: str) -> type[Hook]:
@@ -90,9 +110,35 @@ def build_hook(ref: str, options: Mapping[str, Any] | None = None) -> Hook:
         raise UsageError(f"hook {ref}: bad option: {exc}") from None
 
 
-def build_hook_from_spec(spec: Mapping[str, Any]) -> Hook:
-    """A hook from a job-spec entry like ``dict(type="logging", every=10, priority=5)``."""
+def split_spec(spec: Mapping[str, Any]) -> tuple[str, dict[str, Any], bool]:
+    """A job-spec hook entry's reference, constructor options and whether it is isolated.
+
+    `UsageError` for an entry without a string ``type``, an ``isolate`` that is
+    not a bool, and ``isolate=False`` on a hook that is not built in (those
+    always run in a process of their own).
+    """
     if not isinstance(spec, Mapping) or not isinstance(spec.get("type"), str):
         raise UsageError(f"hook spec {spec!r} needs a string 'type'")
-    options = {k: v for k, v in spec.items() if k != "type"}
-    return build_hook(spec["type"], options)
+    ref: str = spec["type"]
+    options = {k: v for k, v in spec.items() if k not in ("type", ISOLATE)}
+    builtin = is_builtin(ref)
+    isolate = spec.get(ISOLATE, not builtin)
+    if not isinstance(isolate, bool):
+        raise UsageError(f"hook {ref}: '{ISOLATE}' must be true or false, got {isolate!r}")
+    if not isolate and not builtin:
+        raise UsageError(
+            f"hook {ref}: {ISOLATE}=False shares a process among built-in hooks only; "
+            "this hook always runs in its own"
+        )
+    return ref, options, isolate
+
+
+def shares_host(spec: Mapping[str, Any]) -> bool:
+    """Whether the launcher runs this (valid) hook entry in the shared host process."""
+    return not split_spec(spec)[2]
+
+
+def build_hook_from_spec(spec: Mapping[str, Any]) -> Hook:
+    """A hook from a job-spec entry like ``dict(type="logging", every=10, priority=5)``."""
+    ref, options, _ = split_spec(spec)
+    return build_hook(ref, options)

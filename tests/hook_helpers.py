@@ -86,6 +86,20 @@ def wait_for_text(path: Path, text: str, timeout: float = 20.0) -> str:
     raise AssertionError(f"{text!r} not in {path} within {timeout} s:\n{content[-3000:]}")
 
 
+def hosted_hooks(args: Sequence[str]) -> list[str]:
+    """The hook references an ``evtrain hook`` command line runs (none for another command).
+
+    ``evtrain hook REF ...`` runs REF; ``evtrain hook --hooks JSON`` the entries'
+    types (the launcher's host of a spec's built-in hooks).
+    """
+    if "evtrain" not in args or "hook" not in args:
+        return []
+    rest = list(args[list(args).index("hook") + 1 :])
+    if "--hooks" in rest:
+        return [str(entry["type"]) for entry in json.loads(rest[rest.index("--hooks") + 1])]
+    return rest[:1]
+
+
 def json_lines(text: str) -> list[dict[str, Any]]:
     """The JSON objects among ``text``'s lines (other lines are skipped)."""
     out = []

@@ -36,6 +36,7 @@ from typing import IO, Any
 
 import pytest
 import torch
+from hook_helpers import hosted_hooks
 from launch_helpers import kill_marked, launch_cmd, launch_env, new_marker, write_spec
 from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import load_file
@@ -304,14 +305,13 @@ class Seen:
             if launcher.poll() is None and _listening_ports(launcher.pid) & set(BUS_PORTS):
                 self.bus_listening[node.rank] = True
             for pid in marked_pids(node.marker):
-                args = _cmdline(pid)
-                if "evtrain" not in args or "hook" not in args:
+                names = hosted_hooks(_cmdline(pid))
+                if not names:
                     continue
-                name = args[args.index("hook") + 1]
                 if node.holds(pid):
-                    self.hooks[node.rank].add(name)
+                    self.hooks[node.rank].update(names)
                 else:
-                    self.stray_hooks.append(f"node {node.rank}: {name} (pid {pid})")
+                    self.stray_hooks.append(f"node {node.rank}: {'+'.join(names)} (pid {pid})")
 
 
 def _wait(

@@ -1,15 +1,26 @@
-"""``evtrain hook``: run one hook as its own process, attached to a bus."""
+"""``evtrain hook``: run one hook, or several in one process, attached to a bus.
+
+``evtrain hook REF --option k=v ...`` runs one hook. ``evtrain hook --hooks
+JSON`` runs the hooks of a JSON list of job-spec entries (``[{"type":
+"logging", "every": 10}, {"type": "metrics"}]``, each with its own options)
+in one process and one `HookRunner`, which dispatches every event to them in
+``priority`` order: how the launcher hosts a spec's built-in hooks
+(`evtrain.hook_supervisor`).
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import signal
+from typing import Any
 
 import anyio
 
 from evtrain.commands.common import add_bus_argument, add_curve_argument, connect_bus, run_async
 from evtrain.errors import UsageError
-from evtrain.hooks.loader import BUILTIN_HOOKS, build_hook, parse_options
+from evtrain.hooks.hook import Hook
+from evtrain.hooks.loader import BUILTIN_HOOKS, build_hook, build_hook_from_spec, parse_options
 from evtrain.hooks.runner import HookRunner
 
 
@@ -20,11 +31,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="attach a hook to a bus",
         description=(
             "Run a hook (a built-in name or package.module:Class) as a subscriber of "
-            "the bus; it may join a live run at any time. Built-ins: "
+            "the bus; it may join a live run at any time. With --hooks, run several in "
+            "one process, dispatched in priority order (how `evtrain launch` runs a "
+            "spec's built-in hooks unless an entry says isolate=True). Built-ins: "
             + (", ".join(sorted(BUILTIN_HOOKS)) or "none")
         ),
     )
-    parser.add_argument("ref", metavar="HOOK", help="built-in name or package.module:Class")
+    parser.add_argument(
+        "ref", metavar="HOOK", nargs="?", help="built-in name or package.module:Class"
+    )
     add_bus_argument(parser)
     add_curve_argument(parser)
     parser.add_argument(
@@ -33,18 +48,44 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="constructor option of the hook; VALUE is JSON if it parses, else text",
+        help="constructor option of HOOK; VALUE is JSON if it parses, else text",
+    )
+    parser.add_argument(
+        "--hooks",
+        metavar="JSON",
+        help=(
+            "instead of HOOK and --option: a JSON list of job-spec hook entries, "
+            """e.g. '[{"type": "logging", "every": 10}, {"type": "metrics"}]', """
+            "all run in this one process"
+        ),
     )
     parser.add_argument("--exit-on-run-end", action="store_true", help="exit once the run ended")
     parser.set_defaults(func=run)
 
 
+def build_hooks(args: argparse.Namespace) -> list[Hook]:
+    """The hooks named by ``HOOK --option ...`` or by ``--hooks JSON``; `UsageError` if bad."""
+    if args.hooks is None:
+        if args.ref is None:
+            raise UsageError("name a HOOK, or give --hooks JSON")
+        return [build_hook(args.ref, parse_options(args.option))]
+    if args.ref is not None or args.option:
+        raise UsageError("--hooks names every hook and its options: no HOOK or --option with it")
+    try:
+        entries: Any = json.loads(args.hooks)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"--hooks is not valid JSON: {exc}") from None
+    if not isinstance(entries, list) or not entries:
+        raise UsageError(f"--hooks must be a non-empty JSON list of hook entries, got {entries!r}")
+    return [build_hook_from_spec(entry) for entry in entries]
+
+
 def run(args: argparse.Namespace) -> int:
-    """Build the hook, attach it, run until interrupted (or the run ends)."""
+    """Build the hooks, attach them, run until interrupted (or the run ends)."""
     # Build first: a bad hook reference or option is reported without touching the bus.
-    hook = build_hook(args.ref, parse_options(args.option))
+    hooks = build_hooks(args)
     address, curve = connect_bus(args)
-    runner = HookRunner([hook], address, exit_on_run_end=args.exit_on_run_end, curve=curve)
+    runner = HookRunner(hooks, address, exit_on_run_end=args.exit_on_run_end, curve=curve)
     try:
         run_async(_serve, runner)
     except TimeoutError as exc:  # the broker answered but our events never came back

@@ -39,7 +39,9 @@ class _LaunchParser(argparse.ArgumentParser):
 
 
 _DESCRIPTION = (
-    "start the event bus, the spec's hooks (as supervised processes) and one stage "
+    "start the event bus, the spec's hooks (as supervised processes: the built-ins "
+    "together in one, unless a hook entry says isolate=True, every other hook in its own) "
+    "and one stage "
     "worker per pipeline stage through torch.distributed.elastic; show progress; exit 0 "
     "when the run completed or stopped cleanly, 1 when a stage failed (the first stage "
     "that failed and why are shown, the full report is in RUN_DIR/launches/RUN_ID/"
@@ -116,7 +118,8 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=5,
         metavar="N",
-        help="restart a crashing hook up to N times (default 5)",
+        help="restart a crashing hook process (the built-ins' host with all its hooks) up to "
+        "N times (default 5)",
     )
     group.add_argument(
         "--resume",
