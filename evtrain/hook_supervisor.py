@@ -13,21 +13,25 @@ cannot touch the training loop or another hook. A built-in with
 Why share: the stages and the hooks compete for the same cores, and each hook
 process spends its own wake-up, receive and decode on every event it wants.
 On a 2-core machine (``bench/hook_overhead.py``: 2 stages, the 8 observing
-built-ins) eight processes spent 4.25 ms of CPU per step; one host spends
-1.1-1.2 ms (that bench's docstring has the step times). The price: in the host,
-built-ins run one after another. A handler that raises is reported
-(`HookError`) and the others go on; one whose ``setup`` raises is left out
-and the others go on; but a built-in that blocks the host's loop delays its
-siblings' events by as long (never the training: events queue in the host,
-and beyond its buffer are dropped and reported as gaps). The built-ins that
-act on the run await the stages: ``checkpoint`` awaits each command's
-acknowledgements and each commit's disk work, ``eval_every`` and
-``early_stopping`` their commands' acknowledgements. That is milliseconds
-while the stages run, but a host restarted after the run ended replays the
-run's start, and the checkpoint hook then waits its ``command_timeout`` for
-acknowledgements that never come while its siblings wait behind it. A host
-that crashes restarts with all its hooks. ``isolate=True`` is for a built-in
-that should neither wait for nor hold up the others.
+built-ins) eight processes spend 5.0-6.7 ms of CPU per step, one host
+1.1-1.5 ms; with eight, steps were 1.13x slower than without hooks on a
+quiet machine, with one host 1.013x (median of 6 repeats that spread
+0.95-1.11: that bench's docstring has the figures and their noise).
+
+The price: in the host, built-ins run one after another. A handler that
+raises is reported (`HookError`) and the others go on; one whose ``setup``
+raises is left out and the others go on; but a built-in that blocks the
+host's loop delays its siblings' events by as long (never the training:
+events queue in the host, and beyond its buffer are dropped and reported as
+gaps). The built-ins that act on the run await the stages: ``checkpoint``
+awaits each command's acknowledgements and each commit's disk work,
+``eval_every`` and ``early_stopping`` their commands' acknowledgements.
+That is milliseconds while the stages run, but a host restarted after the
+run ended replays the run's start, and the checkpoint hook then waits its
+``command_timeout`` for acknowledgements that never come while its siblings
+wait behind it. A host that crashes restarts with all its hooks.
+``isolate=True`` is for a built-in that should neither wait for nor hold up
+the others.
 
 The `HookSupervisor` keeps one `HookProcess` per process (a host or one hook):
 
