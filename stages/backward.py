@@ -1,119 +1,156 @@
 """A stage's backward split in two halves, for zero-bubble schedules.
 
-`BackwardInput` (I) computes only the gradient of the stage's input, the one
-the previous stage waits for; `BackwardWeight` (W) computes the weight
-gradients later, from the gradients I captured at the autograd nodes where
-each weight's path joins the input's. Between them the two halves do the
-work of one backward, no more. Both are torch's own
-(`torch.distributed.pipelining._backward.stage_backward_input` and
-`stage_backward_weight`, a private module of torch 2.13 that torch's own
-zero-bubble schedules run on): I keeps the autograd graph alive
-(``retain_graph``) for W.
+`BackwardInput` (I) computes the gradient of the stage's input, the one the
+previous stage waits for, and every weight gradient except those of the
+stage's ``nn.Linear`` layers; `BackwardWeight` (W) computes those later. That
+is the split of zero-bubble pipelines (Qi et al.'s WeightGradStore): a linear
+layer's backward is two matrix products, ``dX = dY W`` on the critical path
+and ``dW = dYᵀ X`` off it, and in a transformer or an MLP the linear layers
+hold nearly all the weights. `SplitBackward` routes every ``nn.Linear`` of the
+stage through `_DeferredLinear`, whose backward during I computes ``dX`` and
+keeps ``(X, dY)``; W then computes ``dW`` (and the bias's ``dY`` sum) from
+them, without autograd. Outside I (evaluation, a whole backward) the layer
+computes its gradients as usual.
 
-The split does not apply everywhere; then one half runs the whole backward,
-so the gradients are the same either way:
+Why not torch's own split (`torch.distributed.pipelining._backward`, which
+captures the gradients at the nodes where weight paths join the input path
+and runs one autograd pass per group of weights in W): measured on one stage
+of four Linear(512, 512) + ReLU with a microbatch of 32 rows on one CPU
+thread, its I + W cost 4.2 ms against 3.4 ms for the whole backward — W's
+autograd passes cost a quarter more than the products they compute, more than
+zero bubble saves at this size.
 
-* the stage's inputs need no gradient (the first stage, or a stage fed only
-  integers): I has nothing to compute and W runs the whole backward, as
-  torch's stages do on the first stage;
-* some weight reached from the stage's outputs joins no path from its
-  inputs (a stage output computed from weights alone): I would not capture
-  that weight's gradient, so I runs the whole backward and W nothing.
-  Checked once, on the first microbatch: a stage's graph has the same shape
-  for every microbatch.
+On a stage whose input needs no gradient (the first stage, or one fed only
+integers) I has nothing to send: it does nothing and W runs the whole
+backward, as torch's stages do on the first stage.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-import structlog
 import torch
 from torch import nn
-from torch.distributed.pipelining._backward import (
-    _get_grad_fn_or_grad_acc,
-    construct_reverse_graph,
-    get_param_groups,
-    stage_backward_input,
-    stage_backward_weight,
-)
+from torch.nn import functional as F
 
 __all__ = ["SplitBackward"]
 
-log = structlog.get_logger("evtrain.stages.backward")
+
+@dataclass
+class _Store:
+    """Where `_DeferredLinear` keeps ``(layer, X, dY)`` while an I runs; None otherwise."""
+
+    active: list[tuple[nn.Linear, torch.Tensor, torch.Tensor]] | None = None
+
+
+class _DeferredLinear(torch.autograd.Function):
+    """``F.linear`` whose weight gradients wait for W while an I is running."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        layer: nn.Linear,
+        store: _Store,
+    ) -> torch.Tensor:
+        # The weights are inputs so that the output requires a gradient when
+        # they do; their gradients are this function's own business (None below).
+        ctx.save_for_backward(x)
+        ctx.layer, ctx.store = layer, store
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None, None]:
+        (x,) = ctx.saved_tensors
+        layer: nn.Linear = ctx.layer
+        weight = layer.weight
+        dx = (dy @ weight.to(dy.dtype)).to(x.dtype) if ctx.needs_input_grad[0] else None
+        if ctx.store.active is not None:
+            ctx.store.active.append((layer, x, dy))
+        else:
+            _weight_grads(layer, x, dy)
+        return dx, None, None, None, None
+
+
+@torch.no_grad()
+def _weight_grads(layer: nn.Linear, x: torch.Tensor, dy: torch.Tensor) -> None:
+    """Accumulate ``dW = dYᵀ X`` (and the bias's ``dY`` sum) into ``layer``'s grads.
+
+    Without grad: ``X`` is an activation with a history, which a gradient must not keep.
+    """
+    weight, bias = layer.weight, layer.bias
+    dy2 = dy.reshape(-1, dy.shape[-1])
+    if weight.requires_grad:
+        dw = (dy2.t() @ x.reshape(-1, x.shape[-1]).to(dy.dtype)).to(weight.dtype)
+        weight.grad = dw if weight.grad is None else weight.grad.add_(dw)
+    if bias is not None and bias.requires_grad:
+        db = dy2.sum(0).to(bias.dtype)
+        bias.grad = db if bias.grad is None else bias.grad.add_(db)
+
+
+def _linear_forward(layer: nn.Linear, store: _Store, x: torch.Tensor) -> torch.Tensor:
+    if torch.is_grad_enabled() and (layer.weight.requires_grad or x.requires_grad):
+        out: torch.Tensor = _DeferredLinear.apply(x, layer.weight, layer.bias, layer, store)
+        return out
+    return F.linear(x, layer.weight, layer.bias)
 
 
 @dataclass
 class _Deferred:
-    """What W needs for one microbatch: the roots for a whole backward, or I's groups."""
+    """What W has to do for one microbatch: a whole backward, or the kept linear products."""
 
-    roots: list[torch.Tensor]
-    grads: list[torch.Tensor] | None
-    param_groups: list[dict[str, Any]] | None
+    roots: list[torch.Tensor] = field(default_factory=list)
+    grads: list[torch.Tensor] | None = None
+    linear: list[tuple[nn.Linear, torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
 
 class SplitBackward:
     """The two halves of one stage's backward, microbatch by microbatch.
 
-    ``params`` are the stage's trainable parameters. `input_half` leaves the
-    input gradients in ``inputs[i].grad``; `weight_half` accumulates the
-    weight gradients into ``param.grad``.
+    Construct it before the stage's first forward: it routes every
+    ``nn.Linear`` of ``module`` through `_DeferredLinear`. `input_half` leaves
+    the input gradients in ``inputs[i].grad`` and every gradient of the
+    parameters that are not linear weights; `weight_half` adds the rest.
     """
 
-    def __init__(self, params: Sequence[nn.Parameter]) -> None:
-        self.params = list(params)
+    def __init__(self, module: nn.Module) -> None:
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self._store = _Store()
         self._deferred: dict[int, _Deferred] = {}
-        self._splits: bool | None = None
+        for layer in module.modules():
+            if type(layer) is nn.Linear:  # a subclass may compute something else
+                layer.forward = functools.partial(_linear_forward, layer, self._store)  # type: ignore[method-assign]
 
     def input_half(
         self,
         microbatch: int,
         roots: list[torch.Tensor],
         grads: list[torch.Tensor] | None,
-        inputs: list[torch.Tensor],
+        inputs: Sequence[torch.Tensor],
     ) -> None:
         """I: the gradient of ``inputs`` from ``roots`` (with ``grads``; None for a loss)."""
         if not roots or not inputs:
-            self._deferred[microbatch] = _Deferred(roots, grads, None)
+            self._deferred[microbatch] = _Deferred(roots, grads)
             return
-        if self._splits is None:
-            self._splits = self._weights_join_inputs(roots, inputs)
-        if not self._splits:
-            torch.autograd.backward(roots, grads)
-            self._deferred[microbatch] = _Deferred([], None, None)
-            return
-        # stage_backward_input detaches the roots in place, which a view refuses.
-        roots = [r.clone() if r._is_view() else r for r in roots]
-        _, groups = stage_backward_input(roots, grads, inputs, iter(self.params))
-        self._deferred[microbatch] = _Deferred([], None, groups)
+        kept: list[tuple[nn.Linear, torch.Tensor, torch.Tensor]] = []
+        self._store.active = kept
+        try:
+            # Every parameter too: those reached other than through a linear layer
+            # (a weight tied to an embedding) get their gradient here.
+            torch.autograd.backward(roots, grads, inputs=[*inputs, *self.params])
+        finally:
+            self._store.active = None
+        self._deferred[microbatch] = _Deferred(linear=kept)
 
     def weight_half(self, microbatch: int) -> None:
-        """W: the weight gradients of ``microbatch``, whose I has run."""
+        """W: the rest of ``microbatch``'s weight gradients, once its I has run."""
         deferred = self._deferred.pop(microbatch)
-        if deferred.param_groups is not None:
-            stage_backward_weight(iter(self.params), deferred.param_groups)
-        elif deferred.roots:
+        if deferred.roots:
             torch.autograd.backward(deferred.roots, deferred.grads)
-
-    def _weights_join_inputs(self, roots: list[torch.Tensor], inputs: list[torch.Tensor]) -> bool:
-        nodes = [n for n in map(_get_grad_fn_or_grad_acc, roots) if n is not None]
-        reverse = construct_reverse_graph(nodes)
-        reached = {
-            node
-            for node in map(_get_grad_fn_or_grad_acc, self.params)
-            if node is not None and node in reverse
-        }
-        input_nodes = [n for n in map(_get_grad_fn_or_grad_acc, inputs) if n is not None]
-        covered: set[Any] = set()
-        for group in get_param_groups(input_nodes, list(reached), reverse):
-            if group["intermediates"]:
-                covered |= group["params"]
-        if reached <= covered:
-            return True
-        log.info(
-            "split backward off: some weights join no path from the stage's input",
-            weights=len(reached - covered),
-        )
-        return False
+        for layer, x, dy in deferred.linear:
+            _weight_grads(layer, x, dy)

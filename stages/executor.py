@@ -248,7 +248,7 @@ class StageExecutor:
 
         kind = parse_schedule(job.schedule)
         self.lookahead = 0 if kind is Schedule.GPIPE else lookahead
-        self._split = SplitBackward(self.params) if kind.splits_backward else None
+        self._split = SplitBackward(module) if kind.splits_backward else None
         program = build_schedule(
             job.schedule,
             stage,

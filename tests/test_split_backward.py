@@ -32,18 +32,21 @@ def test_input_half_gives_only_the_input_gradient_and_weight_half_the_rest() -> 
         expected_weights = [e + w for e, w in zip(expected_weights, grads, strict=True)]
     model.zero_grad(set_to_none=True)
 
-    split = SplitBackward(list(model.parameters()))
+    split = SplitBackward(model)
     leaves = [x.clone().requires_grad_(True) for x in xs]
     outputs = [model(leaf) for leaf in leaves]
     for m in range(3):
         split.input_half(m, [outputs[m]], [gs[m]], [leaves[m]])
         torch.testing.assert_close(leaves[m].grad, expected_inputs[m])
-    # I computed no weight gradient: W of every microbatch still has all of them to do.
-    assert all(p.grad is None for p in model.parameters())
+    # I left every linear layer's weight gradient to W; the LayerNorm's it computed.
+    assert all(p.grad is None for layer in (model[0], model[2]) for p in layer.parameters())
+    norm = model[3]
+    torch.testing.assert_close(norm.weight.grad, expected_weights[4])
     for m in (2, 0, 1):  # W runs in any order after its I
         split.weight_half(m)
     for p, e in zip(model.parameters(), expected_weights, strict=True):
         torch.testing.assert_close(p.grad, e)
+        assert not p.grad.requires_grad  # a gradient, not a graph
 
 
 def test_input_half_on_a_loss() -> None:
@@ -55,12 +58,12 @@ def test_input_half_on_a_loss() -> None:
     expected_x = leaf.grad.clone()
     model.zero_grad(set_to_none=True)
 
-    split = SplitBackward(list(model.parameters()))
+    split = SplitBackward(model)
     leaf = x.clone().requires_grad_(True)
     loss = torch.nn.functional.mse_loss(model(leaf), target)
     split.input_half(0, [loss], None, [leaf])
     torch.testing.assert_close(leaf.grad, expected_x)
-    assert all(p.grad is None for p in model.parameters())
+    assert model[0].weight.grad is None
     split.weight_half(0)
     for p, e in zip(model.parameters(), expected, strict=True):
         torch.testing.assert_close(p.grad, e)
@@ -71,7 +74,7 @@ def test_without_input_gradients_the_weight_half_runs_the_whole_backward() -> No
     x, g = torch.randn(4, 8), torch.randn(4, 16)
     _, expected = whole(model, x, g)
     model.zero_grad(set_to_none=True)
-    split = SplitBackward(list(model.parameters()))
+    split = SplitBackward(model)
     split.input_half(0, [model(x)], [g], [])  # the first stage: its input takes no gradient
     assert all(p.grad is None for p in model.parameters())
     split.weight_half(0)
@@ -79,54 +82,69 @@ def test_without_input_gradients_the_weight_half_runs_the_whole_backward() -> No
         torch.testing.assert_close(p.grad, e)
 
 
-class WithAFreeOutput(nn.Module):
-    """Returns (f(x), g(bias)): ``bias`` reaches an output on no path from ``x``."""
+class Tied(nn.Module):
+    """A linear head whose weight is also an embedding's, and a bias that
+    reaches an output on no path from the input."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.f = nn.Linear(8, 8)
-        self.bias = nn.Parameter(torch.randn(8))
+        self.embed = nn.Embedding(8, 8)
+        self.head = nn.Linear(8, 8)
+        self.head.weight = self.embed.weight
+        self.free = nn.Parameter(torch.randn(8))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.f(x), self.bias.tanh().expand(x.shape[0], 8)
+        ids = torch.arange(x.shape[0]) % 8
+        return self.head(x + self.embed(ids)), self.free.tanh().expand(x.shape[0], 8)
 
 
-def test_a_weight_off_the_input_path_makes_the_input_half_whole() -> None:
+def test_weights_reached_other_ways_get_their_gradient_in_the_input_half() -> None:
     torch.manual_seed(0)
-    model = WithAFreeOutput()
+    model = Tied()
     x = torch.randn(4, 8)
     grads = [torch.randn(4, 8), torch.randn(4, 8)]
     leaf = x.clone().requires_grad_(True)
     torch.autograd.backward(list(model(leaf)), grads)
-    expected = [p.grad.clone() for p in model.parameters()]
+    expected = {n: p.grad.clone() for n, p in model.named_parameters()}
     expected_x = leaf.grad.clone()
     model.zero_grad(set_to_none=True)
 
-    split = SplitBackward(list(model.parameters()))
+    split = SplitBackward(model)
     leaf = x.clone().requires_grad_(True)
     split.input_half(0, list(model(leaf)), grads, [leaf])
     torch.testing.assert_close(leaf.grad, expected_x)
-    # The split would have lost bias's gradient: the whole backward ran in I.
-    for p, e in zip(model.parameters(), expected, strict=True):
-        torch.testing.assert_close(p.grad, e)
+    torch.testing.assert_close(model.free.grad, expected["free"])
     split.weight_half(0)
-    for p, e in zip(model.parameters(), expected, strict=True):
-        torch.testing.assert_close(p.grad, e)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[name], msg=name)
 
 
-def test_a_view_output_is_split_too() -> None:
+def test_outside_the_input_half_a_linear_layer_computes_its_gradients_at_once() -> None:
+    model = mlp()
+    x, g = torch.randn(4, 8), torch.randn(4, 16)
+    _, expected = whole(model, x, g)
+    model.zero_grad(set_to_none=True)
+    SplitBackward(model)
+    _, got = whole(model, x, g)  # a plain backward through the routed layers
+    for p, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(p, e)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), mlp()(x))
+
+
+def test_a_view_output() -> None:
     model = mlp()
     x, g = torch.randn(4, 8), torch.randn(4, 8)
     leaf = x.clone().requires_grad_(True)
     torch.autograd.backward([model(leaf)[:, :8]], [g])
     expected = [p.grad.clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
-    split = SplitBackward(list(model.parameters()))
+    split = SplitBackward(model)
     leaf = x.clone().requires_grad_(True)
     out = model(leaf)[:, :8]
     assert out._is_view()
     split.input_half(0, [out], [g], [leaf])
-    assert all(p.grad is None for p in model.parameters())
+    assert model[0].weight.grad is None
     split.weight_half(0)
     for p, e in zip(model.parameters(), expected, strict=True):
         torch.testing.assert_close(p.grad, e)
