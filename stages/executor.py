@@ -385,8 +385,8 @@ class StageExecutor:
 
     def _reduce_grads(self) -> None:
         """`ReduceGrads`: the replicas' average is in (DDP finalized it at the end of
-        the last backward) or, with a split backward, taken here; sum the tied
-        weights' gradients over their stages."""
+        the last backward) or, with a split backward or several chunks, taken here;
+        sum the tied weights' gradients over their stages."""
         average = self._average_at_reduce and self.replicas is not None
         if self.tied is None and not average:
             return
