@@ -298,7 +298,7 @@ def check_virtual_stages(
             f"virtual_stages={virtual_stages} and stages={num_stages} (with one chunk "
             "per stage, use 1f1b)"
         )
-    rounds = max(1, num_microbatches // num_stages)
+    rounds = _rounds(num_stages, num_microbatches)
     if num_microbatches % rounds:
         raise UsageError(
             f"the interleaved schedule runs microbatches in rounds of "
@@ -317,7 +317,7 @@ def _interleaved(
     bwd: Callable[[int, int], list[Instruction]],
 ) -> list[Instruction]:
     """Interleaved 1F1B's order for ``stage`` (see the module docstring)."""
-    per_round = M // max(1, M // P)
+    per_round = M // _rounds(P, M)
     total = M * V
     warmup = _interleaved_warmup(stage, P, M, V, lookahead)
     forwards, backwards = [0] * V, [0] * V
@@ -334,10 +334,14 @@ def _interleaved(
     return program
 
 
+def _rounds(P: int, M: int) -> int:
+    """Interleaved 1F1B's rounds of microbatches: ``max(1, M // P)``."""
+    return max(1, M // P)
+
+
 def _interleaved_warmup(stage: int, P: int, M: int, V: int, lookahead: int) -> int:
-    rounds = max(1, M // P)
     extra = lookahead if stage < P - 1 else 0
-    return min((V - 1) * (M // rounds) + 2 * (P - 1 - stage) + extra, M * V)
+    return min((V - 1) * (M // _rounds(P, M)) + 2 * (P - 1 - stage) + extra, M * V)
 
 
 def max_in_flight(
