@@ -371,8 +371,22 @@ class HookError(Event, kw_only=True, tag="hook.error"):
     count: Annotated[int, msgspec.Meta(ge=1, le=MAX_INT)] = 1
 
 
+class HookProbe(Event, kw_only=True, tag="hook.probe"):
+    """Sent by a starting hook process until one comes back to it through the broker.
+
+    A probe that arrives anywhere proves nothing about the sender's own
+    subscription (it travels on another connection); `HookStarted` follows the
+    first probe the sender itself received.
+    """
+
+    pid: Count = 0
+
+
 class HookStarted(Event, kw_only=True, tag="hook.started"):
-    """A hook process subscribed and proved its subscription live (it received this event)."""
+    """A hook process's subscription is live: published once, after its own `HookProbe` returned.
+
+    Everything published after this event arrived reaches the process's hooks.
+    """
 
     hooks: list[str]
     topics: list[str]

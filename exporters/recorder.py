@@ -25,6 +25,7 @@ from evtrain.events import (
     MESSAGE_TYPES,
     DecodeError,
     Event,
+    HookProbe,
     Message,
     RunEnded,
     StageFailed,
@@ -42,8 +43,10 @@ log = structlog.get_logger("evtrain.exporters.recorder")
 FILENAME = "events.jsonl"
 MAX_WAITING = 10_000
 
-EVENT_TYPES: tuple[type[Message], ...] = tuple(t for t in MESSAGE_TYPES if issubclass(t, Event))
-"""Every event type of the schema (commands travel on the other bus)."""
+EVENT_TYPES: tuple[type[Message], ...] = tuple(
+    t for t in MESSAGE_TYPES if issubclass(t, Event) and t is not HookProbe
+)
+"""Every event type of the schema but start-up probes (commands travel on the other bus)."""
 
 
 class EventRecorder(Hook):

@@ -2,7 +2,8 @@
 
 One runner serves the hooks of one process. It subscribes to exactly the topics
 the handlers declare, proves its subscription is live before `setup` (it
-publishes `HookStarted` and waits to receive it back through the broker), loads
+publishes `HookProbe` until one comes back through the broker, then announces
+itself with one `HookStarted`), loads
 the run's state from the broker so a hook that joins mid-run knows the run at
 once, and then dispatches each event to the handlers in priority order and
 through their filters (see `evtrain.hooks.hook`). Reading and dispatch are
@@ -11,7 +12,7 @@ live ones queue behind them, yet acknowledgements of commands reach their
 sender at once, so a handler may send a command and await it while it handles
 the snapshot (a hook restarted mid-run re-arming what it had armed). Each
 wake-up of the reader takes every message ZeroMQ already holds
-(`Subscriber.receive` drains without awaiting again, up to 4096), so a burst
+(`Subscriber.receive` drains without awaiting again, up to its ``DRAIN_LIMIT``), so a burst
 of events costs one wake-up, not one per event.
 
 A handler that raises is logged and published as `HookError`; the hook keeps
@@ -55,6 +56,7 @@ from evtrain.events import (
     CommandAcked,
     Event,
     HookError,
+    HookProbe,
     HookStarted,
     Message,
     RunEnded,
@@ -211,7 +213,7 @@ class HookRunner:
         )
         self._subscriber = Subscriber(
             self.address.endpoint("events_out"),
-            [*self.topics, HookStarted.topic.decode()],
+            [*self.topics, HookProbe.topic.decode()],
             curve=self._curve,
         )
         failed: list[Exception] = []
@@ -285,21 +287,26 @@ class HookRunner:
 
     async def _prove_subscription(self) -> None:
         assert self._publisher is not None and self._subscriber is not None
-        probe = HookStarted(
-            hooks=[hook.hook_name() for hook in self.hooks], topics=self.topics, pid=os.getpid()
-        )
+        probe = HookProbe(pid=os.getpid())
         deadline = time.monotonic() + self._ready_timeout
         while time.monotonic() < deadline:
             self._publisher.publish(probe)
             proved = False
             for msg in await self._subscriber.receive(timeout=0.2):
-                if isinstance(msg, HookStarted) and msg.source == self._publisher.source:
-                    proved = True
+                if type(msg) is HookProbe:
+                    proved = proved or msg.source == self._publisher.source
                 else:
                     # Once an earlier probe made it, real events may already flow:
                     # keep them for dispatch after setup instead of losing them.
                     self._queue.append(msg)
             if proved:
+                self._publisher.publish(
+                    HookStarted(
+                        hooks=[hook.hook_name() for hook in self.hooks],
+                        topics=self.topics,
+                        pid=os.getpid(),
+                    )
+                )
                 return
         raise TimeoutError(f"no events came back from the bus at {self.address}")
 

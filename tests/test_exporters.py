@@ -115,8 +115,11 @@ async def test_metrics_log_and_recorder_then_replay_reproduces_them(
 
     events = [from_builtins(e) for e in _lines(run_dir / "events.jsonl")]
     assert sum(isinstance(e, StepEnded) for e in events) == 90
-    # Stages announce themselves before run.started: the recorder kept them.
-    assert events[0].topic == b"stage.started"
+    # Its own process's announcement comes first, then the stages, which announce
+    # themselves before run.started: the recorder kept them.
+    assert events[0].topic == b"hook.started" and events[0].source == "hook/recorder+metrics"
+    assert events[1].topic == b"stage.started"
+    assert not any(e.topic == b"hook.probe" for e in events)  # start-up plumbing, not the run
     assert any(isinstance(e, RunStarted) for e in events)
     assert events[-1].topic == b"run.ended"  # the runner exits on run end
 
@@ -182,7 +185,7 @@ def test_recorder_flushes_while_the_run_goes_on(bus: BusAddress, procs: Any, wor
         os.kill(recorder.pid, signal.SIGKILL)
         recorder.wait(timeout=5)
     content = events.read_text()
-    steps = [json.loads(line) for line in content.splitlines() if '"step.ended"' in line]
+    steps = [e for e in map(json.loads, content.splitlines()) if e["type"] == "step.ended"]
     assert len(steps) == 18  # steps 1-9 of both stages, nothing lost to buffering
     assert content.endswith("\n")
 

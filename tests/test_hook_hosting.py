@@ -96,7 +96,7 @@ class Hosting:
     def by_hooks(self) -> dict[tuple[str, ...], list[int]]:
         """The processes that announced each set of hooks, in order.
 
-        A runner publishes `HookStarted` until one came back: a process may send several.
+        A process announces itself once per start; a restarted one again, under a new pid.
         """
         out: dict[tuple[str, ...], list[int]] = {}
         for started in self.started:

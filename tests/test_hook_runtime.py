@@ -26,6 +26,8 @@ from evtrain.events import (
     CommandAcked,
     EvaluateNow,
     HookError,
+    HookProbe,
+    HookStarted,
     Message,
     RunEnded,
     RunStarted,
@@ -359,6 +361,37 @@ async def test_exit_on_run_end(bus: BusAddress) -> None:
             with stage_pub(bus) as pub:
                 pub.publish(RunEnded(status="completed", reason="done"))
     assert [e.reason for e in hook.events] == ["done"]  # type: ignore[attr-defined]
+
+
+async def test_hook_started_comes_once_after_the_runner_received_its_own_probe(
+    bus: BusAddress,
+) -> None:
+    # What the launcher relies on: once a process's HookStarted arrived, whatever
+    # is published reaches its hooks (a probe seen elsewhere would not say that).
+    watch = Subscriber(bus.endpoint("events_out"), ["hook."])
+    with Publisher(bus.endpoint("events_in"), source="test/watch") as probe:
+        seen: list[Message] = []
+        with anyio.fail_after(20):
+            while not any(m.source == "test/watch" for m in seen):
+                probe.publish(HookProbe())
+                seen = await watch.receive(timeout=0.05)
+    hook = Ender()
+    runner = HookRunner([hook], bus, exit_on_run_end=True)
+    arrived: list[Message] = []
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(runner.run)
+            while not any(isinstance(m, HookStarted) for m in arrived):
+                arrived += [m for m in await watch.receive() if m.source == "hook/ender"]
+            with stage_pub(bus) as pub:
+                pub.publish(RunEnded(status="completed", reason="right after HookStarted"))
+    assert [e.reason for e in hook.events] == ["right after HookStarted"]  # type: ignore[attr-defined]
+    kinds = [type(m).__name__ for m in arrived]
+    assert kinds[-1] == "HookStarted" and set(kinds[:-1]) == {"HookProbe"}, kinds
+    started = arrived[-1]
+    assert isinstance(started, HookStarted) and started.hooks == ["ender"]
+    assert started.topics == [RunEnded.topic.decode()]
+    watch.close()
 
 
 # -- hostile sequence numbers, repeated raises ---------------------------------------------
