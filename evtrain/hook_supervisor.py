@@ -26,10 +26,9 @@ events queue in the host, and beyond its buffer are dropped and reported as
 gaps). The built-ins that act on the run await the stages: ``checkpoint``
 awaits each command's acknowledgements and each commit's disk work,
 ``eval_every`` and ``early_stopping`` their commands' acknowledgements.
-That is milliseconds while the stages run, but a host restarted after the
-run ended replays the run's start, and the checkpoint hook then waits its
-``command_timeout`` for acknowledgements that never come while its siblings
-wait behind it. A host that crashes restarts with all its hooks.
+That is milliseconds while the stages run; a host restarted after the run
+ended sends nothing (its hooks see the end in the snapshot they replay). A
+host that crashes restarts with all its hooks.
 ``isolate=True`` is for a built-in that should neither wait for nor hold up
 the others.
 

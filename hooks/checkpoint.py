@@ -156,6 +156,11 @@ class CheckpointHook(Hook):
             await self._step(
                 lambda: coordinator.run_started(start_step=ev.start_step, started_at=ev.ts)
             )
+        ended = self.state.ended
+        if ended is not None and self.of_this_run(ended):
+            # A replay after the run's end (a restarted host): no stage is left to
+            # acknowledge a plan, and awaiting one would hold up the host's hooks.
+            return
         plan = CheckpointPlan(
             command_id=uuid.uuid4().hex,
             path=checkpoint_path_template(self.run_dir),

@@ -1,19 +1,19 @@
 """`HookRunner`: attaches hooks to a bus and dispatches events to their handlers.
 
-One runner serves the hooks of one process. It subscribes to exactly the topics
-the handlers declare, proves its subscription is live before `setup` (it
-publishes `HookProbe` until one comes back through the broker, then announces
-itself with one `HookStarted`), loads
-the run's state from the broker so a hook that joins mid-run knows the run at
-once, and then dispatches each event to the handlers in priority order and
-through their filters (see `evtrain.hooks.hook`). Reading and dispatch are
-separate tasks from `setup` on: the snapshot's events are dispatched first and
-live ones queue behind them, yet acknowledgements of commands reach their
-sender at once, so a handler may send a command and await it while it handles
-the snapshot (a hook restarted mid-run re-arming what it had armed). Each
-wake-up of the reader takes every message ZeroMQ already holds
-(`Subscriber.receive` drains without awaiting again, up to its ``DRAIN_LIMIT``), so a burst
-of events costs one wake-up, not one per event.
+One runner serves the hooks of one process. It subscribes to exactly the
+topics the handlers declare, proves its subscription is live before `setup`
+(it publishes `HookProbe` until one comes back through the broker, then
+announces itself with one `HookStarted`), loads the run's state from the
+broker so a hook that joins mid-run knows the run at once, and then dispatches
+each event to the handlers in priority order and through their filters (see
+`evtrain.hooks.hook`). Reading and dispatch are separate tasks from `setup`
+on: the snapshot's events are dispatched first (with `Hook.state` already
+holding all of it) and live ones queue behind them, yet acknowledgements of
+commands reach their sender at once, so a handler may send a command and await
+it while it handles the snapshot (a hook restarted mid-run re-arming what it
+had armed). Each wake-up of the reader takes every message ZeroMQ already
+holds (`Subscriber.receive` drains without awaiting again, up to its
+``DRAIN_LIMIT``), so a burst of events costs one wake-up, not one per event.
 
 A handler that raises is logged and published as `HookError`; the hook keeps
 running, and so do the runner's other hooks. The first `HOOK_TRACEBACKS`
@@ -266,6 +266,10 @@ class HookRunner:
             for hook, error in zip(left_out, errors, strict=True):
                 self._report_setup_error(hook, error)
             self._bind([hook for hook in self.hooks if hook not in left_out])
+        # The state is the snapshot's whole from the first replayed event on: a
+        # handler replaying the run's start already knows that the run ended.
+        for msg in snapshot:
+            self.state.update(msg)
         for msg in snapshot:
             await self._handle(msg)
         self._replayed = {(msg.source, msg.topic): (msg.seq, msg.ts) for msg in snapshot}

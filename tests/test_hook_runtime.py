@@ -6,6 +6,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import anyio
 import msgspec
@@ -37,6 +38,7 @@ from evtrain.events import (
     encode,
 )
 from evtrain.hooks import CommandTimeout, Hook, HookRunner, on
+from evtrain.hooks.checkpoint import CheckpointHook
 from evtrain.hooks.runner import HOOK_TRACEBACKS
 from evtrain.ratelimit import RateLimitedLog
 
@@ -61,6 +63,20 @@ def stage_pub(bus: BusAddress, stage: int = 0) -> Publisher:
     return Publisher(bus.endpoint("events_in"), source=f"stage/{stage}", run_id="run-1")
 
 
+async def subscribed(bus: BusAddress, topic: str) -> Subscriber:
+    """A subscriber to ``topic`` whose subscription is proven to have reached the broker.
+
+    ZeroMQ sends a subscription on its own time: events published before it
+    arrives are never delivered. It probes until one of its probes comes back.
+    """
+    sub = Subscriber(bus.endpoint("events_out"), [topic, HookProbe.topic.decode()])
+    with Publisher(bus.endpoint("events_in"), source="test/probe") as probe:
+        with anyio.fail_after(20):
+            while not any(m.source == "test/probe" for m in await sub.receive(timeout=0.05)):
+                probe.publish(HookProbe())
+    return sub
+
+
 async def wait_until(predicate: object, timeout: float = 10.0) -> None:
     with anyio.fail_after(timeout):
         while not predicate():  # type: ignore[operator]
@@ -82,17 +98,18 @@ class Flaky(Hook):
 
 
 async def test_a_raising_handler_does_not_stop_its_hook(bus: BusAddress) -> None:
-    errors = Subscriber(bus.endpoint("events_out"), ["hook.error"])
+    errors = await subscribed(bus, "hook.error")
     hook = Flaky()
     async with attached(hook, bus=bus):
         with stage_pub(bus) as pub:
             for step in range(5):
                 pub.publish(StepEnded(step=step, stage=0))
             await wait_until(lambda: hook.handled == [0, 1, 3, 4])
+        reported: list[HookError] = []
         with anyio.fail_after(10):
-            batch = await errors.receive()
-    error = batch[0]
-    assert isinstance(error, HookError)
+            while not reported:
+                reported = [m for m in await errors.receive() if isinstance(m, HookError)]
+    error = reported[0]
     assert (error.hook, error.handler, error.event_type) == ("flaky", "check", "step.ended")
     assert "boom at step 2" in error.error and "ValueError" in error.traceback
     assert error.source == "hook/flaky"
@@ -234,6 +251,37 @@ async def test_a_late_joiner_knows_the_run_at_once(bus: BusAddress) -> None:
             assert sorted(hook.steps) == [(0, 5), (1, 5), (1, 6)]  # nothing twice
 
 
+async def test_a_checkpoint_hook_replaying_an_ended_run_holds_up_no_sibling(
+    bus: BusAddress, tmp_path: Path
+) -> None:
+    # A host restarted after the run ended replays its start: the checkpoint hook
+    # must not send the plan and await acknowledgements no stage is left to send.
+    with stage_pub(bus) as pub:
+        pub.publish(
+            RunStarted(
+                name="over",
+                num_stages=1,
+                num_microbatches=1,
+                schedule="1f1b",
+                max_steps=3,
+                batch_size=4,
+                run_dir=str(tmp_path),
+            )
+        )
+        pub.publish(StepEnded(step=3, stage=0))
+        pub.publish(RunEnded(status="completed", step=3))
+        with anyio.fail_after(10):
+            while not any(isinstance(m, RunEnded) for m in fetch_snapshot(bus)):
+                await anyio.sleep(0.02)
+        sibling = StateWatcher()
+        checkpoint = CheckpointHook(run_dir=str(tmp_path), command_timeout=120.0)
+        # `attached` bounds the replay at 20 s, well below the command timeout.
+        async with attached(checkpoint, sibling, bus=bus):
+            assert checkpoint.state.ended is not None
+            pub.publish(StepEnded(step=4, stage=0))
+            await wait_until(lambda: (0, 4) in sibling.steps)
+
+
 COMMAND_TIMEOUT = 30.0
 
 
@@ -368,13 +416,7 @@ async def test_hook_started_comes_once_after_the_runner_received_its_own_probe(
 ) -> None:
     # What the launcher relies on: once a process's HookStarted arrived, whatever
     # is published reaches its hooks (a probe seen elsewhere would not say that).
-    watch = Subscriber(bus.endpoint("events_out"), ["hook."])
-    with Publisher(bus.endpoint("events_in"), source="test/watch") as probe:
-        seen: list[Message] = []
-        with anyio.fail_after(20):
-            while not any(m.source == "test/watch" for m in seen):
-                probe.publish(HookProbe())
-                seen = await watch.receive(timeout=0.05)
+    watch = await subscribed(bus, "hook.")
     hook = Ender()
     runner = HookRunner([hook], bus, exit_on_run_end=True)
     arrived: list[Message] = []
@@ -415,7 +457,7 @@ def test_sequence_counts_saturate_and_the_table_stays_bounded() -> None:
 async def test_hostile_sequence_numbers_do_not_stop_a_hook(bus: BusAddress) -> None:
     """StepEnded with seq -2**63, 2**63-1, -2**63, 2**63-1 once killed every hook."""
     hook = StateWatcher()
-    gaps = Subscriber(bus.endpoint("events_out"), ["bus.gaps"])
+    gaps = await subscribed(bus, "bus.gaps")
     context = zmq.Context()
     raw = context.socket(zmq.XPUB)
     raw.connect(bus.endpoint("events_in"))
@@ -431,9 +473,11 @@ async def test_hostile_sequence_numbers_do_not_stop_a_hook(bus: BusAddress) -> N
             with stage_pub(bus) as pub:
                 pub.publish(StepEnded(step=2, stage=0))
                 await wait_until(lambda: (0, 2) in hook.steps)
+            reported: list[BusGaps] = []
             with anyio.fail_after(10):
-                reported = [m for m in await gaps.receive() if isinstance(m, BusGaps)]
-            assert reported and reported[0].missing == 6  # 0 -> 7
+                while not reported:
+                    reported = [m for m in await gaps.receive() if isinstance(m, BusGaps)]
+            assert reported[0].missing == 6  # 0 -> 7
     finally:
         raw.close(linger=0)
         context.term()
@@ -449,7 +493,7 @@ class AlwaysRaises(Hook):
 async def test_a_handler_raising_on_every_event_reports_a_few_tracebacks_then_counts(
     bus: BusAddress,
 ) -> None:
-    errors = Subscriber(bus.endpoint("events_out"), ["hook.error"])
+    errors = await subscribed(bus, "hook.error")
     received: list[HookError] = []
     with structlog.testing.capture_logs() as logs:
         async with attached(AlwaysRaises(), bus=bus):
