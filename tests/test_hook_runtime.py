@@ -7,6 +7,7 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import anyio
 import msgspec
@@ -75,6 +76,12 @@ async def subscribed(bus: BusAddress, topic: str) -> Subscriber:
             while not any(m.source == "test/probe" for m in await sub.receive(timeout=0.05)):
                 probe.publish(HookProbe())
     return sub
+
+
+def run_started(name: str, num_stages: int, **fields: Any) -> RunStarted:
+    """A run's start as the first stage publishes it (1F1B; the sizes do not matter here)."""
+    sizes = {"num_microbatches": 1, "max_steps": 100, "batch_size": 1}
+    return RunStarted(name=name, num_stages=num_stages, schedule="1f1b", **(sizes | fields))
 
 
 async def wait_until(predicate: object, timeout: float = 10.0) -> None:
@@ -209,16 +216,7 @@ class StateWatcher(Hook):
 
 async def test_a_late_joiner_knows_the_run_at_once(bus: BusAddress) -> None:
     with stage_pub(bus, 0) as pub0, stage_pub(bus, 1) as pub1:
-        pub0.publish(
-            RunStarted(
-                name="late",
-                num_stages=2,
-                num_microbatches=4,
-                schedule="1f1b",
-                max_steps=100,
-                batch_size=32,
-            )
-        )
+        pub0.publish(run_started("late", 2, num_microbatches=4, max_steps=100, batch_size=32))
         for stage, pub in ((0, pub0), (1, pub1)):
             pub.publish(
                 StageStarted(
@@ -258,14 +256,8 @@ async def test_a_checkpoint_hook_replaying_an_ended_run_holds_up_no_sibling(
     # must not send the plan and await acknowledgements no stage is left to send.
     with stage_pub(bus) as pub:
         pub.publish(
-            RunStarted(
-                name="over",
-                num_stages=1,
-                num_microbatches=1,
-                schedule="1f1b",
-                max_steps=3,
-                batch_size=4,
-                run_dir=str(tmp_path),
+            run_started(
+                "over", 1, num_microbatches=1, max_steps=3, batch_size=4, run_dir=str(tmp_path)
             )
         )
         pub.publish(StepEnded(step=3, stage=0))
@@ -333,16 +325,7 @@ async def act_as_stages(bus: BusAddress, pubs: list[Publisher]) -> None:
 
 async def test_a_late_joiner_awaits_acks_while_it_replays_the_snapshot(bus: BusAddress) -> None:
     with stage_pub(bus, 0) as pub0, stage_pub(bus, 1) as pub1:
-        pub0.publish(
-            RunStarted(
-                name="late",
-                num_stages=2,
-                num_microbatches=4,
-                schedule="1f1b",
-                max_steps=100,
-                batch_size=32,
-            )
-        )
+        pub0.publish(run_started("late", 2, num_microbatches=4, max_steps=100, batch_size=32))
         for stage, pub in ((0, pub0), (1, pub1)):
             pub.publish(StepEnded(step=5, stage=stage))
         with anyio.fail_after(10):
@@ -365,16 +348,7 @@ async def test_a_late_joiner_awaits_acks_while_it_replays_the_snapshot(bus: BusA
 
 async def test_stop_ends_a_runner_whose_replay_awaits_acks(bus: BusAddress) -> None:
     with stage_pub(bus) as pub:
-        pub.publish(
-            RunStarted(
-                name="nobody acks",
-                num_stages=1,
-                num_microbatches=1,
-                schedule="1f1b",
-                max_steps=10,
-                batch_size=1,
-            )
-        )
+        pub.publish(run_started("nobody acks", 1, num_microbatches=1, max_steps=10, batch_size=1))
         with anyio.fail_after(10):
             while not any(isinstance(m, RunStarted) for m in fetch_snapshot(bus)):
                 await anyio.sleep(0.02)
