@@ -25,10 +25,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import anyio
+
 from evtrain.bus.address import BusAddress
 from evtrain.bus.commands import CommandLedger, CommandReceiver
 from evtrain.bus.publisher import Publisher
-from evtrain.events import RunEnded, StepEnded
+from evtrain.bus.security import CurveConfig
+from evtrain.bus.subscriber import Subscriber
+from evtrain.events import Heartbeat, RunEnded, StepEnded
 from evtrain.hooks.hook import Hook, on
 
 TESTS_DIR = Path(__file__).resolve().parent
@@ -40,6 +44,20 @@ def env_with_tests() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS_DIR), env.get("PYTHONPATH")]))
     return env
+
+
+async def connect(
+    sub: Subscriber, address: BusAddress, *, curve: CurveConfig | None = None
+) -> None:
+    """Publish probes until ``sub`` receives one: its subscription is then live."""
+    sub.subscribe("heartbeat")
+    with Publisher(address.endpoint("events_in"), source="test/probe", curve=curve) as probe:
+        with anyio.fail_after(10):
+            while True:
+                probe.publish(Heartbeat(state="probe"))
+                batch = await sub.receive(timeout=0.05)
+                if any(m.source == "test/probe" for m in batch):
+                    return
 
 
 class Lines:

@@ -22,7 +22,7 @@ import anyio
 import pytest
 import zmq
 import zmq.auth
-from bus_procs import SCRIPT, Buses, Lines, env_with_tests, rss_bytes, step_event
+from bus_procs import SCRIPT, Buses, Lines, connect, env_with_tests, rss_bytes, step_event
 
 from evtrain.bus.address import BusAddress
 from evtrain.bus.broker import Broker, fetch_stats
@@ -79,20 +79,6 @@ async def collect(
                 out.append(msg)
                 if until(msg):  # type: ignore[operator]
                     return out
-
-
-async def connect(
-    sub: Subscriber, address: BusAddress, *, curve: CurveConfig | None = None
-) -> None:
-    """Publish probes until ``sub`` receives one: its subscription is then live."""
-    sub.subscribe("heartbeat")
-    with Publisher(address.endpoint("events_in"), source="test/probe", curve=curve) as probe:
-        with anyio.fail_after(10):
-            while True:
-                probe.publish(Heartbeat(state="probe"))
-                batch = await sub.receive(timeout=0.05)
-                if any(m.source == "test/probe" for m in batch):
-                    return
 
 
 def broker_threads() -> set[str]:

@@ -14,7 +14,7 @@ import msgspec
 import pytest
 import structlog.testing
 import zmq
-from bus_procs import SCRIPT, Lines
+from bus_procs import SCRIPT, Lines, connect
 
 from evtrain import events
 from evtrain.bus.address import BusAddress
@@ -28,7 +28,6 @@ from evtrain.events import (
     CommandAcked,
     EvaluateNow,
     HookError,
-    HookProbe,
     HookStarted,
     Message,
     RunEnded,
@@ -65,16 +64,9 @@ def stage_pub(bus: BusAddress, stage: int = 0) -> Publisher:
 
 
 async def subscribed(bus: BusAddress, topic: str) -> Subscriber:
-    """A subscriber to ``topic`` whose subscription is proven to have reached the broker.
-
-    ZeroMQ sends a subscription on its own time: events published before it
-    arrives are never delivered. It probes until one of its probes comes back.
-    """
-    sub = Subscriber(bus.endpoint("events_out"), [topic, HookProbe.topic.decode()])
-    with Publisher(bus.endpoint("events_in"), source="test/probe") as probe:
-        with anyio.fail_after(20):
-            while not any(m.source == "test/probe" for m in await sub.receive(timeout=0.05)):
-                probe.publish(HookProbe())
+    """A subscriber to ``topic`` whose subscription is proven to have reached the broker."""
+    sub = Subscriber(bus.endpoint("events_out"), [topic])
+    await connect(sub, bus)
     return sub
 
 
