@@ -83,7 +83,7 @@ map-style dataset of ``(input, target)`` pairs (of dicts, with `Job.input_keys`)
 
 
 SCHEDULES: tuple[str, ...] = tuple(s.value for s in Schedule)
-"""Pipeline schedule names (``"gpipe"``, ``"1f1b"``, ``"zb"``)."""
+"""Pipeline schedule names (``"gpipe"``, ``"1f1b"``, ``"zb"``, ``"interleaved"``, ``"zbv"``)."""
 
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
 """Values of `Job.precision`."""
@@ -482,10 +482,11 @@ class Job:
     """Number of pipeline stages P (at most the number of layers)."""
 
     virtual_stages: int = 1
-    """Model chunks V per stage for ``schedule="interleaved"`` (>= 2 there, 1 for every
-    other schedule): the model is split into P x V chunks and stage s holds chunks
-    s, s + P, s + 2P, ... (Megatron's interleaved placement). `balance` then has one
-    entry per chunk. Needs `layers` and no `tied` weights."""
+    """Model chunks V per stage: >= 2 for ``schedule="interleaved"`` (the model is
+    split into P x V chunks and stage s holds chunks s, s + P, s + 2P, ...:
+    Megatron's interleaved placement), exactly 2 for ``"zbv"`` (stage s holds chunks
+    P - 1 - s and P + s: the V), 1 for every other schedule. `balance` then has one
+    entry per chunk, in model order. Needs `layers` and no `tied` weights."""
 
     data_parallel: int = 1
     """Replicas D of the pipeline (data parallelism): P x D processes on a (pp, dp)
@@ -501,8 +502,10 @@ class Job:
 
     schedule: str = "1f1b"
     """Pipeline schedule: ``"1f1b"``, ``"gpipe"``, ``"zb"`` (zero bubble: the
-    backward split into input and weight halves) or ``"interleaved"`` (interleaved
-    1F1B over `virtual_stages` chunks per stage); see `evtrain.stages.schedules`."""
+    backward split into input and weight halves), ``"interleaved"`` (interleaved
+    1F1B over `virtual_stages` chunks per stage) or ``"zbv"`` (zero bubble over two
+    chunks per stage placed in a V, ``virtual_stages=2``); see
+    `evtrain.stages.schedules`."""
 
     device: str = "cpu"
     """``"cpu"`` or ``"cuda"`` (each stage then uses ``cuda:{local_rank}``, NCCL)."""

@@ -205,7 +205,7 @@ OVERRIDES: dict[str, Override] = {
             "virtual_stages",
             _parse_int,
             "an integer",
-            "model chunks V per stage for --schedule interleaved (P x V chunks)",
+            "model chunks V per stage for --schedule interleaved (P x V chunks; 2 for zbv)",
         ),
         Override(
             "steps",

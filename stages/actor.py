@@ -203,6 +203,7 @@ from evtrain.stages.partition import (
     tied_groups,
 )
 from evtrain.stages.precision import autocast, checkpoint_layer, compile_module
+from evtrain.stages.schedules import chunk_place, model_chunk
 from evtrain.stages.tied import TiedWeights
 from evtrain.stages.worker import ReportStatus, StageReport, WorkerConfig
 
@@ -625,10 +626,10 @@ class StageActor:
             self.module = build_stage_module(job, ranges[self.stage], self.device)
             self.chunks = [self.module]
         else:
-            # Interleaved: this stage's chunks are the model's chunks stage, stage + P...
-            chunked = build_stage_chunks(
-                job, [ranges[v * self.num_stages + self.stage] for v in range(V)], self.device
-            )
+            # Interleaved: this stage's chunks are the model's chunks stage, stage + P...;
+            # zbv: P - 1 - stage and P + stage.
+            ids = [model_chunk(job.schedule, self.stage, self.num_stages, v) for v in range(V)]
+            chunked = build_stage_chunks(job, [ranges[c] for c in ids], self.device)
             self.module, self.chunks = chunked, list(vars(chunked)["chunks"])
         self.module.train()
         if job.activation_checkpointing:
@@ -641,11 +642,7 @@ class StageActor:
         trainable = any(p.requires_grad for p in self.module.parameters())
         if self.groups.replicas is not None and trainable:
             self.replicas = Replicas(self.module, self.groups.replicas, self.device)
-        place = self.place
-        ring = V > 1  # chunks wrap from the last stage back to the first
         self._mailbox = Mailbox(
-            prev=place.rank_of((place.stage - 1) % place.num_stages) if ring else place.prev,
-            next=place.rank_of((place.stage + 1) % place.num_stages) if ring else place.next,
             device=self.device,
             act_group=self.groups.pipeline,
             grad_group=self.groups.pipeline_grads,
@@ -662,7 +659,10 @@ class StageActor:
         """Load data, agree on boundary shapes, build the optimizer and executor (blocking)."""
         job, module = self.job, self.module
         assert job is not None and module is not None
-        first, last = self.stage == 0, self.stage == self.num_stages - 1
+        P, chunks = self.num_stages, len(self.chunks)
+        ids = [model_chunk(job.schedule, self.stage, P, v) for v in range(chunks)]
+        # This stage reads the inputs (it holds the model's first chunk), the targets (its last).
+        first, last = 0 in ids, P * chunks - 1 in ids
         stream = job.train_stream()
         total = job.total_steps()
         eval_sizes: set[int] = set()
@@ -687,19 +687,26 @@ class StageActor:
                 BoundarySpec(tree, tuple(TensorSpec((n, *t.shape[1:]), t.dtype) for t in leaves))
                 for n in sizes
             ]
-        specs = []
-        P, chunks = self.num_stages, len(self.chunks)
+        specs: list[dict[int, tuple[BoundarySpec, BoundarySpec | None]]] = []
         for v, chunk in enumerate(self.chunks):
-            # Model chunk c = v * P + stage; in order around the ring, each chunk's
-            # input spec comes from chunk c - 1 (on the previous stage).
-            c = v * P + self.stage
+            # Each chunk's input spec comes from model chunk c - 1: the data's on
+            # chunk 0, this stage's own previous chunk at a hand-off (zbv's turn),
+            # else the stage holding it, which sent it first (the chunks' order
+            # runs from the data to the loss, so nothing waits in a circle).
+            c = ids[v]
+            src = None if c == 0 else chunk_place(job.schedule, P, c - 1)[0]
+            dst = None if c == P * chunks - 1 else chunk_place(job.schedule, P, c + 1)[0]
+            if src == self.stage:
+                handed = specs[ids.index(c - 1)].values()
+                input_specs = [out for _, out in handed if out is not None]
             units = stage_units(chunk)
             where = f"stage {self.stage} (units {units[0]}..{units[-1]})"
             in_specs, out_specs = exchange_shapes(
-                prev=self._mailbox.prev if c > 0 else None,
-                next=self._mailbox.next if c < P * chunks - 1 else None,
-                input_specs=input_specs if c == 0 else None,
+                prev=None if src in (None, self.stage) else self.place.rank_of(src),
+                next=None if dst in (None, self.stage) else self.place.rank_of(dst),
+                input_specs=input_specs,
                 output_spec_of=functools.partial(self._infer, chunk, where=where),
+                last=dst is None,
                 group=self._mailbox.act_group,
                 device=self.device if self.device.type == "cuda" else torch.device("cpu"),
             )

@@ -22,12 +22,16 @@ How instructions map to communication (see `evtrain.stages.p2p`):
   certainly posted the matching receive (so this cannot deadlock).
 * `BackwardInput` / `BackwardWeight` (zero bubble) are the two halves of
   `Backward` (`evtrain.stages.backward`).
-* With model chunks (interleaved schedules) every instruction names the
+* With model chunks (interleaved and zbv) every instruction names the
   stage's chunk it is for; each (chunk, microbatch) has its own slot of
   per-pass state, the model's first chunk reads the inputs and its last
-  computes the loss, and what a chunk sends goes to the neighbour's chunk
-  that takes it (the last stage's chunk v feeds the first stage's chunk v+1),
-  on that chunk's own process groups (`evtrain.stages.mesh`).
+  computes the loss, and what a chunk sends goes to the chunk that takes it
+  (`evtrain.stages.schedules.chunk_place`: interleaved's last stage feeds the
+  first stage's next chunk, zbv's chunks run down and back up), on the
+  receiving chunk's own process groups (`evtrain.stages.mesh`). When that
+  chunk is on the same stage (zbv's turn on stage 0) the send and the
+  receive are a hand-off in memory: the output's leaves, detached, become
+  the next chunk's input, and the gradient comes back the same way.
 * `ReduceGrads` makes the gradients final: with data parallelism DDP's
   reducer (`evtrain.stages.data_parallel`) has averaged them over the
   stage's replicas during the step's last backward, which is the one it arms
@@ -56,6 +60,7 @@ import contextlib
 import copy
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -87,7 +92,13 @@ from evtrain.stages.instructions import (
 from evtrain.stages.mesh import Place
 from evtrain.stages.p2p import Mailbox, PendingRecv
 from evtrain.stages.precision import LossScaler, autocast
-from evtrain.stages.schedules import Schedule, build_schedule, parse_schedule
+from evtrain.stages.schedules import (
+    Schedule,
+    build_schedule,
+    chunk_place,
+    model_chunk,
+    parse_schedule,
+)
 from evtrain.stages.tied import TiedWeights
 
 _Program = list[tuple[Callable[[int, int], None], int, int]]
@@ -208,27 +219,38 @@ class StageExecutor:
         self.job = job
         self.stage = stage
         self.num_stages = num_stages
-        self.first = stage == 0
-        self.last = stage == num_stages - 1
         self.device = device
         self.module = module
         self.chunks = list(chunks) if chunks is not None else [module]
         self.V = len(self.chunks)
-        model_chunks = num_stages * self.V
-        # Model chunk v * P + stage: which of ours read the inputs, compute the loss.
-        self._first = [v * num_stages + stage == 0 for v in range(self.V)]
-        self._last = [v * num_stages + stage == model_chunks - 1 for v in range(self.V)]
-        # Where what a chunk sends lands: the receiving chunk's index on the
-        # neighbour (the ring wraps from the last stage to the first).
-        self._next_chunk = [v + (stage == num_stages - 1) for v in range(self.V)]
-        self._prev_chunk = [v - (stage == 0) for v in range(self.V)]
+        self.place = place or Place(stage, 0, num_stages, 1)
+        kind = parse_schedule(job.schedule)
+        ids = [model_chunk(kind, stage, num_stages, v) for v in range(self.V)]
+        count = num_stages * self.V
+        # Which of ours read the inputs, compute the loss.
+        self._first = [c == 0 for c in ids]
+        self._last = [c == count - 1 for c in ids]
+        self.last = any(self._last)
+        """This stage computes the loss (the last one, under every schedule)."""
+        # Where each chunk's input comes from and its output goes: (global rank,
+        # receiving chunk) of the neighbouring model chunks, None at the model's
+        # ends; this process's own rank means a hand-off in memory.
+        self._prev: list[tuple[int, int] | None] = [
+            None if c == 0 else self._at(chunk_place(kind, num_stages, c - 1)) for c in ids
+        ]
+        self._next: list[tuple[int, int] | None] = [
+            None if c == count - 1 else self._at(chunk_place(kind, num_stages, c + 1)) for c in ids
+        ]
+        # Hand-offs in memory, by receiving chunk: activations and gradients in
+        # microbatch order.
+        self._handed_acts: list[deque[list[torch.Tensor]]] = [deque() for _ in ids]
+        self._handed_grads: list[deque[list[torch.Tensor]]] = [deque() for _ in ids]
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.mailbox = mailbox
         self.control = control
         self.tied = tied if tied else None
         self.replicas = replicas
-        self.place = place or Place(stage, 0, num_stages, 1)
         self.scaler = LossScaler() if job.precision == "fp16" else None
         """Dynamic loss scale (fp16); the skip decision is the global norm's, so every
         stage skips the same steps."""
@@ -246,7 +268,6 @@ class StageExecutor:
         self.stop_requested = False
         """Set (from another thread) when this process got SIGTERM/SIGINT."""
 
-        kind = parse_schedule(job.schedule)
         self.lookahead = 0 if kind is Schedule.GPIPE else lookahead
         self._split = SplitBackward(module) if kind.splits_backward else None
         program = build_schedule(
@@ -302,6 +323,13 @@ class StageExecutor:
         """Per eval set: the job's metric objects, this stage's own copies (last stage)."""
         self._eval_objects: dict[str, Any] = {}
         self._training = True
+
+    def _at(self, where: tuple[int, int]) -> tuple[int, int]:
+        stage, chunk = where
+        return self.place.rank_of(stage), chunk
+
+    def _local(self, peer: tuple[int, int] | None) -> bool:
+        return peer is not None and peer[0] == self.place.rank
 
     # ------------------------------------------------------------ compilation
 
@@ -481,10 +509,15 @@ class StageExecutor:
         # is posted, so a just-in-time receive costs a round trip per message.
         window = min(self.recv_window, n)
         for v in range(self.V):
-            if not self._first[v]:
+            self._handed_acts[v].clear()
+            self._handed_grads[v].clear()
+            peer = self._prev[v]
+            if peer is not None and not self._local(peer):
                 for m in range(window):
                     k = v * n + m
-                    self._recv_act[k] = self.mailbox.post_recv_activation(self._act_specs[k], v)
+                    self._recv_act[k] = self.mailbox.post_recv_activation(
+                        self._act_specs[k], peer[0], v
+                    )
         # Gradient receives are posted right after the first activation send
         # (`_post_grad_receives`): not needed before then, and posting them
         # here would delay the first stage's first forward, which the whole
@@ -495,10 +528,13 @@ class StageExecutor:
         self._grads_posted = True
         n = self._n
         for v in range(self.V):
+            peer = self._next[v]
+            if peer is None or self._local(peer):
+                continue
             for m in range(min(self.recv_window, n)):
                 spec = self._out_specs[v * n + m]
                 if spec is not None and spec.carries_grad:
-                    self._recv_grad[v * n + m] = self.mailbox.post_recv_grad(spec, v)
+                    self._recv_grad[v * n + m] = self.mailbox.post_recv_grad(spec, peer[0], v)
 
     def _end_pass(self) -> None:
         self._inputs = self._targets = self._losses = []
@@ -527,17 +563,22 @@ class StageExecutor:
     def _recv_activation(self, m: int, v: int) -> None:
         n = self._n
         k = v * n + m
-        pending = self._recv_act[k]
-        assert pending is not None, f"activation {m} of chunk {v} was never posted"
-        self._recv_act[k] = None
-        leaves, start, end = self.mailbox.wait(pending)
-        if self._spans is not None:
-            self._spans.append(Span("wait", self._mb_offset + m, start, end, "recv_act", v))
-        nxt = m + self.recv_window
-        if nxt < n:
-            self._recv_act[k + self.recv_window] = self.mailbox.post_recv_activation(
-                self._act_specs[k + self.recv_window], v
-            )
+        peer = self._prev[v]
+        assert peer is not None
+        if self._local(peer):
+            leaves = self._handed_acts[v].popleft()
+        else:
+            pending = self._recv_act[k]
+            assert pending is not None, f"activation {m} of chunk {v} was never posted"
+            self._recv_act[k] = None
+            leaves, start, end = self.mailbox.wait(pending)
+            if self._spans is not None:
+                self._spans.append(Span("wait", self._mb_offset + m, start, end, "recv_act", v))
+            nxt = m + self.recv_window
+            if nxt < n:
+                self._recv_act[k + self.recv_window] = self.mailbox.post_recv_activation(
+                    self._act_specs[k + self.recv_window], peer[0], v
+                )
         spec = self._act_specs[k]
         if self._training:
             grad_leaves = [
@@ -604,8 +645,14 @@ class StageExecutor:
         k = v * self._n + m
         leaves = self._outputs[k]
         spec = self._out_specs[k]
-        assert leaves is not None and spec is not None
-        self.mailbox.send_activation(leaves, self._next_chunk[v])
+        peer = self._next[v]
+        assert leaves is not None and spec is not None and peer is not None
+        if self._local(peer):
+            # What a receive would give: new leaves, without this chunk's history
+            # (the shared version counter still catches an in-place change).
+            self._handed_acts[peer[1]].append([t.detach() for t in leaves])
+        else:
+            self.mailbox.send_activation(leaves, *peer)
         if not self._training:
             self._outputs[k] = None
             return
@@ -619,6 +666,12 @@ class StageExecutor:
             self._post_grad_receives()
         n = self._n
         k = v * n + m
+        peer = self._next[v]
+        assert peer is not None
+        if self._local(peer):
+            spec = self._out_specs[k]
+            self._grads[k] = self._handed_grads[v].popleft() if spec and spec.carries_grad else None
+            return
         pending = self._recv_grad[k]
         self._recv_grad[k] = None
         if pending is None:  # integer outputs carry no gradient
@@ -629,7 +682,7 @@ class StageExecutor:
         nxt = m + self.recv_window
         spec = self._out_specs[k + self.recv_window] if nxt < n else None
         if spec is not None and spec.carries_grad:
-            self._recv_grad[k + self.recv_window] = self.mailbox.post_recv_grad(spec, v)
+            self._recv_grad[k + self.recv_window] = self.mailbox.post_recv_grad(spec, peer[0], v)
         self._grads[k] = grads
 
     def _backward_roots(
@@ -694,12 +747,14 @@ class StageExecutor:
         k = v * self._n + m
         leaves = self._in_leaves[k]
         self._in_leaves[k] = None
-        if not leaves:
+        peer = self._prev[v]
+        if not leaves or peer is None:
             return
-        self.mailbox.send_grad(
-            [x.grad if x.grad is not None else torch.zeros_like(x) for x in leaves],
-            self._prev_chunk[v],
-        )
+        grads = [x.grad if x.grad is not None else torch.zeros_like(x) for x in leaves]
+        if self._local(peer):
+            self._handed_grads[peer[1]].append(grads)
+        else:
+            self.mailbox.send_grad(grads, *peer)
 
     # -------------------------------------------------------------- evaluation
 

@@ -109,18 +109,21 @@ def exchange_shapes(
     next: int | None,
     input_specs: Sequence[BoundarySpec] | None,
     output_spec_of: Callable[[BoundarySpec], BoundarySpec],
+    last: bool,
     group: dist.ProcessGroup | None,
     device: torch.device,
 ) -> tuple[list[BoundarySpec], list[BoundarySpec | None]]:
-    """Agree on every boundary shape of the run, once, before training.
+    """Agree on every boundary shape of one model chunk, once, before training.
 
-    ``prev``/``next`` are the global ranks of the neighbour stages (None at the
-    ends). ``input_specs`` (stage 0 only) are the input specs for each distinct
-    microbatch size, in an order every stage knows; the other stages receive
-    theirs in one message from the previous stage. ``output_spec_of``
-    maps an input spec to this stage's output spec; the last stage sends
-    nothing and does not call it. Returns ``(input specs, output specs)``,
-    index-aligned; the output specs are None on the last stage.
+    ``prev``/``next`` are the global ranks the chunk receives from and sends
+    to, None where there is no other process: at the model's ends, and at a
+    hand-off between two chunks of this process. Without ``prev``,
+    ``input_specs`` are the chunk's input specs for each distinct microbatch
+    size, in an order every stage knows (the data's on the model's first
+    chunk, the previous chunk's outputs at a hand-off); otherwise they come
+    in one message from ``prev``. ``output_spec_of`` maps an input spec to
+    the chunk's output spec; the model's ``last`` chunk has none and does not
+    call it. Returns ``(input specs, output specs)``, index-aligned.
     """
     if prev is None:
         assert input_specs is not None
@@ -131,12 +134,13 @@ def exchange_shapes(
         data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
         dist.recv(data, src=prev, group=group)
         inputs = decode_specs(data)
-    if next is None:
+    if last:
         return inputs, [None] * len(inputs)
     outputs = [output_spec_of(spec) for spec in inputs]
-    data = encode_specs(outputs).to(device)
-    dist.send(torch.tensor([data.numel()], dtype=torch.int64, device=device), next, group)
-    dist.send(data, next, group)
+    if next is not None:
+        data = encode_specs(outputs).to(device)
+        dist.send(torch.tensor([data.numel()], dtype=torch.int64, device=device), next, group)
+        dist.send(data, next, group)
     return inputs, list(outputs)
 
 
@@ -152,15 +156,12 @@ class PendingRecv:
 class Mailbox:
     """One stage's posted receives and unfinished sends, with wait-time accounting.
 
-    ``prev``/``next`` are the global ranks of the neighbour stages of this
-    replica (None at the ends; with model chunks, the ring's neighbours).
-    Activations use ``act_group``, gradients ``grad_group``; with model chunks
-    what goes into chunk v (``chunk``, the receiver's) uses ``chunk_groups[v]``
+    Every operation names its peer's global rank. Activations use
+    ``act_group``, gradients ``grad_group``; with model chunks what goes into
+    chunk v (``chunk``, the receiver's) uses ``chunk_groups[v]``
     (`evtrain.stages.mesh`), whose pair 0 is (``act_group``, ``grad_group``).
     """
 
-    prev: int | None
-    next: int | None
     device: torch.device
     act_group: dist.ProcessGroup | None
     grad_group: dist.ProcessGroup | None
@@ -175,16 +176,15 @@ class Mailbox:
     def _grad(self, chunk: int) -> dist.ProcessGroup | None:
         return self.chunk_groups[chunk][1] if chunk else self.grad_group
 
-    def post_recv_activation(self, spec: BoundarySpec, chunk: int = 0) -> PendingRecv:
-        """Post the receives of one activation's leaves from the previous stage."""
-        assert self.prev is not None
-        return self._post(spec.leaves, self.prev, self._act(chunk))
+    def post_recv_activation(self, spec: BoundarySpec, src: int, chunk: int = 0) -> PendingRecv:
+        """Post the receives of one activation's leaves from rank ``src`` into ``chunk``."""
+        return self._post(spec.leaves, src, self._act(chunk))
 
-    def post_recv_grad(self, spec: BoundarySpec, chunk: int = 0) -> PendingRecv:
-        """Post the receives of the gradients of one output's grad-carrying leaves."""
-        assert self.next is not None
+    def post_recv_grad(self, spec: BoundarySpec, src: int, chunk: int = 0) -> PendingRecv:
+        """Post the receives of the gradients of one output's grad-carrying leaves
+        (of this stage's ``chunk``) from rank ``src``."""
         return self._post(
-            [leaf for leaf in spec.leaves if leaf.carries_grad], self.next, self._grad(chunk)
+            [leaf for leaf in spec.leaves if leaf.carries_grad], src, self._grad(chunk)
         )
 
     def _post(
@@ -204,16 +204,15 @@ class Mailbox:
         self.wait_s += end - start
         return pending.buffers, start, end
 
-    def send_activation(self, leaves: Sequence[torch.Tensor], chunk: int = 0) -> None:
-        """Post the sends of an output's leaves to the next stage's chunk ``chunk``
+    def send_activation(self, leaves: Sequence[torch.Tensor], dst: int, chunk: int = 0) -> None:
+        """Post the sends of an output's leaves to rank ``dst``'s chunk ``chunk``
         (waited on in `drain_sends`)."""
-        assert self.next is not None
-        self._send(leaves, self.next, self._act(chunk))
+        self._send(leaves, dst, self._act(chunk))
 
-    def send_grad(self, grads: Sequence[torch.Tensor], chunk: int = 0) -> None:
-        """Post the sends of an input's leaf gradients to the previous stage's chunk ``chunk``."""
-        assert self.prev is not None
-        self._send(grads, self.prev, self._grad(chunk))
+    def send_grad(self, grads: Sequence[torch.Tensor], dst: int, chunk: int = 0) -> None:
+        """Post the sends of an input's leaf gradients to rank ``dst``'s chunk ``chunk``
+        (the chunk whose output they are the gradient of)."""
+        self._send(grads, dst, self._grad(chunk))
 
     def _send(
         self, tensors: Sequence[torch.Tensor], dst: int, group: dist.ProcessGroup | None

@@ -54,6 +54,21 @@ The schedules differ in how the blocks interleave:
   stage's). The chunks' messages travel around a ring: the last stage's
   chunk v feeds the first stage's chunk v+1.
 
+* V-shaped zero bubble ("zbv", ZB-V of the same paper; torch's
+  ScheduleZBVZeroBubble builds the same order): the model is split into 2P
+  chunks placed in a V, two per stage, and the backward is split as in zb.
+  Stage s holds chunk ``P-1-s`` (local chunk 0) and chunk ``P+s`` (local
+  chunk 1): a microbatch enters on stage P-1, runs down the stages through
+  their chunk 0, turns on stage 0 (whose chunk 0 hands its output to its own
+  chunk 1 without leaving the process) and runs back up through chunk 1 to
+  the loss on stage P-1, which therefore reads both the inputs and the
+  targets. Every stage then has work at both ends of a step: with a
+  backward twice a forward and I = W, the idle time per stage is ``P-1``
+  chunk forwards, ``(P-1)F/2``, a sixth of 1F1B's ``(P-1)(F+B)``, once M >=
+  2P - 1. Every stage holds up to 2P chunk activations, each half a
+  stage's: 1F1B's peak, P. The order is fixed (``lookahead`` does not
+  apply) and ``virtual_stages`` must be 2.
+
 GPipe and 1F1B have the bubble fraction (P-1)/(M+P-1) when forward and
 backward costs are equal per stage. M < P is fine: 1F1B then degenerates to
 warm-up and cool-down only on the early stages.
@@ -91,8 +106,10 @@ __all__ = [
     "bubble_fraction",
     "build_schedule",
     "check_virtual_stages",
+    "chunk_place",
     "forward_block",
     "max_in_flight",
+    "model_chunk",
     "parse_schedule",
 ]
 
@@ -104,11 +121,17 @@ class Schedule(StrEnum):
     ONE_F_ONE_B = "1f1b"
     ZERO_BUBBLE = "zb"
     INTERLEAVED = "interleaved"
+    ZBV = "zbv"
 
     @property
     def splits_backward(self) -> bool:
         """Whether the backward runs as `BackwardInput` + `BackwardWeight`."""
-        return self is Schedule.ZERO_BUBBLE
+        return self in (Schedule.ZERO_BUBBLE, Schedule.ZBV)
+
+    @property
+    def chunked(self) -> bool:
+        """Whether every stage holds several model chunks (`virtual_stages` >= 2)."""
+        return self in (Schedule.INTERLEAVED, Schedule.ZBV)
 
 
 def parse_schedule(schedule: str | Schedule) -> Schedule:
@@ -133,18 +156,47 @@ def _check_shape(stage: int, num_stages: int, num_microbatches: int) -> None:
         raise UsageError(f"stage must be in 0..{num_stages - 1}, got {stage!r}")
 
 
-def _ends(stage: int, num_stages: int, chunk: int, virtual_stages: int) -> tuple[bool, bool]:
-    """Whether model chunk ``chunk * P + stage`` is the model's first and its last."""
-    model_chunk = chunk * num_stages + stage
-    return model_chunk == 0, model_chunk == num_stages * virtual_stages - 1
+def model_chunk(schedule: str | Schedule, stage: int, num_stages: int, chunk: int) -> int:
+    """The model chunk that ``stage`` holds as its local chunk ``chunk``.
+
+    ``chunk * P + stage`` (one chunk per stage: the stage itself; interleaved:
+    the ring), and for zbv the V: ``P - 1 - stage`` for chunk 0, ``P + stage``
+    for chunk 1.
+    """
+    if parse_schedule(schedule) is Schedule.ZBV:
+        return num_stages - 1 - stage if chunk == 0 else num_stages + stage
+    return chunk * num_stages + stage
+
+
+def chunk_place(schedule: str | Schedule, num_stages: int, chunk: int) -> tuple[int, int]:
+    """``(stage, local chunk)`` holding model chunk ``chunk``: the inverse of `model_chunk`."""
+    P = num_stages
+    if parse_schedule(schedule) is Schedule.ZBV:
+        return (P - 1 - chunk, 0) if chunk < P else (chunk - P, 1)
+    return chunk % P, chunk // P
+
+
+def _ends(
+    kind: Schedule, stage: int, num_stages: int, chunk: int, virtual_stages: int
+) -> tuple[bool, bool]:
+    """Whether the stage's local chunk ``chunk`` is the model's first and its last."""
+    c = model_chunk(kind, stage, num_stages, chunk)
+    return c == 0, c == num_stages * virtual_stages - 1
 
 
 def forward_block(
-    stage: int, num_stages: int, microbatch: int, chunk: int = 0, virtual_stages: int = 1
+    stage: int,
+    num_stages: int,
+    microbatch: int,
+    chunk: int = 0,
+    virtual_stages: int = 1,
+    *,
+    schedule: str | Schedule = Schedule.ONE_F_ONE_B,
 ) -> list[Instruction]:
     """The instructions around microbatch `microbatch`'s forward on `stage`
-    (on its model chunk `chunk` of `virtual_stages`)."""
-    first, last = _ends(stage, num_stages, chunk, virtual_stages)
+    (on its local chunk `chunk` of `virtual_stages`, placed as `schedule` places
+    chunks: `model_chunk`)."""
+    first, last = _ends(parse_schedule(schedule), stage, num_stages, chunk, virtual_stages)
     m, v = microbatch, chunk
     block: list[Instruction] = []
     if first or last:
@@ -165,11 +217,12 @@ def backward_block(
     virtual_stages: int = 1,
     *,
     split: bool = False,
+    schedule: str | Schedule = Schedule.ONE_F_ONE_B,
 ) -> list[Instruction]:
     """The instructions around microbatch `microbatch`'s backward on `stage`
-    (on its model chunk `chunk`); with ``split`` only its input half
+    (on its local chunk `chunk`); with ``split`` only its input half
     (`BackwardInput`), the `BackwardWeight` being placed by the schedule."""
-    first, last = _ends(stage, num_stages, chunk, virtual_stages)
+    first, last = _ends(parse_schedule(schedule), stage, num_stages, chunk, virtual_stages)
     m, v = microbatch, chunk
     block: list[Instruction] = []
     if not last:
@@ -193,16 +246,16 @@ def build_schedule(
 ) -> list[Instruction]:
     """The instruction list stage `stage` of `num_stages` runs for one step.
 
-    ``virtual_stages`` (V, interleaved only, where it must be >= 2) is the
-    number of model chunks each stage holds: stage s holds chunks
-    ``v * P + s`` (see the module docstring).
+    ``virtual_stages`` (V: >= 2 for interleaved, 2 for zbv, 1 otherwise) is
+    the number of model chunks each stage holds, placed as `model_chunk`
+    says (see the module docstring).
 
     `forward_only=True` gives the evaluation program: the forward blocks in
     order 0..M-1 (the same for both schedules), with no backward and no
     `OptimizerStep`. Raises `UsageError` for an unknown schedule name, a count
     below 1 or a stage outside 0..P-1.
 
-    `lookahead` (1F1B and zero bubble) adds that many warm-up forwards on every stage
+    `lookahead` (1F1B and zb) adds that many warm-up forwards on every stage
     but the last: ``w = min(P - stage - 1 + lookahead, M)``. With unit costs
     the makespan is unchanged, but each activation is sent one (or more)
     microbatch earlier, so the next stage's receive no longer waits for a
@@ -221,10 +274,10 @@ def build_schedule(
     P, M, V = num_stages, num_microbatches, virtual_stages
 
     def fwd(m: int, v: int = 0) -> list[Instruction]:
-        return forward_block(stage, P, m, v, V)
+        return forward_block(stage, P, m, v, V, schedule=kind)
 
     def bwd(m: int, v: int = 0) -> list[Instruction]:
-        return backward_block(stage, P, m, v, V, split=kind.splits_backward)
+        return backward_block(stage, P, m, v, V, split=kind.splits_backward, schedule=kind)
 
     program: list[Instruction] = []
     if forward_only:
@@ -237,6 +290,8 @@ def build_schedule(
 
     if kind is Schedule.INTERLEAVED:
         program += _interleaved(stage, P, M, V, lookahead, fwd, bwd)
+    elif kind is Schedule.ZBV:
+        program += _zbv(stage, P, M, fwd, bwd)
     elif kind is Schedule.GPIPE:
         for m in range(M):
             program += fwd(m)
@@ -281,14 +336,23 @@ def check_virtual_stages(
 
     Interleaved needs V >= 2 chunks per stage and P >= 2 stages, and M a
     multiple of its rounds, ``max(1, M // P)`` (as torch's
-    ScheduleInterleaved1F1B); the other schedules hold one chunk per stage.
+    ScheduleInterleaved1F1B); zbv exactly V = 2 and P >= 2 (any M); the other
+    schedules hold one chunk per stage.
     """
     kind = parse_schedule(schedule)
     _check_positive("virtual_stages", virtual_stages)
+    if kind is Schedule.ZBV:
+        if virtual_stages != 2 or num_stages < 2:
+            raise UsageError(
+                "the zbv schedule places two model chunks on each of at least 2 stages: it "
+                f"needs virtual_stages=2 and stages >= 2, got virtual_stages={virtual_stages} "
+                f"and stages={num_stages}"
+            )
+        return
     if kind is not Schedule.INTERLEAVED:
         if virtual_stages != 1:
             raise UsageError(
-                f"virtual_stages={virtual_stages} needs schedule 'interleaved' "
+                f"virtual_stages={virtual_stages} needs schedule 'interleaved' or 'zbv' "
                 f"({kind.value} holds one model chunk per stage)"
             )
         return
@@ -334,6 +398,75 @@ def _interleaved(
     return program
 
 
+def _zbv(
+    stage: int,
+    P: int,
+    M: int,
+    fwd: Callable[[int, int], list[Instruction]],
+    bwd: Callable[[int, int], list[Instruction]],
+) -> list[Instruction]:
+    """ZB-V's order for ``stage``: torch's ScheduleZBVZeroBubble, whose rank r is
+    stage ``P - 1 - r`` here (torch puts the V's two ends on rank 0, evtrain on
+    the last stage, where the loss always is)."""
+    rank = P - 1 - stage
+    # Planned as if there were at least 2P - 1 microbatches (what fills the
+    # V); the ones beyond M are then left out, as torch does.
+    n = max(2 * P - 1, M)
+    order: list[tuple[str, int, int]] = []  # (F, I or W; local chunk; microbatch)
+    forwards, inputs, weights = [0, 0], [0, 0], [0, 0]
+
+    def forward(v: int) -> None:
+        order.append(("F", v, forwards[v]))
+        forwards[v] += 1
+
+    def input_half(v: int) -> None:
+        order.append(("I", v, inputs[v]))
+        inputs[v] += 1
+
+    def weight_half(v: int) -> None:
+        order.append(("W", v, weights[v]))
+        weights[v] += 1
+
+    for _ in range(2 * (P - rank) - 1):
+        forward(0)
+    for _ in range(rank):
+        forward(1)
+        forward(0)
+    for _ in range(P - rank):
+        forward(1)
+        input_half(1)
+        weight_half(1)
+    while forwards[1] < forwards[0] or forwards[0] < n:
+        if forwards[0] < n:
+            forward(0)
+        input_half(0)
+        weight_half(0)
+        forward(1)
+        input_half(1)
+        weight_half(1)
+    for _ in range(rank):
+        input_half(0)
+        input_half(1)
+    for _ in range(P - rank):
+        input_half(0)
+        weight_half(0)
+    for v in (1, 0):
+        while weights[v] < inputs[v]:
+            weight_half(v)
+
+    program: list[Instruction] = []
+    for kind, v, m in order:
+        if m >= M:
+            continue
+        if kind == "F":
+            program += fwd(m, v)
+        elif kind == "I":
+            program += bwd(m, v)
+        else:
+            program.append(BackwardWeight(m, v))
+    return program
+
+
 def _rounds(P: int, M: int) -> int:
     """Interleaved 1F1B's rounds of microbatches: ``max(1, M // P)``."""
     return max(1, M // P)
@@ -358,10 +491,17 @@ def max_in_flight(
     ``min(P - stage, M)`` for 1F1B, ``min(P, M)`` for zero bubble (both plus
     `lookahead` on every stage but the last), ``M`` for GPipe, one more than
     its warm-up forwards for interleaved: ``min((V-1)·M/r + 2(P-1-stage) + 1,
-    V·M)`` with ``r = max(1, M // P)`` rounds, plus `lookahead`."""
+    V·M)`` with ``r = max(1, M // P)`` rounds, plus `lookahead`; for zbv,
+    counted on its program (chunk activations: ``min(2P, 2M)`` once M >= 2P - 1)."""
     kind = parse_schedule(schedule)
     _check_shape(stage, num_stages, num_microbatches)
     check_virtual_stages(kind, num_stages, num_microbatches, virtual_stages)
+    if kind is Schedule.ZBV:
+        held = peak = 0
+        for ins in build_schedule(kind, stage, num_stages, num_microbatches, virtual_stages=2):
+            held += isinstance(ins, Forward) - isinstance(ins, BackwardWeight)
+            peak = max(peak, held)
+        return peak
     if kind is Schedule.INTERLEAVED:
         warmup = _interleaved_warmup(stage, num_stages, num_microbatches, virtual_stages, lookahead)
         return min(warmup + 1, num_microbatches * virtual_stages)
@@ -383,11 +523,20 @@ def bubble_fraction(
     backward and a backward twice a forward, ``(P - 1) / (3M + P - 1)``: a
     third of 1F1B's idle time per stage, over a step that much shorter; for
     interleaved with V chunks per stage and M a multiple of P,
-    ``(P - 1) / (V·M + P - 1)``: 1F1B's idle time divided by V."""
+    ``(P - 1) / (V·M + P - 1)``: 1F1B's idle time divided by V; for zbv at
+    M >= 2P - 1 (same costs), ``(P - 1) / (6M + P - 1)``; below that the
+    order has no closed form and the figure is simulated
+    (`evtrain.stages.simulator`)."""
     kind = parse_schedule(schedule)
     _check_positive("num_stages", num_stages)
     _check_positive("num_microbatches", num_microbatches)
     P, M = num_stages, num_microbatches
+    if kind is Schedule.ZBV:
+        if M >= 2 * P - 1:
+            return (P - 1) / (6 * M + P - 1)
+        from evtrain.stages.simulator import simulate  # it builds on this module
+
+        return simulate(kind, P, M, 0.5, 1.0, virtual_stages=2).bubble_fraction
     if kind is Schedule.ZERO_BUBBLE:
         return (P - 1) / (3 * M + P - 1)
     if kind is Schedule.INTERLEAVED:

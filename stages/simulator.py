@@ -7,13 +7,16 @@ The model is the one the stage executor implements:
   hidden behind the last backward); loads, communication and `OptimizerStep`
   take none. A split backward's `BackwardWeight` takes ``weight_cost`` (half
   the backward unless given) and its `BackwardInput` the rest — except on the
-  first stage, whose input needs no gradient: there I is empty and W is the
-  whole backward, as the executor runs it. A stage's data-parallel replicas
+  model's first chunk, whose input needs no gradient: there I is empty and W
+  is the whole backward, as the executor runs it. A stage's data-parallel replicas
   run the same program in step, so one pipeline stands for all of them.
-* Between neighbours there are four FIFO channels (activations s -> s+1,
-  gradients s+1 -> s), matched in order as torch.distributed point-to-point
-  messages are. A send is buffered: it never blocks (the executor posts it and
-  waits on it later). A receive blocks until the matching send was issued;
+* Between neighbouring model chunks there are two FIFO channels
+  (activations c -> c+1, gradients c+1 -> c), matched in order as
+  torch.distributed point-to-point messages are; chunk c sits on the stage
+  `evtrain.stages.schedules.chunk_place` says (a hand-off between two chunks
+  of one stage, zbv's turn, is a channel like the others). A send is
+  buffered: it never blocks (the executor posts it and waits on it later).
+  A receive blocks until the matching send was issued;
   it then completes at the later of the two times. With
   ``rendezvous_sends=True`` a send also blocks until the peer's receive
   takes it (what waiting on each send at once amounts to).
@@ -58,7 +61,13 @@ from evtrain.stages.instructions import (
     SendActivation,
     SendGrad,
 )
-from evtrain.stages.schedules import build_schedule
+from evtrain.stages.schedules import (
+    Schedule,
+    build_schedule,
+    chunk_place,
+    model_chunk,
+    parse_schedule,
+)
 
 __all__ = [
     "DeadlockError",
@@ -177,9 +186,10 @@ def simulate(
     reduce_cost: float = 0.0,
     weight_cost: float | None = None,
     lookahead: int = 0,
+    virtual_stages: int = 1,
 ) -> SimulationResult:
-    """Build every stage's program for `schedule` ("gpipe", "1f1b" or "zb") and
-    simulate one step; see `simulate_programs`."""
+    """Build every stage's program for `schedule` (with `virtual_stages` chunks per
+    stage) and simulate one step; see `simulate_programs`."""
     programs = [
         build_schedule(
             schedule,
@@ -188,6 +198,7 @@ def simulate(
             num_microbatches,
             reduce_grads=reduce_grads,
             lookahead=lookahead,
+            virtual_stages=virtual_stages,
         )
         for s in range(num_stages)
     ]
@@ -199,6 +210,7 @@ def simulate(
         rendezvous_sends=rendezvous_sends,
         reduce_cost=reduce_cost,
         weight_cost=weight_cost,
+        schedule=schedule,
     )
 
 
@@ -211,9 +223,11 @@ def simulate_programs(
     rendezvous_sends: bool = False,
     reduce_cost: float = 0.0,
     weight_cost: float | None = None,
+    schedule: str | Schedule = Schedule.ONE_F_ONE_B,
 ) -> SimulationResult:
     """Simulate one step of arbitrary per-stage programs (`programs[s]` for
-    stage s) over `num_microbatches` microbatches.
+    stage s) over `num_microbatches` microbatches, their chunks placed as
+    `schedule` places them (`evtrain.stages.schedules.model_chunk`).
 
     A program without any backward is a forward-only (evaluation) program;
     otherwise every microbatch must be backwarded once — by `Backward`, or by
@@ -241,7 +255,8 @@ def simulate_programs(
         raise UsageError(f"num_microbatches must be >= 1, got {num_microbatches!r}")
 
     P, M = len(programs), num_microbatches
-    # Virtual stages: rank s holds chunks v = 0..V-1, the model's chunks v * P + s.
+    kind = parse_schedule(schedule)
+    # Virtual stages: stage s holds local chunks v = 0..V-1 (model_chunk places them).
     V = 1 + max((getattr(i, "chunk", 0) for p in programs for i in p), default=0)
     C = P * V
     stages = [_Stage(p) for p in programs]
@@ -299,7 +314,7 @@ def simulate_programs(
             raise fail(s, ins, f"microbatch outside 0..{M - 1}")
         if v < 0:
             raise fail(s, ins, "negative chunk")
-        c = v * P + s  # the model chunk
+        c = model_chunk(kind, s, P, v)
         first, last = c == 0, c == C - 1
         k = (v, m)
         match ins:
@@ -386,8 +401,8 @@ def simulate_programs(
     if stuck:
         raise DeadlockError(stuck, {s: stages[s].pc for s in stuck})
 
-    _check_complete(stages, channels, M, V)
-    _check_cross_stage_order(stages, V)
+    _check_complete(stages, channels, M, V, kind)
+    _check_cross_stage_order(stages, V, kind)
     makespan = max(st.clock for st in stages)
     busy = tuple(st.busy for st in stages)
     return SimulationResult(
@@ -406,6 +421,7 @@ def _check_complete(
     channels: dict[tuple[str, int, int], deque[_Message]],
     M: int,
     V: int,
+    kind: Schedule,
 ) -> None:
     """Every microbatch forwarded once per stage (and chunk), backwarded once
     (training) or never (forward-only), one optimizer step per training
@@ -428,25 +444,21 @@ def _check_complete(
         if training and st.optimizer_steps != 1:
             raise ScheduleError(f"stage {s} has no OptimizerStep")
     P = len(stages)
-    for (kind, src, dst), queue in channels.items():
+    for (what, src, dst), queue in channels.items():
         if queue:
             mbs = [msg.microbatch for msg in queue]
-            if V == 1:
-                where, whence = f"stage {dst}", f"stage {src}"
-            else:
-                where = f"stage {dst % P} (chunk {dst})"
-                whence = f"stage {src % P} (chunk {src})"
-            raise ScheduleError(f"{where} never receives the {kind}s {mbs} sent by {whence}")
+            where, whence = _where(dst, P, V, kind), _where(src, P, V, kind)
+            raise ScheduleError(f"{where} never receives the {what}s {mbs} sent by {whence}")
 
 
-def _check_cross_stage_order(stages: list[_Stage], V: int) -> None:
+def _check_cross_stage_order(stages: list[_Stage], V: int, schedule: Schedule) -> None:
     """Forward of m ends on model chunk c before it starts on c+1; backward of m
-    ends on c+1 before it starts on c (chunk c is stage c mod P's chunk c // P;
-    with one chunk per stage, the stages). Implied by the receives when the
-    program has them; checked on the timelines so a schedule cannot skip them."""
+    ends on c+1 before it starts on c (with one chunk per stage, the stages).
+    Implied by the receives when the program has them; checked on the
+    timelines so a schedule cannot skip them."""
     P = len(stages)
     spans = {
-        (sp.kind, sp.chunk * P + s, sp.microbatch): sp
+        (sp.kind, model_chunk(schedule, s, P, sp.chunk), sp.microbatch): sp
         for s, st in enumerate(stages)
         for sp in st.spans
     }
@@ -456,11 +468,13 @@ def _check_cross_stage_order(stages: list[_Stage], V: int) -> None:
             continue
         if kind == "forward" and here.end > there.start:
             raise ScheduleError(
-                f"forward of microbatch {m} starts on {_where(c + 1, P, V)} too early"
+                f"forward of microbatch {m} starts on {_where(c + 1, P, V, schedule)} too early"
             )
         if kind == "backward" and there.end > here.start:
-            raise ScheduleError(f"backward of microbatch {m} starts on {_where(c, P, V)} too early")
+            raise ScheduleError(
+                f"backward of microbatch {m} starts on {_where(c, P, V, schedule)} too early"
+            )
 
 
-def _where(chunk: int, P: int, V: int) -> str:
-    return f"stage {chunk}" if V == 1 else f"stage {chunk % P} (chunk {chunk})"
+def _where(chunk: int, P: int, V: int, kind: Schedule) -> str:
+    return f"stage {chunk}" if V == 1 else f"stage {chunk_place(kind, P, chunk)[0]} (chunk {chunk})"

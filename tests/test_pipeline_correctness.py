@@ -1,13 +1,13 @@
 """Pipelined training through `evtrain launch` equals plain single-process training.
 
-For P in {1, 2, 3, 4} (every schedule at 2 and 4), a small MLP is trained a few steps
+For P in {1, 2, 3, 4} (every schedule at 2, most at 4, zbv at 3), a small MLP is trained a few steps
 by a real ``evtrain launch`` (broker, hook process, elastic agent, P stage
 workers). The per-step losses come from the bus (a recorder hook,
 tests/launch_hooks.py) and the final weights from the workers'
 ``--dump-weights``; both must match a plain PyTorch loop over the same
 data, seed and initial weights (fp32, atol 1e-5).
 
-Launch start-up costs seconds, so the nine launches run two at a time.
+Launch start-up costs seconds, so the launches run two at a time.
 """
 
 from __future__ import annotations
@@ -29,20 +29,24 @@ from evtrain.stages.partition import build_full_model
 pytestmark = pytest.mark.slow
 
 STEPS = 5
-# Every schedule at 2 and 4 stages (interleaved at 2, over 2 chunks per stage: the
-# 6 layers make no more), 1F1B alone at 1 and 3: at one stage the schedules run
-# the same computations, and 3 stages add an odd middle, not a schedule.
+# Every schedule at 2 stages and most at 4 (interleaved and zbv hold 2 chunks per
+# stage: the 6 layers make no more than 3 stages of them), 1F1B at 1 and 3: at one
+# stage the schedules run the same computations, and 3 stages add an odd middle,
+# which zbv, whose chunks run down and back up, has at 3 too.
 CONFIGS = [
     (1, "1f1b"),
     (2, "gpipe"),
     (2, "1f1b"),
     (2, "zb"),
     (2, "interleaved"),
+    (2, "zbv"),
     (3, "1f1b"),
+    (3, "zbv"),
     (4, "gpipe"),
     (4, "1f1b"),
     (4, "zb"),
 ]
+CHUNKED = {"interleaved", "zbv"}
 PARALLEL_LAUNCHES = 2
 ATOL = 1e-5
 
@@ -87,7 +91,7 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any
             "--schedule",
             schedule,
             "--virtual-stages",
-            "2" if schedule == "interleaved" else "1",
+            "2" if schedule in CHUNKED else "1",
             "--run-dir",
             str(out / "run"),
             "--dump-weights",

@@ -30,7 +30,9 @@ from evtrain.stages.schedules import (
     Schedule,
     bubble_fraction,
     build_schedule,
+    chunk_place,
     max_in_flight,
+    model_chunk,
 )
 from evtrain.stages.simulator import (
     DeadlockError,
@@ -128,7 +130,7 @@ def test_schedule_names() -> None:
     expected = build_schedule("1f1b", 1, 3, 5)
     assert build_schedule(Schedule.ONE_F_ONE_B, 1, 3, 5) == expected
     assert build_schedule("1F1B", 1, 3, 5) == expected
-    assert [s.value for s in Schedule] == ["gpipe", "1f1b", "zb", "interleaved"]
+    assert [s.value for s in Schedule] == ["gpipe", "1f1b", "zb", "interleaved", "zbv"]
 
 
 def test_forward_only_program() -> None:
@@ -426,6 +428,109 @@ def test_swapping_chunks_is_caught() -> None:
     progs[1][i], progs[1][j] = progs[1][j], progs[1][i]
     with pytest.raises(ScheduleError):
         simulate_programs(progs, 2)
+
+
+# --- zero bubble in a V (zbv) -----------------------------------------------------
+
+
+def zbv(P: int, M: int) -> list[list[Instruction]]:
+    return [build_schedule("zbv", s, P, M, virtual_stages=2) for s in range(P)]
+
+
+def torch_zbv_order(P: int, M: int, rank: int) -> list[tuple[str, int, int]]:
+    """torch's ScheduleZBVZeroBubble order for ``rank`` as (F/I/W, model chunk, microbatch)."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble
+
+    plan = SimpleNamespace(pp_group_size=P, num_stages=2 * P, _n_microbatches=M)
+    actions = ScheduleZBVZeroBubble._calculate_single_rank_operations(plan, rank)  # type: ignore[arg-type]
+    return [
+        (a.computation_type.value, a.stage_index, a.microbatch_index)
+        for a in actions
+        if a is not None
+    ]
+
+
+@pytest.mark.parametrize(("P", "M"), [(2, 1), (2, 4), (2, 8), (3, 5), (4, 3), (4, 8), (5, 16)])
+def test_zbv_computes_in_torchs_order(P: int, M: int) -> None:
+    """Stage s runs what torch's rank P - 1 - s runs, in the same order: the V
+    turned around so that the loss stays on the last stage."""
+    for s, program in enumerate(zbv(P, M)):
+        ours = [
+            (code, model_chunk("zbv", s, P, ins.chunk), ins.microbatch)
+            for ins in program
+            for code in [{Forward: "F", BackwardInput: "I", BackwardWeight: "W"}.get(type(ins))]
+            if code is not None
+        ]
+        assert ours == torch_zbv_order(P, M, P - 1 - s)
+
+
+def test_zbv_places_the_chunks_in_a_v() -> None:
+    """Stage s holds chunks P-1-s and P+s; the last stage reads the data and the
+    targets; only stage 0 hands a chunk's output to its own other chunk."""
+    P = 3
+    assert [[model_chunk("zbv", s, P, v) for v in (0, 1)] for s in range(P)] == [
+        [2, 3],
+        [1, 4],
+        [0, 5],
+    ]
+    assert [chunk_place("zbv", P, c) for c in range(2 * P)] == [
+        (2, 0), (1, 0), (0, 0), (0, 1), (1, 1), (2, 1)
+    ]  # fmt: skip
+    progs = zbv(P, 4)
+    loads = [{(i.chunk, i.microbatch) for i in p if isinstance(i, LoadMicrobatch)} for p in progs]
+    assert loads[:2] == [set(), set()]
+    assert loads[2] == {(v, m) for v in (0, 1) for m in range(4)}
+    # Stage 0: chunk 0 sends to, and receives the gradient from, its own chunk 1.
+    assert text(progs[0][:3]) == "RA0 F0 SA0"
+    assert RecvActivation(0, 1) in progs[0] and SendGrad(0, 1) in progs[0]
+    assert RecvGrad(0, 0) in progs[0]
+    assert not any(isinstance(i, LoadMicrobatch) for i in progs[0])
+
+
+@pytest.mark.parametrize("P", range(2, 8))
+def test_zbv_simulation_matches_theory(P: int) -> None:
+    """F = 1, B = 2 per stage (each chunk half of that), I = W: no deadlock at
+    any M; from M = 2P - 1 on the idle time is (P - 1) chunk forwards, a sixth of
+    1F1B's, and every stage holds at most 2P chunk activations (1F1B's peak)."""
+    for M in MICROBATCHES:
+        result = simulate_programs(zbv(P, M), M, 0.5, 1.0, schedule="zbv")
+        assert result.busy == (3 * M,) * P
+        assert result.peak_in_flight == tuple(
+            max_in_flight("zbv", s, P, M, virtual_stages=2) for s in range(P)
+        )
+        assert max(result.peak_in_flight) <= 2 * P
+        assert result.bubble_fraction == pytest.approx(bubble_fraction(P, M, "zbv"))
+        assert result.makespan <= simulate("zb", P, M, 1, 2).makespan
+        if M >= 2 * P - 1:
+            one = simulate("1f1b", P, M, 1, 2)
+            assert result.makespan - 3 * M == pytest.approx((one.makespan - 3 * M) / 6)
+            assert result.peak_in_flight == (2 * P,) * P
+
+
+def test_zbv_needs_two_chunks_on_two_stages_or_more() -> None:
+    for P, V in [(2, 1), (2, 3), (1, 2)]:
+        with pytest.raises(UsageError, match="virtual_stages=2 and stages >= 2"):
+            build_schedule("zbv", 0, P, 4, virtual_stages=V)
+
+
+@pytest.mark.parametrize(("P", "M"), [(2, 3), (3, 5)])
+def test_dropping_any_zbv_instruction_is_caught(P: int, M: int) -> None:
+    progs = zbv(P, M)
+    for s, k in [(s, k) for s, prog in enumerate(progs) for k in range(len(prog))]:
+        broken = [list(p) for p in progs]
+        dropped = broken[s].pop(k)
+        with pytest.raises(ScheduleError):
+            simulate_programs(broken, M, schedule="zbv")
+            pytest.fail(f"dropping {dropped} on stage {s} went unnoticed")
+
+
+def test_zbv_forward_only_runs_down_then_up() -> None:
+    progs = [build_schedule("zbv", s, 2, 2, virtual_stages=2, forward_only=True) for s in (0, 1)]
+    assert text(progs[1]) == "L0 F0 SA0 L1 F1 SA1 L0@1 RA0@1 F0@1 L1@1 RA1@1 F1@1"
+    assert text(progs[0]) == "RA0 F0 SA0 RA1 F1 SA1 RA0@1 F0@1 SA0@1 RA1@1 F1@1 SA1@1"
+    simulate_programs(progs, 2, schedule="zbv")
 
 
 # --- the checker catches broken schedules -------------------------------------
