@@ -5,8 +5,9 @@ microbatches over P stages (one process each, gloo on CPU, one torch thread
 per process), SGD, MSE loss. Each contender trains a fixed number of steps
 after a warm-up:
 
-* evtrain 1F1B, zero bubble ("zb", ZB-H1) and interleaved 1F1B (two model
-  chunks per stage) over the grid of (P, M) configurations (``--grid``,
+* evtrain 1F1B, zero bubble ("zb", ZB-H1), interleaved 1F1B (two model
+  chunks per stage) and zero bubble in a V ("zbv", ZB-V: two chunks per
+  stage) over the grid of (P, M) configurations (``--grid``,
   default P = 2, 4 and M = 8, 16), and GPipe at
   P = 2, M = 8 — real stage workers started with torch.distributed.elastic,
   publishing their events to a real broker with the default event settings
@@ -17,17 +18,26 @@ after a warm-up:
   (input_args/output_args), also under elastic: Schedule1F1B,
   ScheduleInterleavedZeroBubble given one stage per rank (which orders
   ZB-H1 as evtrain does), ScheduleInterleaved1F1B given two stages per rank
-  (the model in 2P chunks, as evtrain splits it) and ScheduleGPipe.
+  (the model in 2P chunks, as evtrain splits it), ScheduleZBVZeroBubble
+  (rank r holding chunks r and 2P-1-r; evtrain places the same V turned
+  around, the same work on every process) and ScheduleGPipe.
 * sequential: one process runs the same M microbatches one after another.
 
 The bubble bound of a schedule is P times the sequential rate times one
 minus its bubble fraction with a backward twice a forward
 (`evtrain.stages.schedules.bubble_fraction`: ``(P-1)/(M+P-1)`` for 1F1B,
 ``(P-1)/(3M+P-1)`` for zero bubble, ``(P-1)/(2M+P-1)`` for interleaved over
-two chunks); P = 4 on 2 cores cannot reach it by
-construction (four stages share two cores), so there the ratios to torch are
-the figures that mean something. "Zero bubble removes X of 1F1B's lost time"
-compares the time per step beyond P stages computing all the time.
+two chunks, ``(P-1)/(6M+P-1)`` for zbv at M >= 2P-1); P = 4 on 2 cores cannot
+reach it by construction (four stages share two cores), so there the ratios
+to torch are the figures that mean something. "Removes X of 1F1B's lost
+time" compares the time per step beyond P stages computing all the time
+(the bubble, and every other cost of running a pipeline: the 1F1B order
+itself runs each forward and backward slower than the sequential
+all-forwards-then-all-backwards on a CPU, messages, the optimizer, Python).
+"Removes X of 1F1B's idle time" compares the bubble itself: the time the
+stages spent blocked on each other, summed over the stages (each stage's
+``StepEnded.comm_wait_s``: point-to-point waits and the step boundary's
+control exchange), per step.
 
 A second model checks structured stage boundaries: a small pre-LN decoder
 (token + position embedding, 4 blocks of 4-head causal attention and a 4x
@@ -44,11 +54,12 @@ Contenders alternate within each repeat (the order reversed every other
 repeat); medians over repeats are reported. The last line printed is one
 JSON object: its top-level keys describe P = 2, M = 8 (``ratio_1f1b``,
 ``bound_fraction_1f1b``, ``ratio_zb``, ``bound_fraction_zb``,
-``ratio_interleaved``...), ``grid``
+``ratio_interleaved``, ``ratio_zbv``, ``zb_idle_recovered``...), ``grid``
 has every configuration.
 
     python bench/pipeline_vs_torch.py [--steps 100] [--warmup 10] [--repeats 3]
         [--grid 2x8,2x16,4x8,4x16] [--transformer-steps 30] [--transformer-warmup 3]
+        [--only evtrain_zbv,torch_zbv,...]
 """
 
 from __future__ import annotations
@@ -56,6 +67,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import shutil
 import statistics
@@ -287,7 +299,8 @@ def torch_worker(kind: str, microbatches: int, steps: int, warmup: int) -> float
     ``kind``: ``1f1b`` (Schedule1F1B), ``gpipe`` (ScheduleGPipe), ``zb``
     (ScheduleInterleavedZeroBubble with its one local stage: ZB-H1's order) or
     ``interleaved`` (ScheduleInterleaved1F1B over `VIRTUAL_STAGES` local stages
-    per rank, rank r holding stages r, r + P, ...).
+    per rank, rank r holding stages r, r + P, ...) or ``zbv``
+    (ScheduleZBVZeroBubble, rank r holding stages r and 2P - 1 - r).
     """
     from torch.distributed.pipelining import (
         PipelineStage,
@@ -295,18 +308,20 @@ def torch_worker(kind: str, microbatches: int, steps: int, warmup: int) -> float
         ScheduleGPipe,
         ScheduleInterleaved1F1B,
         ScheduleInterleavedZeroBubble,
+        ScheduleZBVZeroBubble,
     )
 
     _maybe_pin()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    chunks = VIRTUAL_STAGES if kind == "interleaved" else 1
+    chunks = CHUNKS.get(kind, 1)
     per_stage = 2 * LAYERS // (world * chunks)
     torch.manual_seed(rank)
     mb = BATCH // microbatches
     stages, modules = [], []
-    for index in range(rank, world * chunks, world):
+    held = [rank, 2 * world - 1 - rank] if kind == "zbv" else range(rank, world * chunks, world)
+    for index in held:
         module = _mlp_layers(index * per_stage, (index + 1) * per_stage)
         modules.append(module)
         stages.append(
@@ -330,6 +345,8 @@ def torch_worker(kind: str, microbatches: int, steps: int, warmup: int) -> float
         schedule = ScheduleInterleavedZeroBubble(stages, n_microbatches=microbatches, loss_fn=loss)
     elif kind == "interleaved":
         schedule = ScheduleInterleaved1F1B(stages, n_microbatches=microbatches, loss_fn=loss)
+    elif kind == "zbv":
+        schedule = ScheduleZBVZeroBubble(stages, n_microbatches=microbatches, loss_fn=loss)
     else:
         cls = Schedule1F1B if kind == "1f1b" else ScheduleGPipe
         schedule = cls(stages[0], n_microbatches=microbatches, loss_fn=loss)
@@ -341,9 +358,11 @@ def torch_worker(kind: str, microbatches: int, steps: int, warmup: int) -> float
         if i == warmup:
             dist.barrier()
             start = time.perf_counter()
-        if rank == 0:
+        if kind == "zbv" and rank == 0:  # the V's two ends
+            schedule.step(x, target=y, losses=[])
+        elif rank == 0:
             schedule.step(x)
-        elif rank == world - 1:
+        elif rank == world - 1 and kind != "zbv":
             schedule.step(target=y, losses=[])
         else:
             schedule.step()
@@ -460,8 +479,10 @@ def run_evtrain(
     stages: int = STAGES,
     microbatches: int = MICROBATCHES,
     virtual_stages: int = 1,
-) -> float:
-    """Launch evtrain's stage workers with a live bus; steps/s from StepEnded events."""
+) -> tuple[float, float]:
+    """Launch evtrain's stage workers with a live bus: steps/s from the last
+    stage's StepEnded events, and the seconds per step the stages spent blocked
+    on each other (their ``comm_wait_s``, summed over the stages, timed steps)."""
     from evtrain.bus import Broker, BusAddress, Subscriber
     from evtrain.events import StepEnded, StepStarted
     from evtrain.stages.worker import WorkerConfig, worker_main
@@ -497,20 +518,30 @@ def run_evtrain(
     first, final = warmup + 1, warmup + steps
     if first not in started or final not in ended:
         raise RuntimeError(f"missing step events ({len(events)} received)")
-    return steps / (ended[final] - started[first])
+    waits = [
+        e.comm_wait_s
+        for e in events
+        if isinstance(e, StepEnded) and first <= e.step <= final and e.replica == 0
+    ]
+    if len(waits) != stages * steps:
+        raise RuntimeError(f"{len(waits)} step ends of {stages} stages x {steps} steps")
+    return steps / (ended[final] - started[first]), sum(waits) / steps
 
 
 # ------------------------------------------------------------------------ main
 
 
-SCHEDULES = ("1f1b", "zb", "interleaved")
+SCHEDULES = ("1f1b", "zb", "interleaved", "zbv")
 """The schedules timed over the whole grid, each against its torch twin."""
 VIRTUAL_STAGES = 2
 """Model chunks per stage for interleaved, on both sides."""
+CHUNKS = {"interleaved": VIRTUAL_STAGES, "zbv": 2}
+"""Model chunks per stage of the chunked schedules."""
 TWINS = {
     "1f1b": "Schedule1F1B",
     "zb": "ScheduleInterleavedZeroBubble, 1 stage/rank",
     "interleaved": f"ScheduleInterleaved1F1B, {VIRTUAL_STAGES} stages/rank",
+    "zbv": "ScheduleZBVZeroBubble, 2 stages/rank",
 }
 HEADLINE = (STAGES, MICROBATCHES)
 """The configuration the summary's top-level keys describe (P=2, M=8)."""
@@ -543,8 +574,7 @@ def _bound(kind: str, P: int, M: int, sequential: float | None) -> float | None:
 
     if sequential is None:
         return None
-    chunks = VIRTUAL_STAGES if kind == "interleaved" else 1
-    return P * sequential * (1 - bubble_fraction(P, M, kind, chunks))
+    return P * sequential * (1 - bubble_fraction(P, M, kind, CHUNKS.get(kind, 1)))
 
 
 def main() -> None:
@@ -598,6 +628,7 @@ def main() -> None:
                 continue  # one process: the same for every P
             runs.append((kind, P, M))
     results: dict[tuple[str, int, int], list[float]] = {r: [] for r in runs}
+    idle: dict[tuple[str, int, int], list[float]] = {r: [] for r in runs if r[0] != "sequential"}
     with tempfile.TemporaryDirectory(prefix="evt-bench-") as tmp:
         spec = Path(tmp) / "bench_spec.py"
         spec.write_text(SPEC)
@@ -608,20 +639,24 @@ def main() -> None:
             # Reversed every other repeat: slow drift of the machine's load cancels.
             for kind, P, M in runs if repeat % 2 == 0 else runs[::-1]:
                 if kind == "evtrain_transformer":
-                    rate = run_evtrain(transformer_spec, "1f1b", t_steps, t_warmup, "transformer")
+                    rate, waited = run_evtrain(
+                        transformer_spec, "1f1b", t_steps, t_warmup, "transformer"
+                    )
+                    idle[kind, P, M].append(waited)
                 elif kind == "torch_transformer":
                     rate = float(_launch(P, torch_transformer_worker, t_steps, t_warmup)[0])
                 elif kind.startswith("evtrain_"):
                     schedule = kind.split("_")[1]
-                    rate = run_evtrain(
+                    rate, waited = run_evtrain(
                         spec,
                         schedule,
                         args.steps,
                         args.warmup,
                         stages=P,
                         microbatches=M,
-                        virtual_stages=VIRTUAL_STAGES if schedule == "interleaved" else 1,
+                        virtual_stages=CHUNKS.get(schedule, 1),
                     )
+                    idle[kind, P, M].append(waited)
                 elif kind.startswith("torch_"):
                     out = _launch(P, torch_worker, kind.split("_")[1], M, args.steps, args.warmup)
                     rate = float(out[0])
@@ -633,11 +668,12 @@ def main() -> None:
                     f"{rate:6.2f} steps/s",
                     flush=True,
                 )
-    _report(results, grid, args)
+    _report(results, idle, grid, args)
 
 
 def _report(
     results: dict[tuple[str, int, int], list[float]],
+    idle: dict[tuple[str, int, int], list[float]],
     grid: list[tuple[int, int]],
     args: argparse.Namespace,
 ) -> None:
@@ -691,14 +727,26 @@ def _report(
                 f"{' '.join(map(str, row[f'ratio_{schedule}_per_repeat']))})  "
                 f"bubble bound {fmt(bound)} steps/s, reached {fmt(ratio(ours, bound))}"
             )
-        one, zb = med("evtrain_1f1b", P, M), med("evtrain_zb", P, M)
-        recovered = None
-        if ideal is not None and one is not None and zb is not None and 1 / one > 1 / ideal:
-            # Time per step beyond P stages computing all the time: what the bubble
-            # (and the pipeline's overheads) cost; the share of it zero bubble removes.
-            recovered = 1 - (1 / zb - 1 / ideal) / (1 / one - 1 / ideal)
-        row["zb_bubble_recovered"] = rounded(recovered)
-        print(f"P={P} M={M:<3d} zero bubble removes {fmt(recovered)} of 1F1B's lost time")
+        one = med("evtrain_1f1b", P, M)
+        one_idle = statistics.median(idle.get(("evtrain_1f1b", P, M)) or [math.nan])
+        for name in ("zb", "zbv"):
+            rate = med(f"evtrain_{name}", P, M)
+            recovered = None
+            if ideal is not None and one is not None and rate is not None and 1 / one > 1 / ideal:
+                # Time per step beyond P stages computing all the time: what the bubble
+                # (and the pipeline's overheads) cost; the share of it zero bubble removes.
+                recovered = 1 - (1 / rate - 1 / ideal) / (1 / one - 1 / ideal)
+            waited = statistics.median(idle.get((f"evtrain_{name}", P, M)) or [math.nan])
+            idle_recovered = 1 - waited / one_idle if one_idle > 0 else math.nan
+            row[f"{name}_bubble_recovered"] = rounded(recovered)
+            row[f"{name}_idle_recovered"] = (
+                None if math.isnan(idle_recovered) else rounded(idle_recovered)
+            )
+            print(
+                f"P={P} M={M:<3d} {name} removes {fmt(recovered)} of 1F1B's lost time and "
+                f"{fmt(row[f'{name}_idle_recovered'])} of its idle time "
+                f"({1e3 * waited:.1f} vs {1e3 * one_idle:.1f} ms blocked per step, all stages)"
+            )
         rows.append(row)
 
     P, M = HEADLINE
@@ -716,6 +764,7 @@ def _report(
     print(f"evtrain/torch 1F1B, best runs {fmt(best_ratio_1f1b)}")
     print(f"evtrain/torch ZB    {fmt(headline['ratio_zb'])}")
     print(f"evtrain/torch interleaved {fmt(headline['ratio_interleaved'])}")
+    print(f"evtrain/torch ZBV   {fmt(headline['ratio_zbv'])}")
     print(f"evtrain/torch GPipe {fmt(ratio_gpipe)}")
     ratio_transformer = ratio(med("evtrain_transformer", P, M), med("torch_transformer", P, M))
     per_repeat_transformer = per_repeat("evtrain_transformer", "torch_transformer", P, M)
@@ -743,8 +792,13 @@ def _report(
         "ratio_zb": headline["ratio_zb"],
         "bound_fraction_zb": headline["bound_fraction_zb"],
         "zb_bubble_recovered": headline["zb_bubble_recovered"],
+        "zb_idle_recovered": headline["zb_idle_recovered"],
         "ratio_interleaved": headline["ratio_interleaved"],
         "bound_fraction_interleaved": headline["bound_fraction_interleaved"],
+        "ratio_zbv": headline["ratio_zbv"],
+        "bound_fraction_zbv": headline["bound_fraction_zbv"],
+        "zbv_bubble_recovered": headline["zbv_bubble_recovered"],
+        "zbv_idle_recovered": headline["zbv_idle_recovered"],
         "evtrain_transformer_steps_per_s": rounded(med("evtrain_transformer", P, M)),
         "torch_transformer_steps_per_s": rounded(med("torch_transformer", P, M)),
         "ratio_transformer_tuple": rounded(ratio_transformer),
