@@ -125,7 +125,7 @@ class RunStarted(Event, kw_only=True, tag="run.started"):
     data_parallel: NumReplicas = 1
     """Replicas D of the pipeline; every stage runs on D processes."""
     virtual_stages: Annotated[int, msgspec.Meta(ge=1, le=MAX_STAGES)] = 1
-    """Model chunks V per stage (interleaved schedules; 1 otherwise)."""
+    """Model chunks V per stage (interleaved and zbv; 1 otherwise)."""
 
 
 class RunEnded(Event, kw_only=True, tag="run.ended"):
@@ -226,7 +226,7 @@ class MicrobatchSpan(Event, kw_only=True):
     start: Timestamp
     end: Timestamp
     chunk: Annotated[int, msgspec.Meta(ge=0, lt=MAX_STAGES)] = 0
-    """The stage's model chunk (interleaved schedules' virtual stage) the span is for."""
+    """The stage's local model chunk (interleaved and zbv) the span is for."""
 
 
 class MicrobatchForward(MicrobatchSpan, kw_only=True, tag="microbatch.forward"):

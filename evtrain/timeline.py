@@ -111,7 +111,7 @@ class TimelineSpan:
     replica: int = 0
     """The stage's data-parallel replica (0 without data parallelism)."""
     chunk: int = 0
-    """The stage's model chunk (interleaved schedules), shown as ``F3@1``."""
+    """The stage's local model chunk (interleaved and zbv), shown as ``F3@1``."""
 
     @property
     def duration(self) -> float:

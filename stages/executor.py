@@ -120,7 +120,7 @@ class Span:
     """For waits: ``recv_act``, ``recv_grad``, ``send``, ``reduce`` or ``control``;
     for the halves of a split backward: ``input`` or ``weight``."""
     chunk: int = 0
-    """The model chunk (interleaved schedules' virtual stage) of the microbatch."""
+    """The model chunk (interleaved and zbv: the stage's local chunk) of the microbatch."""
 
 
 @dataclass
@@ -185,7 +185,7 @@ class StageExecutor:
     `BoundarySpec` of this stage's model chunk v, as agreed by
     `evtrain.stages.p2p.exchange_shapes` (the output spec is None on the
     model's last chunk, which sends nothing). ``chunks`` are the chunks'
-    modules (interleaved schedules; default: ``module`` is the only chunk),
+    modules (interleaved and zbv; default: ``module`` is the only chunk),
     ``module`` holds them all.
     ``train``/``evaluation`` read the first stage's inputs and the last
     stage's targets (`evtrain.loading`); other stages have None. ``lookahead`` applies to 1F1B (see

@@ -51,7 +51,7 @@ class _MicrobatchInstruction(_Base, frozen=True):
     """An instruction about one microbatch, numbered 0..M-1 within the step.
 
     ``chunk`` is the model chunk it applies to, 0..V-1 among the process's
-    virtual stages (interleaved schedules; always 0 otherwise). It prints as
+    virtual stages (interleaved and zbv; always 0 otherwise). It prints as
     ``F3@1`` (forward of microbatch 3 on chunk 1).
     """
 

@@ -562,7 +562,7 @@ class KeptItems(nn.ModuleDict):
 
 
 class StageChunks(nn.ModuleDict):
-    """The model chunks of one stage under interleaved schedules: every layer it
+    """The model chunks of one stage under interleaved and zbv: every layer it
     holds, keyed by global index as in `StageModule` (so ``state_dict()`` keys
     are the unsplit model's), and ``chunks``, one `StageModule` per chunk over
     the same layer objects, in the stage's chunk order. It has no forward of

@@ -128,10 +128,10 @@ def test_two_replicas_of_two_stages_equal_single_process_training(uninterrupted:
     assert sorted(p.name for p in committed[0].path.glob("stage-*")) == ["stage-0", "stage-1"]
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb", "interleaved"])
+@pytest.mark.parametrize("schedule", ["1f1b", "zb", "interleaved", "zbv"])
 def test_with_gradient_accumulation_and_clipping(tmp_path: Path, schedule: str) -> None:
-    """Also with zero bubble and interleaved 1F1B (2 chunks per stage), which average
-    the replicas' gradients themselves: DDP's reducer never sees them."""
+    """Also with zero bubble, interleaved 1F1B and zbv (2 chunks per stage), which
+    average the replicas' gradients themselves: DDP's reducer never sees them."""
     spec = spec_file(tmp_path, accum=2)
     grad_clip = 0.05
     weights = str(tmp_path / "weights")
@@ -142,7 +142,7 @@ def test_with_gradient_accumulation_and_clipping(tmp_path: Path, schedule: str) 
         "--schedule",
         schedule,
         "--virtual-stages",
-        "2" if schedule == "interleaved" else "1",
+        "2" if schedule in ("interleaved", "zbv") else "1",
         "--grad-clip",
         str(grad_clip),
         "--dump-weights",

@@ -3,8 +3,9 @@
 Two stages hold two model chunks each (the model split in four; stage s holds
 chunks s and s + 2, Megatron's placement). Each stage saves
 one shard holding both its chunks; the manifest's layer ranges tile the model.
-A checkpoint of the interleaved run resumes as plain 1F1B on three stages and
-as interleaved with two replicas, and both end within 1e-6 of the
+A checkpoint of the interleaved run resumes as plain 1F1B on three stages, as
+interleaved with two replicas and as zbv (the same four chunks placed in a V:
+stage s holds chunks 1 - s and 2 + s), and each ends within 1e-6 of the
 uninterrupted interleaved run. (Its equality with single-process training is
 in test_stage_runtime and test_data_parallel.)
 """
@@ -63,8 +64,12 @@ def test_each_stage_saves_its_chunks_in_one_shard(uninterrupted: Path) -> None:
 
 @pytest.mark.parametrize(
     "layout",
-    [("--stages", "3", "--schedule", "1f1b"), (*INTERLEAVED, "--dp", "2")],
-    ids=["1f1b-P3", "interleaved-D2"],
+    [
+        ("--stages", "3", "--schedule", "1f1b"),
+        (*INTERLEAVED, "--dp", "2"),
+        ("--schedule", "zbv", "--virtual-stages", "2"),
+    ],
+    ids=["1f1b-P3", "interleaved-D2", "zbv"],
 )
 def test_an_interleaved_checkpoint_resumes_at_another_shape(
     uninterrupted: Path, tmp_path: Path, layout: tuple[str, ...]

@@ -153,7 +153,7 @@ class ShardRecord(msgspec.Struct, kw_only=True):
     num_stages: int
     layers: list[int]
     """``[start, stop)`` global layer indices this stage held; one such pair after
-    the other when it held several model chunks (interleaved schedules)."""
+    the other when it held several model chunks (interleaved and zbv)."""
     reason: str = ""
     metric: float | None = None
     """The evaluated metric value a best checkpoint was saved for."""
