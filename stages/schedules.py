@@ -128,11 +128,6 @@ class Schedule(StrEnum):
         """Whether the backward runs as `BackwardInput` + `BackwardWeight`."""
         return self in (Schedule.ZERO_BUBBLE, Schedule.ZBV)
 
-    @property
-    def chunked(self) -> bool:
-        """Whether every stage holds several model chunks (`virtual_stages` >= 2)."""
-        return self in (Schedule.INTERLEAVED, Schedule.ZBV)
-
 
 def parse_schedule(schedule: str | Schedule) -> Schedule:
     """Turn a name (case-insensitive) into a `Schedule`; `UsageError` if unknown."""
