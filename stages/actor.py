@@ -631,7 +631,8 @@ class StageActor:
             ids = [model_chunk(job.schedule, self.stage, self.num_stages, v) for v in range(V)]
             chunked = build_stage_chunks(job, [ranges[c] for c in ids], self.device)
             self.module, self.chunks = chunked, list(vars(chunked)["chunks"])
-        self.module.train()
+        for module in (self.module, *self.chunks):
+            module.train()
         if job.activation_checkpointing:
             for unit in stage_unit_modules(job, self.module):
                 checkpoint_layer(unit)

@@ -777,7 +777,9 @@ class StageExecutor:
         self._eval_objects = self._objects_of(evaluation.name) if self.last else {}
         self.eval_batches_done = 0
         was_training = self.module.training
-        self.module.eval()
+        # The chunks too: a model= stage's chunks are views with containers of their own.
+        for module in (self.module, *self.chunks):
+            module.eval()
         try:
             with torch.no_grad():
                 for batch in plan:
@@ -786,7 +788,8 @@ class StageExecutor:
             self.mailbox.drain_sends()
         finally:
             self._training = True
-            self.module.train(was_training)
+            for module in (self.module, *self.chunks):
+                module.train(was_training)
             self._end_pass()
         metrics: dict[str, float] = {}
         if self.last and num_samples:

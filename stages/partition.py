@@ -21,7 +21,11 @@ between:
   takes (``(h, mask)``) when its head is pruned — the next stage's forward
   then receives that by the calling convention. Buffers of the root and of
   containers (rotary tables) stay on every stage; a parameter outside every
-  unit is refused.
+  unit is refused. A stage of several model chunks (interleaved, zbv) keeps
+  the units of all its chunks in one pruned model (what it optimizes and
+  checkpoints) and runs each chunk through a view of it: a copy of the
+  model's containers pruned to that chunk, sharing the units, parameters and
+  buffers.
 
 Either way state_dict keys are those of the unsplit model (``"3.weight"``,
 ``"transformer.h.4.attn.c_attn.weight"``), so checkpoints taken at one
@@ -40,8 +44,9 @@ partition: layer i is always built with the CPU RNG seeded to
 
 from __future__ import annotations
 
+import copy
 import itertools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -459,6 +464,12 @@ def plan_split(job: Job) -> SplitPlan:
     ranges = None if job.balance == "compute" else partition(job)
     if ranges is not None:
         tied_groups(job, ranges)
+    if job.virtual_stages > 1 and tied_groups(job):
+        raise SpecError(
+            "virtual_stages",
+            "tied weights are not supported with model chunks, and the model's units "
+            "share a parameter",
+        )
     units = meta_units(job)
     costs: tuple[float, ...] | None = None
     try:
@@ -562,11 +573,11 @@ class KeptItems(nn.ModuleDict):
 
 
 class StageChunks(nn.ModuleDict):
-    """The model chunks of one stage under interleaved and zbv: every layer it
-    holds, keyed by global index as in `StageModule` (so ``state_dict()`` keys
-    are the unsplit model's), and ``chunks``, one `StageModule` per chunk over
-    the same layer objects, in the stage's chunk order. It has no forward of
-    its own: the executor calls the chunks.
+    """The model chunks of one `Job.layers` stage under interleaved and zbv: every
+    layer it holds, keyed by global index as in `StageModule` (so ``state_dict()``
+    keys are the unsplit model's), and ``chunks``, one `StageModule` per chunk over
+    the same layer objects, in the stage's chunk order. It has no forward of its
+    own: the executor calls the chunks.
     """
 
     def __init__(self, chunks: Sequence[Mapping[int, nn.Module]]) -> None:
@@ -575,24 +586,45 @@ class StageChunks(nn.ModuleDict):
         # A plain attribute, not submodules: each layer is registered once, here.
         vars(self)["chunks"] = views
 
-    @property
-    def chunk_ranges(self) -> list[range]:
-        """The global layer range of each chunk."""
-        return [view.layer_range for view in vars(self)["chunks"]]
-
     def __iter__(self) -> Iterator[nn.Module]:  # type: ignore[override]
         return iter(self.values())
 
 
 def build_stage_chunks(
     job: Job, unit_ranges: Sequence[range], device: torch.device | str = "cpu"
-) -> StageChunks:
-    """Build the chunks ``unit_ranges`` of one stage (`Job.layers` only) on ``device``."""
-    if job.layers is None:
-        raise SpecError("virtual_stages", "model chunks need layers=")
-    module = StageChunks([{i: build_layer(job, i) for i in r} for r in unit_ranges])
-    vars(module).update(layer_range=None, tied_aliases={})
-    return module.to(device)
+) -> nn.Module:
+    """The stage module holding the chunks ``unit_ranges`` of one stage, on ``device``.
+
+    Its ``chunks`` (a plain attribute) are the modules the executor runs, one per
+    chunk in the stage's chunk order, and ``chunk_ranges`` their unit ranges:
+    `StageChunks` for `Job.layers`; for `Job.model` the model pruned to all the
+    chunks' units, whose chunks are views pruned to one chunk each (see the
+    module docstring).
+    """
+    module: nn.Module
+    if job.layers is not None:
+        module = StageChunks([{i: build_layer(job, i) for i in r} for r in unit_ranges])
+        module.to(device)
+    else:
+        names = unit_names(job)
+        kept = sorted({i for r in unit_ranges for i in r})
+        module = _build_model(job)
+        _check_outside_params(module, names)
+        _prune(module, names, kept)
+        # Moved before the views are made: a move replaces buffers, which the
+        # views share by identity.
+        module.to(device)
+        views = []
+        for r in unit_ranges:
+            units = [module.get_submodule(names[i]) for i in r]
+            shared = {id(x): x for x in (*module.parameters(), *module.buffers(), *units)}
+            view = copy.deepcopy(module, memo=shared)
+            _prune(view, names, r)
+            vars(view).update(layer_range=r, tied_aliases={})
+            views.append(view)
+        vars(module)["chunks"] = views
+    vars(module).update(chunk_ranges=list(unit_ranges), layer_range=None, tied_aliases={})
+    return module
 
 
 def _build_model(job: Job) -> nn.Module:
@@ -605,8 +637,9 @@ def _build_model(job: Job) -> nn.Module:
     return model
 
 
-def _prune(model: nn.Module, names: Sequence[str], keep: range) -> None:
-    """Drop every unit outside ``keep`` from ``model`` (see the module docstring)."""
+def _prune(model: nn.Module, names: Sequence[str], keep: Collection[int]) -> None:
+    """Drop every unit outside ``keep`` from ``model`` (see the module docstring);
+    ``model`` may be pruned already (a chunk's view of a stage's model)."""
     lists: dict[str, nn.ModuleList] = {}
     for i, name in enumerate(names):
         if i in keep:
@@ -614,7 +647,8 @@ def _prune(model: nn.Module, names: Sequence[str], keep: range) -> None:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         if isinstance(parent, nn.ModuleDict):
-            del parent[child]
+            if child in parent:
+                del parent[child]
         elif isinstance(parent, nn.ModuleList):
             lists[parent_name] = parent
         else:
@@ -706,8 +740,9 @@ def build_stage_module(
 def stage_units(module: nn.Module) -> Sequence[int]:
     """The units a module from `build_stage_module` (a range) or `build_stage_chunks`
     (every chunk's units, in order) holds."""
-    if isinstance(module, StageChunks):
-        return [i for r in module.chunk_ranges for i in r]
+    chunk_ranges = vars(module).get("chunk_ranges")
+    if chunk_ranges is not None:
+        return [i for r in chunk_ranges for i in r]
     units = vars(module).get("layer_range")
     assert isinstance(units, range), "not a stage module"
     return units

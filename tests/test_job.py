@@ -23,9 +23,12 @@ from evtrain.spec import add_override_arguments, apply_overrides, load_job, over
 from evtrain.stages.partition import (
     StageModule,
     build_full_model,
+    build_stage_chunks,
     build_stage_module,
     layer_param_counts,
     partition,
+    plan_split,
+    stage_units,
 )
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "mlp.py"
@@ -690,12 +693,46 @@ def test_scheduler_is_told_the_run_length_after_overrides() -> None:
     assert isinstance(plain.build_scheduler(optimizer), torch.optim.lr_scheduler.StepLR)
 
 
-def test_model_chunks_need_layers() -> None:
-    with pytest.raises(SpecError, match="model chunks need layers=") as info:
-        make_job(
-            layers=None,
-            model=functools.partial(nn.Sequential, *(nn.Linear(8, 8) for _ in range(4))),
-            schedule="interleaved",
-            virtual_stages=2,
-        )
+class Chain(nn.Module):
+    """Four linear blocks and a root buffer, written to the split contract."""
+
+    def __init__(self, tie: bool = False) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+        self.register_buffer("scale", torch.full((8,), 0.5))
+        if tie:
+            self.blocks[3].weight = self.blocks[0].weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x) * self.scale
+        return x
+
+
+def test_model_chunks_are_views_of_one_pruned_stage_model() -> None:
+    """A model= stage of two chunks keeps both chunks' units in one model (what it
+    optimizes and saves) and runs each chunk through a view sharing its tensors."""
+    job = make_job(layers=None, model=Chain, schedule="zbv", virtual_stages=2, stages=2)
+    module = build_stage_chunks(job, [range(1, 2), range(2, 3)])
+    assert sorted(module.state_dict()) == [
+        "blocks.1.bias", "blocks.1.weight", "blocks.2.bias", "blocks.2.weight", "scale"
+    ]  # fmt: skip
+    assert stage_units(module) == [1, 2]
+    first, second = vars(module)["chunks"]
+    assert sorted(first.state_dict()) == ["blocks.1.bias", "blocks.1.weight", "scale"]
+    assert first.blocks["1"] is module.blocks["1"] and first.scale is module.scale
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(first(x), module.blocks["1"](x) * 0.5)
+    torch.testing.assert_close(second(x), module.blocks["2"](x) * 0.5)
+    with torch.no_grad():
+        module.scale.fill_(2.0)  # a buffer update reaches every chunk
+    torch.testing.assert_close(second(x), module.blocks["2"](x) * 2.0)
+
+
+def test_model_chunks_refuse_shared_parameters() -> None:
+    job = make_job(
+        layers=None, model=functools.partial(Chain, tie=True), schedule="zbv", virtual_stages=2
+    )
+    with pytest.raises(SpecError, match="not supported with model chunks") as info:
+        plan_split(job)
     assert info.value.field == "virtual_stages"

@@ -152,6 +152,23 @@ def test_model_split_by_name_with_tied_embeddings_and_dict_samples(tmp_path: Pat
             torch.testing.assert_close(value, want6[key], rtol=0, atol=ATOL, msg=key)
 
 
+@pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
+def test_a_whole_model_runs_in_chunks(tmp_path: Path, schedule: str) -> None:
+    """model= under the chunked schedules: each stage holds two of the model's four
+    chunks (embed + block 0 | block 1 | block 2 | block 3 + head), runs each through
+    a view of its pruned model, and trains the model a single process trains."""
+    spec = write(tmp_path, "untied", 2, 3, schedule=schedule, virtual_stages=2)
+    job = load_job(spec)
+    assert [len(r) for r in partition(job)] == [2, 1, 1, 2]
+    launch(spec, "--dump-weights", str(tmp_path / "weights"))
+    parts = dumped(tmp_path / "weights")
+    want, _ = reference(job, 3)
+    assert sorted(k for part in parts for k in part) == sorted(want)
+    for part in parts:
+        for key, value in part.items():
+            torch.testing.assert_close(value, want[key], rtol=0, atol=ATOL, msg=key)
+
+
 @pytest.fixture(scope="module")
 def layers_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Layers passing (hidden, mask) tuples with an explicit tie, at 3 stages, 4 steps."""
