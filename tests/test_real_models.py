@@ -157,7 +157,8 @@ def test_a_whole_model_runs_in_chunks(tmp_path: Path, schedule: str) -> None:
     """model= under the chunked schedules: each stage holds two of the model's four
     chunks (embed + block 0 | block 1 | block 2 | block 3 + head), runs each through
     a view of its pruned model, and trains the model a single process trains."""
-    spec = write(tmp_path, "untied", 2, 3, schedule=schedule, virtual_stages=2)
+    hooks = [{"type": "checkpoint", "on_stop": True}]
+    spec = write(tmp_path, "untied", 2, 3, schedule=schedule, virtual_stages=2, hooks=hooks)
     job = load_job(spec)
     assert [len(r) for r in partition(job)] == [2, 1, 1, 2]
     launch(spec, "--dump-weights", str(tmp_path / "weights"))
@@ -167,6 +168,19 @@ def test_a_whole_model_runs_in_chunks(tmp_path: Path, schedule: str) -> None:
     for part in parts:
         for key, value in part.items():
             torch.testing.assert_close(value, want[key], rtol=0, atol=ATOL, msg=key)
+    if schedule != "zbv":
+        return
+    # The chunked checkpoint (stage 1 holds chunks 0 and 3) resumes as plain 1F1B.
+    ckpt = latest_committed(tmp_path / "run")
+    assert ckpt is not None and ckpt.step == 3
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    plain = write(resumed, "untied", 3, 5)
+    launch(plain, "--resume", str(ckpt.path), "--dump-weights", str(resumed / "weights"))
+    want5, _ = reference(job.with_overrides(max_steps=5), 5)
+    for part in dumped(resumed / "weights"):
+        for key, value in part.items():
+            torch.testing.assert_close(value, want5[key], rtol=0, atol=ATOL, msg=key)
 
 
 @pytest.fixture(scope="module")
