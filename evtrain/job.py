@@ -486,8 +486,7 @@ class Job:
     split into P x V chunks and stage s holds chunks s, s + P, s + 2P, ...:
     Megatron's interleaved placement), exactly 2 for ``"zbv"`` (stage s holds chunks
     P - 1 - s and P + s: the V), 1 for every other schedule. `balance` then has one
-    entry per chunk, in model order. No tied weights (`tied`, or a `model` whose
-    units share a parameter)."""
+    entry per chunk, in model order."""
 
     data_parallel: int = 1
     """Replicas D of the pipeline (data parallelism): P x D processes on a (pp, dp)
@@ -714,8 +713,6 @@ class Job:
             )
         except UsageError as exc:
             raise SpecError("virtual_stages", str(exc)) from None
-        if self.virtual_stages > 1 and self.tied:
-            raise SpecError("virtual_stages", "tied weights are not supported with model chunks")
 
     @property
     def num_chunks(self) -> int:

@@ -792,9 +792,11 @@ class StageActor:
 
             directory = Path(self.config.dump_weights_dir)
             directory.mkdir(parents=True, exist_ok=True)
-            # Every copy of a tied weight too, so that their equality can be checked.
+            # Every copy of a tied weight too, so that their equality can be checked;
+            # an alias held with its canonical name here is the same tensor, which
+            # safetensors refuses to write twice: a copy of it, then.
             named = dict(self.module.named_parameters(remove_duplicate=False))
-            aliases = {a: named[a] for a in stage_aliases(self.module)}
+            aliases = {a: named[a].detach().clone() for a in stage_aliases(self.module)}
             state = {
                 k: v.detach().cpu().contiguous()
                 for k, v in {**self.module.state_dict(), **aliases}.items()

@@ -58,6 +58,7 @@ from evtrain.data import derive_seed
 from evtrain.errors import SpecError
 from evtrain.job import Job, LayerFactory
 from evtrain.stages.boundary import call, map_tensors, spec_of
+from evtrain.stages.schedules import chunk_place
 from evtrain.stages.tied import TiedGroup, resolve_ties
 
 __all__ = [
@@ -464,12 +465,6 @@ def plan_split(job: Job) -> SplitPlan:
     ranges = None if job.balance == "compute" else partition(job)
     if ranges is not None:
         tied_groups(job, ranges)
-    if job.virtual_stages > 1 and tied_groups(job):
-        raise SpecError(
-            "virtual_stages",
-            "tied weights are not supported with model chunks, and the model's units "
-            "share a parameter",
-        )
     units = meta_units(job)
     costs: tuple[float, ...] | None = None
     try:
@@ -623,7 +618,8 @@ def build_stage_chunks(
             vars(view).update(layer_range=r, tied_aliases={})
             views.append(view)
         vars(module)["chunks"] = views
-    vars(module).update(chunk_ranges=list(unit_ranges), layer_range=None, tied_aliases={})
+    aliases = _tie_locally(module, tied_groups(job))
+    vars(module).update(chunk_ranges=list(unit_ranges), layer_range=None, tied_aliases=aliases)
     return module
 
 
@@ -778,10 +774,18 @@ def build_full_model(job: Job, device: torch.device | str = "cpu") -> nn.Module:
 def tied_groups(job: Job, ranges: Sequence[range] | None = None) -> list[TiedGroup]:
     """The job's tied weights: `Job.tied` and, for `Job.model`, shared parameters.
 
-    With ``ranges`` (the partition) each group says which stages hold it.
-    Raises `SpecError` (``tied``) for a name that is no parameter, or
-    parameters of different shapes.
+    With ``ranges`` (the partition: one range per model chunk) each group says
+    which stages hold it; a stage of several chunks holds the units of all of
+    them (`evtrain.stages.schedules.chunk_place`), so zbv's input embedding and
+    head, both on the last stage, are tied there without a message. Raises
+    `SpecError` (``tied``) for a name that is no parameter, or parameters of
+    different shapes.
     """
     if job.layers is not None and not job.tied:
         return []  # separate factories share no parameters
-    return resolve_ties(_unit_params(job), job.tied, ranges)
+    held: list[set[int]] | None = None
+    if ranges is not None:
+        held = [set() for _ in range(job.stages)]
+        for chunk, units in enumerate(ranges):
+            held[chunk_place(job.schedule, job.stages, chunk)[0]].update(units)
+    return resolve_ties(_unit_params(job), job.tied, held)

@@ -21,7 +21,7 @@ Names inside one stage are made one `nn.Parameter` (`evtrain.stages.partition`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -48,12 +48,13 @@ class TiedGroup:
 def resolve_ties(
     unit_params: Sequence[Sequence[tuple[str, nn.Parameter]]],
     explicit: Sequence[Sequence[str]],
-    ranges: Sequence[range] | None,
+    ranges: Sequence[Collection[int]] | None,
 ) -> list[TiedGroup]:
     """Tied groups from shared parameters and ``explicit`` name groups.
 
     ``unit_params`` lists each unit's parameters under their unsplit names
-    (a shared parameter under each of its names). Shared parameters form a
+    (a shared parameter under each of its names); ``ranges[s]`` holds the units
+    of stage s. Shared parameters form a
     group in parameter order; an explicit group naming one of them is merged
     into it, its first name canonical.
     """

@@ -1,7 +1,6 @@
 """A small decoder for launch tests: dict samples, a padding mask used by every block,
 input and output embeddings tied, given as a whole model split by module name
-(``KIND=model``; ``untied`` without the tie) or as layers passing ``(hidden, mask)``
-tuples (``KIND=layers``).
+(``KIND=model``) or as layers passing ``(hidden, mask)`` tuples (``KIND=layers``).
 
 Spec files written by tests/test_real_models.py set the module-level knobs
 and then ``from real_model_spec import *``-style build the job with `make_job`.
@@ -82,13 +81,12 @@ class Head(nn.Module):
 class TinyGPT(nn.Module):
     """The same network as one model, following the split contract (None-able modules)."""
 
-    def __init__(self, tie: bool = True) -> None:
+    def __init__(self) -> None:
         super().__init__()
         self.embed: Embed | None = Embed()
         self.blocks = nn.ModuleList(Block() for _ in range(BLOCKS))
         self.head: Head | None = Head()
-        if tie:
-            self.head.out.weight = self.embed.tok.weight
+        self.head.out.weight = self.embed.tok.weight
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Any:
         if self.embed is not None:
@@ -159,8 +157,6 @@ def make_job(
         common["split_points"] = split_points  # refused for layers: a test checks it
     if kind in ("model", "unaware"):
         return Job(model=TinyGPT if kind == "model" else UnawareGPT, **common)
-    if kind == "untied":  # input and output embeddings apart, as model chunks need
-        return Job(model=functools.partial(TinyGPT, tie=False), **common)
     if kind == "bad_leaf":
         return Job(layers=[layer(Embed), layer(CountingBlock), layer(Head)], **common)
     common.setdefault("tied", [("0.tok.weight", f"{BLOCKS + 1}.out.weight")])

@@ -27,8 +27,8 @@ from evtrain.stages.partition import (
     build_stage_module,
     layer_param_counts,
     partition,
-    plan_split,
     stage_units,
+    tied_groups,
 )
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "mlp.py"
@@ -97,10 +97,6 @@ def make_job(**overrides: Any) -> Job:
         (dict(schedule="interleaved", virtual_stages=0), "virtual_stages"),
         (dict(schedule="interleaved", virtual_stages=5), "virtual_stages"),  # 10 > 9 layers
         (dict(schedule="interleaved", virtual_stages=2, balance=[1, 2]), "balance"),
-        (
-            dict(schedule="interleaved", virtual_stages=2, tied=[("0.weight", "2.weight")]),
-            "virtual_stages",
-        ),
         (dict(device="gpu"), "device"),
         (dict(device="cuda:1"), "device"),
         (dict(hooks=[dict(every=3)]), "hooks"),
@@ -729,10 +725,31 @@ def test_model_chunks_are_views_of_one_pruned_stage_model() -> None:
     torch.testing.assert_close(second(x), module.blocks["2"](x) * 2.0)
 
 
-def test_model_chunks_refuse_shared_parameters() -> None:
+@pytest.mark.parametrize(("schedule", "stages"), [("interleaved", (0, 1)), ("zbv", (1,))])
+def test_ties_between_chunks_resolve_to_the_stages_holding_them(
+    schedule: str, stages: tuple[int, ...]
+) -> None:
+    """Blocks 0 and 3 share their weight: interleaved puts chunks 0 and 3 on two
+    stages (a tie to keep equal over the pipeline), zbv both on the last stage,
+    where they are one parameter."""
     job = make_job(
-        layers=None, model=functools.partial(Chain, tie=True), schedule="zbv", virtual_stages=2
+        layers=None,
+        model=functools.partial(Chain, tie=True),
+        schedule=schedule,
+        virtual_stages=2,
+        stages=2,
     )
-    with pytest.raises(SpecError, match="not supported with model chunks") as info:
-        plan_split(job)
-    assert info.value.field == "virtual_stages"
+    (group,) = tied_groups(job, partition(job))
+    assert group.names == ("blocks.0.weight", "blocks.3.weight")
+    assert group.stages == stages
+    if schedule == "zbv":
+        module = build_stage_chunks(job, [range(0, 1), range(3, 4)])
+        assert module.blocks["0"].weight is module.blocks["3"].weight
+        assert "blocks.3.weight" not in module.state_dict()  # kept once, canonical
+        # The same for layers= with an explicit tie: the chunks' layers share it.
+        layers = make_job(
+            schedule="zbv", virtual_stages=2, stages=2, tied=[("0.weight", "6.weight")]
+        )
+        chunks = build_stage_chunks(layers, [range(0, 2), range(6, 9)])
+        assert chunks["0"].weight is chunks["6"].weight
+        assert "6.weight" not in chunks.state_dict()

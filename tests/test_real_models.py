@@ -156,15 +156,21 @@ def test_model_split_by_name_with_tied_embeddings_and_dict_samples(tmp_path: Pat
 def test_a_whole_model_runs_in_chunks(tmp_path: Path, schedule: str) -> None:
     """model= under the chunked schedules: each stage holds two of the model's four
     chunks (embed + block 0 | block 1 | block 2 | block 3 + head), runs each through
-    a view of its pruned model, and trains the model a single process trains."""
+    a view of its pruned model, and trains the model a single process trains. The
+    tied embedding spans two stages under interleaved (chunks 0 and 3 on stages 0
+    and 1) and stays on one under zbv (both on stage 1)."""
     hooks = [{"type": "checkpoint", "on_stop": True}]
-    spec = write(tmp_path, "untied", 2, 3, schedule=schedule, virtual_stages=2, hooks=hooks)
+    spec = write(tmp_path, "model", 2, 3, schedule=schedule, virtual_stages=2, hooks=hooks)
     job = load_job(spec)
     assert [len(r) for r in partition(job)] == [2, 1, 1, 2]
     launch(spec, "--dump-weights", str(tmp_path / "weights"))
     parts = dumped(tmp_path / "weights")
     want, _ = reference(job, 3)
-    assert sorted(k for part in parts for k in part) == sorted(want)
+    tied = {"embed.tok.weight", "head.out.weight"}
+    held = [tied & set(part) for part in parts]
+    # Dumps hold every copy of a tied weight: each stage's own, or both names on one.
+    split = [{"embed.tok.weight"}, {"head.out.weight"}]
+    assert held == (split if schedule == "interleaved" else [set(), tied])
     for part in parts:
         for key, value in part.items():
             torch.testing.assert_close(value, want[key], rtol=0, atol=ATOL, msg=key)
@@ -175,7 +181,7 @@ def test_a_whole_model_runs_in_chunks(tmp_path: Path, schedule: str) -> None:
     assert ckpt is not None and ckpt.step == 3
     resumed = tmp_path / "resumed"
     resumed.mkdir()
-    plain = write(resumed, "untied", 3, 5)
+    plain = write(resumed, "model", 3, 5)
     launch(plain, "--resume", str(ckpt.path), "--dump-weights", str(resumed / "weights"))
     want5, _ = reference(job.with_overrides(max_steps=5), 5)
     for part in dumped(resumed / "weights"):
