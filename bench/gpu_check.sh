@@ -26,6 +26,9 @@
 #                   tensor over NCCL in both directions, values checked, bandwidth shown
 #   pipeline_cuda   (2 GPUs) evtrain launch examples/mlp.py --stages 2 --device cuda
 #                   --steps 20: activations and gradients between the stages over NCCL
+#   pipeline_zbv_cuda (2 GPUs) the same with --schedule zbv --virtual-stages 2: four
+#                   model chunks in a V, both directions over NCCL on each chunk's
+#                   own groups, the turn on stage 0 in GPU memory
 #   pipeline_bench  (2 GPUs) bench/pipeline_vs_torch.py, shortened to fit; it has no
 #                   device option, so it runs on CPU (its result says so)
 # Without an NVIDIA GPU (no nvidia-smi, or it lists none) every check is skipped with
@@ -355,11 +358,15 @@ fi
 if ((!DRY_RUN && (NV_GPUS < 2 || TORCH_GPUS < 2))); then
     reason="needs 2 GPUs: nvidia-smi lists $NV_GPUS, torch sees $TORCH_GPUS"
     record pipeline_cuda skipped 0 "$reason"
+    record pipeline_zbv_cuda skipped 0 "$reason"
     record pipeline_bench skipped 0 "$reason"
     finish
 fi
 run_check pipeline_cuda "$CHECK_TIMEOUT" "$SUMMARY" "$EVTRAIN" launch examples/mlp.py \
     --stages 2 --device "$DEVICE" --steps "$STEPS" --quiet --run-dir "$WORK/run-pipeline-cuda"
+run_check pipeline_zbv_cuda "$CHECK_TIMEOUT" "$SUMMARY" "$EVTRAIN" launch examples/mlp.py \
+    --stages 2 --device "$DEVICE" --schedule zbv --virtual-stages 2 --steps "$STEPS" --quiet \
+    --run-dir "$WORK/run-pipeline-zbv-cuda"
 
 # bench/pipeline_vs_torch.py takes no device option: it measures the CPU engines.
 if ((DRY_RUN)); then
