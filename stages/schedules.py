@@ -422,6 +422,13 @@ def _zbv(
         order.append(("W", v, weights[v]))
         weights[v] += 1
 
+    def backward(v: int) -> None:
+        # The next I, then the oldest W still owed: the same microbatch's until
+        # the cool-down defers some.
+        input_half(v)
+        weight_half(v)
+
+    # Warm-up: chunk 0's forwards, then chunk 1's interleaved, then whole backwards.
     for _ in range(2 * (P - rank) - 1):
         forward(0)
     for _ in range(rank):
@@ -429,22 +436,20 @@ def _zbv(
         forward(0)
     for _ in range(P - rank):
         forward(1)
-        input_half(1)
-        weight_half(1)
+        backward(1)
+    # Steady state: one forward and one backward per chunk.
     while forwards[1] < forwards[0] or forwards[0] < n:
         if forwards[0] < n:
             forward(0)
-        input_half(0)
-        weight_half(0)
+        backward(0)
         forward(1)
-        input_half(1)
-        weight_half(1)
+        backward(1)
+    # Cool-down: the I's first, then the W's that fill the drain.
     for _ in range(rank):
         input_half(0)
         input_half(1)
     for _ in range(P - rank):
-        input_half(0)
-        weight_half(0)
+        backward(0)
     for v in (1, 0):
         while weights[v] < inputs[v]:
             weight_half(v)
