@@ -755,6 +755,9 @@ def test_the_state_service_is_bounded_whatever_its_clients_do(ipc_bus: BusAddres
                 def steps() -> int:
                     return sum(isinstance(m, StepEnded) for m in fetch_snapshot(ipc_bus, 5))
 
+                # Waited for in the broker's own counters: polling ~800 KB snapshots
+                # in this process would hold the GIL its threads need to get there.
+                until(lambda: broker.stats().state.entries == 1 + stages, timeout=60)
                 until(lambda: steps() == stages)
                 until(lambda: broker.stats().state.ignored_events > 0)
             before = rss_bytes()
