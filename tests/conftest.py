@@ -15,6 +15,17 @@ from evtrain.bus.address import BusAddress
 from evtrain.bus.broker import Broker
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """SIGINT back to Python's default when the suite inherited it ignored.
+
+    A suite started as a background job of a script (``pytest ... &``) has SIGINT
+    ignored, and every process it starts would inherit that; the tests stop some
+    of them with SIGINT, as Ctrl-C in a terminal would.
+    """
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
