@@ -451,8 +451,13 @@ async def test_hostile_sequence_numbers_do_not_stop_a_hook(bus: BusAddress) -> N
 
 
 class AlwaysRaises(Hook):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
     @on(StepEnded)
     def check(self, ev: StepEnded) -> None:
+        self.calls += 1
         raise ValueError(f"boom at {ev.step}")
 
 
@@ -461,14 +466,17 @@ async def test_a_handler_raising_on_every_event_reports_a_few_tracebacks_then_co
 ) -> None:
     errors = await subscribed(bus, "hook.error")
     received: list[HookError] = []
+    hook = AlwaysRaises()
     with structlog.testing.capture_logs() as logs:
-        async with attached(AlwaysRaises(), bus=bus):
+        async with attached(hook, bus=bus):
             with stage_pub(bus) as pub:
                 for step in range(200):
                     pub.publish(StepEnded(step=step, stage=0))
             with anyio.fail_after(10):
                 while len(received) < HOOK_TRACEBACKS:
                     received += [m for m in await errors.receive() if isinstance(m, HookError)]
+            # Stopping before every event was handled would leave some uncounted.
+            await wait_until(lambda: hook.calls == 200, timeout=30)
         # Teardown reported the rest as one count.
         with anyio.fail_after(10):
             while sum(e.count for e in received) < 200:
