@@ -102,9 +102,12 @@ class RunState:
             self.ignored += 1
             return
         if self.run is None or self.run.run_id != msg.run_id:
+            # What arrived before its run's start (the broker reads steps on a socket
+            # of their own, so they may overtake it) is kept; older runs' is dropped.
             self.stages = {s: st for s, st in self.stages.items() if st.run_id == msg.run_id}
-            self.last_step.clear()
-            self.last_eval = None
+            self.last_step = {s: st for s, st in self.last_step.items() if st.run_id == msg.run_id}
+            if self.last_eval is not None and self.last_eval.run_id != msg.run_id:
+                self.last_eval = None
             self.ended = None
         self.run = msg
         # Entries learnt before the run's shape was known, outside it.

@@ -738,6 +738,18 @@ def test_run_state_holds_one_entry_per_stage_and_hook_of_the_run() -> None:
     assert len(kinds) == 1 + 2 + 2 + MAX_HOOKS
 
 
+def test_a_step_that_overtook_its_runs_start_stays_in_the_state() -> None:
+    state = RunState()
+    early, stale = StepEnded(step=5, stage=1), StepEnded(step=9, stage=0)
+    early.run_id, stale.run_id = "run-b", "run-a"
+    state.update(early)
+    state.update(stale)
+    start = run_started(2)
+    start.run_id = "run-b"
+    state.update(start)
+    assert state.last_step == {1: early}
+
+
 def test_the_state_service_is_bounded_whatever_its_clients_do(ipc_bus: BusAddress) -> None:
     ctx = zmq.Context()
     stages = 100
