@@ -22,7 +22,11 @@ zero bubble saves at this size.
 
 On a stage whose input needs no gradient (the first stage, or one fed only
 integers) I has nothing to send: it does nothing and W runs the whole
-backward, as torch's stages do on the first stage.
+backward, as torch's stages do on the first stage. The linear layers of such
+a stage (or model chunk) are left as they are: routing them too costs 5 % of
+their forward and backward time (four Linear(512, 512) + ReLU, 8 microbatches
+of 32 rows, one CPU thread: 12.0 against 11.4 ms of forwards, 29.0 against
+27.5 ms of backwards).
 """
 
 from __future__ import annotations
@@ -119,18 +123,21 @@ class SplitBackward:
     """The two halves of one stage's backward, microbatch by microbatch.
 
     Construct it before the stage's first forward: it routes every
-    ``nn.Linear`` of ``module`` through `_DeferredLinear`. `input_half` leaves
-    the input gradients in ``inputs[i].grad`` and every gradient of the
-    parameters that are not linear weights; `weight_half` adds the rest.
+    ``nn.Linear`` of the ``deferring`` modules (the parts of ``module`` whose
+    input takes a gradient: ``module`` itself or some of its model chunks)
+    through `_DeferredLinear`. `input_half` leaves the input gradients in
+    ``inputs[i].grad`` and every gradient of the parameters that are not
+    linear weights; `weight_half` adds the rest.
     """
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, deferring: Sequence[nn.Module]) -> None:
         self.params = [p for p in module.parameters() if p.requires_grad]
         self._store = _Store()
         self._deferred: dict[int, _Deferred] = {}
-        for layer in module.modules():
-            if type(layer) is nn.Linear:  # a subclass may compute something else
-                layer.forward = functools.partial(_linear_forward, layer, self._store)  # type: ignore[method-assign]
+        for part in deferring:
+            for layer in part.modules():
+                if type(layer) is nn.Linear:  # a subclass may compute something else
+                    layer.forward = functools.partial(_linear_forward, layer, self._store)  # type: ignore[method-assign]
 
     def input_half(
         self,

@@ -269,7 +269,13 @@ class StageExecutor:
         """Set (from another thread) when this process got SIGTERM/SIGINT."""
 
         self.lookahead = 0 if kind is Schedule.GPIPE else lookahead
-        self._split = SplitBackward(module) if kind.splits_backward else None
+        self._split = None
+        if kind.splits_backward:
+            # A chunk whose input takes no gradient has no I to do: its layers stay as they are.
+            takes_grad = [any(act.carries_grad for act, _ in by_size.values()) for by_size in specs]
+            self._split = SplitBackward(
+                module, [c for c, grad in zip(self.chunks, takes_grad, strict=True) if grad]
+            )
         program = build_schedule(
             job.schedule,
             stage,
