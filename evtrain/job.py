@@ -361,7 +361,14 @@ class Job:
 
     split_points: Sequence[str] | None = None
     """With `model`: the fully qualified names of the modules that begin stages 1..P-1,
-    e.g. ``["transformer.h.4"]``; ``None`` balances automatically (see `balance`)."""
+    at any depth, e.g. ``["transformer.h.4"]``; ``None`` balances automatically (see
+    `balance`)."""
+
+    pruned_forward: bool = False
+    """With `model`: the model's ``forward`` follows the pruned-model rules (skip a
+    unit that is ``None``, iterate containers, return the boundary value when the head
+    is absent; see docs/models.md), so stages drop other stages' units instead of
+    standing in for them. Any ``forward`` runs as written without it."""
 
     tied: Sequence[Sequence[str]] = ()
     """Groups of parameter names of the unsplit model that are one weight, e.g.
@@ -369,8 +376,10 @@ class Job:
     first name's initialization is used; gradients are summed over the group before
     clipping and the optimizer step. With `model`, shared parameters are found without this."""
 
-    loss_fn: LossFn
-    """``loss_fn(output, target) -> scalar tensor``, mean-reduced over the microbatch."""
+    loss_fn: LossFn | None
+    """``loss_fn(output, target) -> scalar tensor``, mean-reduced over the microbatch;
+    ``None`` when the model computes its own loss and returns it as ``output.loss``,
+    ``output["loss"]`` or a scalar (a Hugging Face model given ``labels``)."""
 
     optimizer: OptimizerFactory
     """``optimizer(params) -> torch.optim.Optimizer``, e.g.
@@ -594,9 +603,10 @@ class Job:
                 "name", f"expected letters, digits, '.', '_' or '-' (no spaces), got {self.name!r}"
             )
         self._validate_layers()
-        if not callable(self.loss_fn):
+        if self.loss_fn is not None and not callable(self.loss_fn):
             raise SpecError(
-                "loss_fn", f"expected a callable (output, target) -> loss, got {self.loss_fn!r}"
+                "loss_fn",
+                f"expected a callable (output, target) -> loss, or None, got {self.loss_fn!r}",
             )
         if not callable(self.optimizer) or isinstance(self.optimizer, torch.optim.Optimizer):
             raise SpecError(
@@ -714,6 +724,23 @@ class Job:
         except UsageError as exc:
             raise SpecError("virtual_stages", str(exc)) from None
 
+    def loss(self, output: Any, target: Any) -> torch.Tensor:
+        """The microbatch's loss: `loss_fn`, or the one the model returned."""
+        if self.loss_fn is not None:
+            return self.loss_fn(output, target)
+        loss = getattr(output, "loss", None)
+        if loss is None and isinstance(output, Mapping):
+            loss = output.get("loss")
+        if loss is None and isinstance(output, torch.Tensor) and output.dim() == 0:
+            loss = output
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(
+                "loss_fn is None, so the model must return its loss (output.loss, "
+                f"output['loss'] or a scalar tensor); it returned a {type(output).__name__} "
+                "without one (a Hugging Face model computes it when given labels=)"
+            )
+        return loss
+
     @property
     def num_chunks(self) -> int:
         """Model chunks: ``stages * virtual_stages`` (the units are split into these)."""
@@ -749,6 +776,10 @@ class Job:
             )
 
     def _validate_model_options(self) -> None:
+        if self.pruned_forward is not False and (
+            self.model is None or not isinstance(self.pruned_forward, bool)
+        ):
+            raise SpecError("pruned_forward", "expected True or False, with model=")
         if self.split_points is not None:
             if self.model is None:
                 raise SpecError("split_points", "applies to model=, not to layers=")

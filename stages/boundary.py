@@ -23,12 +23,16 @@ tree structure travels once as a small JSON document (`encode_specs`), never
 pickled and never per microbatch. Floating leaves that required grad on the
 sending side get their gradient back; integer and boolean leaves (ids, masks)
 travel forward only.
+
+A `StandIn` leaf (a value another stage computes, `evtrain.stages.standins`)
+is no leaf on the wire: the tree holds its shape and dtype, and the receiver
+rebuilds it, taking no memory.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +43,8 @@ from evtrain.errors import SpecError
 
 __all__ = [
     "BoundarySpec",
+    "StandIn",
+    "StandInUsed",
     "TensorSpec",
     "call",
     "decode_specs",
@@ -47,6 +53,7 @@ __all__ = [
     "map_tensors",
     "spec_of",
     "split",
+    "stand_in",
     "take",
     "unflatten",
 ]
@@ -70,6 +77,129 @@ _DTYPES: dict[str, torch.dtype] = {
     )
 }
 _NAMES = {d: n for n, d in _DTYPES.items()}
+
+# Reading a value (a branch, a Python number) rather than computing with it.
+READS = frozenset(
+    {
+        torch.Tensor.__bool__,
+        torch.Tensor.item,
+        torch.Tensor.tolist,
+        torch.Tensor.__int__,
+        torch.Tensor.__float__,
+        torch.Tensor.__index__,
+        torch.Tensor.numpy,
+        torch.is_nonzero,
+    }
+)
+# Results that depend on a tensor's shape, dtype and device only.
+SHAPE_ONLY = frozenset(
+    {
+        torch.Tensor.new_zeros,
+        torch.Tensor.new_ones,
+        torch.Tensor.new_empty,
+        torch.Tensor.new_full,
+        torch.Tensor.new_tensor,
+        torch.zeros_like,
+        torch.ones_like,
+        torch.empty_like,
+        torch.full_like,
+        torch.Tensor.size,
+        torch.Tensor.dim,
+        torch.Tensor.numel,
+        torch.Tensor.get_device,
+    }
+)
+
+
+def writes_into(func: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+    """The tensor ``func`` writes into, if it works in place; else None."""
+    name = getattr(func, "__name__", "")
+    if "out" in kwargs and isinstance(kwargs["out"], torch.Tensor):
+        return kwargs["out"]
+    if (
+        args
+        and isinstance(args[0], torch.Tensor)
+        and (name == "__setitem__" or (name.endswith("_") and not name.startswith("__")))
+    ):
+        return args[0]
+    return None
+
+
+def leaves_of(value: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in a nesting of tuples, lists and dicts (`ModelOutput` too)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, tuple | list):
+        for v in value:
+            yield from leaves_of(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from leaves_of(v)
+
+
+class StandInUsed(RuntimeError):
+    """A stage computed with a value that another stage holds."""
+
+
+class StandIn(torch.Tensor):
+    """Zeros standing in for a value that another stage computes.
+
+    Whatever is computed from a StandIn is a StandIn again, so model-level code
+    runs on it (for its shapes) while its value can never silently reach real
+    computation: reading it, writing it into a real tensor, or handing it to a
+    unit this stage holds raises `StandInUsed`.
+    """
+
+    @classmethod
+    def __torch_function__(
+        cls,
+        func: Callable[..., Any],
+        types: Any,
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func in READS:
+            raise StandInUsed(
+                "the model's forward reads a value that another stage computes "
+                f"({getattr(func, '__name__', func)} of a stand-in)"
+            )
+        target = writes_into(func, args, kwargs)
+        if target is not None and not isinstance(target, StandIn):
+            raise StandInUsed(
+                "the model's forward writes a value that another stage computes into a "
+                "tensor of this stage"
+            )
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **kwargs)
+        if func in SHAPE_ONLY or target is not None:
+            return target if target is not None else out
+        return _as_stand_ins(out)
+
+
+def _as_stand_ins(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and not isinstance(value, StandIn):
+        return value.as_subclass(StandIn)
+    if isinstance(value, tuple | list):
+        return type(value)(_as_stand_ins(v) for v in value)
+    return value
+
+
+_ZEROS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def stand_in(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> StandIn:
+    """A StandIn of ``shape`` and ``dtype`` on ``device``; it takes no memory."""
+    zero = _ZEROS.get((dtype, device))
+    if zero is None:
+        zero = _ZEROS[(dtype, device)] = torch.zeros((), dtype=dtype, device=device)
+    with torch._C.DisableTorchFunctionSubclass():
+        value = zero.expand(tuple(shape))
+    return value.as_subclass(StandIn)
+
+
+def is_stand_in(value: object) -> bool:
+    return isinstance(value, StandIn)
 
 
 @dataclass(frozen=True)
@@ -103,9 +233,10 @@ class BoundarySpec:
     tree: _Tree
     leaves: tuple[TensorSpec, ...]
 
-    def unflatten(self, tensors: Sequence[torch.Tensor]) -> Any:
-        """Rebuild the value from its leaves (the inverse of `flatten`)."""
-        return _build(self.tree, tensors)
+    def unflatten(self, tensors: Sequence[torch.Tensor], device: torch.device) -> Any:
+        """Rebuild the value from its leaves (the inverse of `flatten`), its
+        StandIns on ``device``."""
+        return _build(self.tree, tensors, device)
 
     @property
     def carries_grad(self) -> bool:
@@ -130,20 +261,27 @@ def _describe(where: str, value: object) -> str:
     return f"{where} produced a {type(value).__name__}"
 
 
-def flatten(value: Any, where: str = "the layer") -> tuple[_Tree, list[torch.Tensor]]:
+def flatten(
+    value: Any, where: str = "the layer", *, wire: bool = True
+) -> tuple[_Tree, list[torch.Tensor]]:
     """The structure of ``value`` and its tensor leaves, depth first.
 
     ``where`` names the producer in the `SpecError` for an unsupported leaf.
+    On the ``wire`` a `StandIn` is part of the structure, not a leaf.
     """
     leaves: list[torch.Tensor] = []
-    tree = _walk(value, "", where, leaves)
+    tree = _walk(value, "", where, leaves, wire)
     return tree, leaves
 
 
-def _walk(node: Any, path: str, where: str, leaves: list[torch.Tensor]) -> _Tree:
+def _walk(node: Any, path: str, where: str, leaves: list[torch.Tensor], wire: bool) -> _Tree:
     # A module-level function, not a closure over ``leaves``: a recursive
     # closure is a reference cycle that would keep every leaf (activations,
     # whole batches) alive until the cyclic garbage collector runs.
+    if wire and isinstance(node, StandIn):
+        if node.dtype not in _NAMES:
+            raise SpecError("layers", f"{where} returned a {node.dtype} tensor at {path}")
+        return {"z": [list(node.shape), _NAMES[node.dtype]]}
     if isinstance(node, torch.Tensor):
         if node.dtype not in _NAMES:
             raise SpecError(
@@ -158,14 +296,14 @@ def _walk(node: Any, path: str, where: str, leaves: list[torch.Tensor]) -> _Tree
     if isinstance(node, tuple | list):
         return {
             "t" if isinstance(node, tuple) else "l": [
-                _walk(v, f"{path}[{i}]", where, leaves) for i, v in enumerate(node)
+                _walk(v, f"{path}[{i}]", where, leaves, wire) for i, v in enumerate(node)
             ]
         }
     if isinstance(node, dict):
         for key in node:
             if not isinstance(key, str):
                 raise SpecError("layers", f"{where} returned a dict with a non-string key {key!r}")
-        return {"d": {k: _walk(v, f"{path}[{k!r}]", where, leaves) for k, v in node.items()}}
+        return {"d": {k: _walk(v, f"{path}[{k!r}]", where, leaves, wire) for k, v in node.items()}}
     raise SpecError(
         "layers",
         f"{_describe(where, node)} at {path or 'the top'}; only tensors, or tuples, "
@@ -173,21 +311,29 @@ def _walk(node: Any, path: str, where: str, leaves: list[torch.Tensor]) -> _Tree
     )
 
 
-def unflatten(tree: _Tree, tensors: Sequence[torch.Tensor]) -> Any:
-    """Rebuild a value from the structure and leaves `flatten` returned."""
-    return _build(tree, tensors)
+def unflatten(
+    tree: _Tree, tensors: Sequence[torch.Tensor], device: torch.device | None = None
+) -> Any:
+    """Rebuild a value from the structure and leaves `flatten` returned
+    (StandIns on ``device``, by default the first leaf's, else the CPU)."""
+    if device is None:
+        device = tensors[0].device if tensors else torch.device("cpu")
+    return _build(tree, tensors, device)
 
 
-def _build(tree: _Tree, tensors: Sequence[torch.Tensor]) -> Any:
+def _build(tree: _Tree, tensors: Sequence[torch.Tensor], device: torch.device) -> Any:
     if tree is None:
         return None
     if isinstance(tree, int):
         return tensors[tree]
     if "t" in tree:
-        return tuple(_build(t, tensors) for t in tree["t"])
+        return tuple(_build(t, tensors, device) for t in tree["t"])
     if "l" in tree:
-        return [_build(t, tensors) for t in tree["l"]]
-    return {k: _build(t, tensors) for k, t in tree["d"].items()}
+        return [_build(t, tensors, device) for t in tree["l"]]
+    if "z" in tree:
+        shape, dtype = tree["z"]
+        return stand_in(shape, _DTYPES[dtype], device)
+    return {k: _build(t, tensors, device) for k, t in tree["d"].items()}
 
 
 def spec_of(value: Any, where: str = "the layer") -> BoundarySpec:
@@ -209,14 +355,15 @@ def spec_of(value: Any, where: str = "the layer") -> BoundarySpec:
 def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], value: Any) -> Any:
     """``value`` with ``fn`` applied to every tensor leaf, the structure kept."""
     tree, leaves = flatten(value)
-    return _build(tree, [fn(t) for t in leaves])
+    mapped = [fn(t) for t in leaves]
+    return unflatten(tree, mapped)
 
 
 def split(value: Any, size: int) -> list[Any]:
     """``value`` cut along the first dimension of every leaf into pieces of ``size``."""
     tree, leaves = flatten(value)
     parts = [t.split(size) for t in leaves]
-    return [_build(tree, [p[i] for p in parts]) for i in range(len(parts[0]) if parts else 0)]
+    return [unflatten(tree, [p[i] for p in parts]) for i in range(len(parts[0]) if parts else 0)]
 
 
 def take(value: Any, indices: torch.Tensor, device: torch.device) -> Any:

@@ -593,7 +593,7 @@ class StageExecutor:
                 if leaf_spec.carries_grad
             ]
             self._in_leaves[k] = grad_leaves
-        self._inputs[k] = spec.unflatten(leaves)
+        self._inputs[k] = spec.unflatten(leaves, self.device)
 
     def _forward(self, m: int, v: int) -> None:
         k = v * self._n + m
@@ -614,7 +614,7 @@ class StageExecutor:
             if last and self._training:
                 target = self._targets[k]
                 assert target is not None
-                loss = self.job.loss_fn(out, target)
+                loss = self.job.loss(out, target)
         if last:
             if loss is not None:
                 self._losses[k] = loss
@@ -863,7 +863,7 @@ class StageExecutor:
         raw = n if job.eval_weight is None else job.eval_weight(target)
         weight = torch.as_tensor(raw, device=self.device).detach().double()
         self._eval_weight = weight if self._eval_weight is None else self._eval_weight + weight
-        values: dict[str, float | torch.Tensor] = {"loss": job.loss_fn(output, target)}
+        values: dict[str, float | torch.Tensor] = {"loss": job.loss(output, target)}
         for name, fn in job.metrics.items():
             obj = self._eval_objects.get(name)
             if obj is not None:

@@ -90,7 +90,8 @@ def infer_output_spec(
         [
             torch.zeros(s.shape, dtype=s.dtype, device=device).requires_grad_(s.requires_grad)
             for s in spec.leaves
-        ]
+        ],
+        device,
     )
     was_training = module.training
     module.eval()

@@ -59,6 +59,16 @@ from evtrain.errors import SpecError
 from evtrain.job import Job, LayerFactory
 from evtrain.stages.boundary import call, map_tensors, spec_of
 from evtrain.stages.schedules import chunk_place
+from evtrain.stages.standins import (
+    Absent,
+    ChunkPlan,
+    ForwardTrace,
+    as_inputs,
+    install,
+    plan_chunks,
+    replace_unit,
+    trace_forward,
+)
 from evtrain.stages.tied import TiedGroup, resolve_ties
 
 __all__ = [
@@ -119,18 +129,56 @@ def layer_param_counts(factories: Sequence[LayerFactory]) -> list[int]:
 # ------------------------------------------------------------------ model units
 
 
-def _expand(module: nn.Module, prefix: str) -> Iterator[str]:
+def _is_container(module: nn.Module) -> bool:
+    return isinstance(module, nn.ModuleList | nn.ModuleDict | nn.Sequential)
+
+
+def _is_stack(module: nn.Module) -> bool:
+    """A container of two or more modules of one type: a model's repeated blocks."""
+    items = list(module.children())
+    return _is_container(module) and len(items) >= 2 and len({type(m) for m in items}) == 1
+
+
+def _holds_stack(module: nn.Module) -> bool:
+    return any(
+        _is_stack(child) or (not _is_container(child) and _holds_stack(child))
+        for child in module.children()
+    )
+
+
+def _expand(module: nn.Module, prefix: str, pruned: bool) -> Iterator[str]:
+    """Units: containers are expanded; so are modules that hold a stack of blocks
+    (Hugging Face's ``model`` of ``LlamaForCausalLM``), except a stack's own items."""
+    in_stack = not pruned and _is_stack(module)
     for name, child in module.named_children():
         fqn = f"{prefix}{name}"
-        if isinstance(child, nn.ModuleList | nn.ModuleDict):
-            yield from _expand(child, fqn + ".")
+        if pruned:
+            expand = isinstance(child, nn.ModuleList | nn.ModuleDict)
+        else:
+            expand = _is_container(child) or (not in_stack and _holds_stack(child))
+        if expand:
+            yield from _expand(child, fqn + ".", pruned)
         else:
             yield fqn
 
 
-def model_unit_names(model: nn.Module) -> list[str]:
-    """The units of a model: submodules in registration order, containers expanded."""
-    names = list(_expand(model, ""))
+def model_unit_names(
+    model: nn.Module, split_points: Sequence[str] | None = None, *, pruned: bool = False
+) -> list[str]:
+    """The units of a model: submodules in registration order, containers and
+    modules holding a stack expanded, and units holding a split point expanded
+    until it is one."""
+    names = list(_expand(model, "", pruned))
+    for point in split_points or ():
+        while point not in names:
+            outer = next((n for n in names if point.startswith(n + ".")), None)
+            if outer is None:
+                break  # _split_sizes names the problem
+            at = names.index(outer)
+            inner = [f"{outer}.{n}" for n, _ in model.get_submodule(outer).named_children()]
+            if not inner:
+                break
+            names[at : at + 1] = inner
     if not names:
         raise SpecError("model", "the model has no submodules to place on stages")
     return names
@@ -158,16 +206,20 @@ def meta_units(job: Job) -> list[tuple[str, nn.Module]]:
             units.append((f"layer {i} ({type(module).__name__})", module))
         return units
     model = _on_meta("the model", job.model)
-    names = model_unit_names(model)
+    names = _model_units(job, model)
     _check_outside_params(model, names)
     return [(n, model.get_submodule(n)) for n in names]
+
+
+def _model_units(job: Job, model: nn.Module) -> list[str]:
+    return model_unit_names(model, job.split_points, pruned=job.pruned_forward)
 
 
 def unit_names(job: Job) -> list[str]:
     """The units' names: layer indices as strings, or a model's module names."""
     if job.layers is not None:
         return [str(i) for i in range(len(job.layers))]
-    return model_unit_names(_on_meta("the model", job.model))
+    return _model_units(job, _on_meta("the model", job.model))
 
 
 def _unit_params(job: Job) -> list[list[tuple[str, nn.Parameter]]]:
@@ -181,7 +233,7 @@ def _unit_params(job: Job) -> list[list[tuple[str, nn.Parameter]]]:
             for i, f in enumerate(job.layers)
         ]
     model = _on_meta("the model", job.model)
-    names = model_unit_names(model)
+    names = _model_units(job, model)
     _check_outside_params(model, names)
     return [
         [
@@ -376,7 +428,7 @@ def _model_costs(job: Job) -> list[float]:
     from torch.utils.flop_counter import FlopCounterMode
 
     model = _on_meta("the model", job.model)
-    names = model_unit_names(model)
+    names = _model_units(job, model)
     counter = FlopCounterMode(display=False)
     flops = [0] * len(names)
     started: dict[int, int] = {}
@@ -416,6 +468,48 @@ def _check_model_stages(job: Job, ranges: Sequence[range]) -> None:
         value = _on_meta_run(where, lambda part=part, value=value: call(part, value))
         if stage < len(ranges) - 1:
             spec_of(value, where)
+
+
+def _as_written(job: Job) -> bool:
+    return job.model is not None and not job.pruned_forward
+
+
+def _trace(job: Job, model: nn.Module | None = None) -> ForwardTrace:
+    """One traced forward of the whole model on the first training microbatch.
+
+    Without ``model`` (planning before launch) it runs on the meta device,
+    or, for a forward that reads values (a mask's), on a model built on the
+    CPU; with ``model`` (a stage's, still whole) on that, its buffers (BatchNorm
+    statistics) left as they were.
+    """
+    if model is None:
+        meta = _on_meta("the model", job.model)
+        inputs = as_inputs(_meta_example(job))  # the data are read outside the meta context
+        try:
+            with torch.device("meta"):
+                return trace_forward(meta, inputs, _model_units(job, meta))
+        except Exception as exc:
+            log.debug("tracing on the cpu", reason=f"{type(exc).__name__}: {exc}")
+            model = _build_model(job)
+    names = _model_units(job, model)
+    saved = {n: b.clone() for n, b in model.named_buffers()}
+    try:
+        return trace_forward(model, as_inputs(example_microbatch(job)), names)
+    except SpecError:
+        raise
+    except Exception as exc:
+        raise SpecError(
+            "model", f"its forward failed on the first microbatch: {type(exc).__name__}: {exc}"
+        ) from exc
+    finally:
+        with torch.no_grad():
+            for name, buffer in model.named_buffers():
+                buffer.copy_(saved[name])
+
+
+def chunk_plans(job: Job, model: nn.Module | None = None) -> list[ChunkPlan]:
+    """What each model chunk of an as-written ``job.model`` keeps, stands in for and sends."""
+    return plan_chunks(_trace(job, model), unit_names(job), partition(job))
 
 
 @dataclass(frozen=True)
@@ -481,7 +575,9 @@ def plan_split(job: Job) -> SplitPlan:
         sizes = _balanced_split(costs, job.num_chunks) if costs is not None else None
         ranges = partition(job, balance=sizes if sizes is not None else "params")
         tied_groups(job, ranges)
-    if job.model is not None and costs is not None:
+    if _as_written(job):
+        chunk_plans(job)
+    elif job.model is not None and costs is not None:
         try:
             _check_model_stages(job, ranges)
         except SurveyUnavailable as exc:
@@ -605,16 +701,26 @@ def build_stage_chunks(
         kept = sorted({i for r in unit_ranges for i in r})
         module = _build_model(job)
         _check_outside_params(module, names)
-        _prune(module, names, kept)
+        plans = chunk_plans(job, module) if _as_written(job) else None
+        if plans is not None:
+            for i in set(range(len(names))) - set(kept):
+                if names[i] in plans[0].chunk_of:
+                    replace_unit(module, names[i], Absent())
+        else:
+            _prune(module, names, kept)
         # Moved before the views are made: a move replaces buffers, which the
         # views share by identity.
         module.to(device)
+        ranges = partition(job)
         views = []
         for r in unit_ranges:
             units = [module.get_submodule(names[i]) for i in r]
             shared = {id(x): x for x in (*module.parameters(), *module.buffers(), *units)}
             view = copy.deepcopy(module, memo=shared)
-            _prune(view, names, r)
+            if plans is not None:
+                install(view, names, r, plans[ranges.index(r)])
+            else:
+                _prune(view, names, r)
             vars(view).update(layer_range=r, tied_aliases={})
             views.append(view)
         vars(module)["chunks"] = views
@@ -727,7 +833,11 @@ def build_stage_module(
     else:
         module = _build_model(job)
         _check_outside_params(module, names)
-        _prune(module, names, unit_range)
+        if _as_written(job):
+            plans = chunk_plans(job, module)
+            install(module, names, unit_range, plans[partition(job).index(unit_range)])
+        else:
+            _prune(module, names, unit_range)
     # Plain attributes, read back by `stage_units` and `stage_aliases`.
     vars(module).update(layer_range=unit_range, tied_aliases=_tie_locally(module, tied_groups(job)))
     return module.to(device)

@@ -156,7 +156,8 @@ def _received(leaves: Sequence[torch.Tensor], spec: BoundarySpec) -> Any:
         [
             t.detach().to("meta").requires_grad_(s.requires_grad)
             for t, s in zip(leaves, spec.leaves, strict=True)
-        ]
+        ],
+        torch.device("meta"),
     )
 
 

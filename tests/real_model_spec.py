@@ -101,7 +101,7 @@ class TinyGPT(nn.Module):
 
 
 class UnawareGPT(TinyGPT):
-    """Breaks the split contract: its forward always uses the embedding."""
+    """Breaks the pruned-forward rules: its forward always uses the embedding."""
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Any:
         assert self.embed is not None

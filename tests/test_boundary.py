@@ -31,7 +31,7 @@ def test_specs_round_trip_through_the_wire_format() -> None:
     (back,) = decode_specs(encode_specs([spec]))
     assert back == spec
     _tree, leaves = flatten(value)
-    rebuilt = back.unflatten(leaves)
+    rebuilt = back.unflatten(leaves, torch.device("cpu"))
     assert isinstance(rebuilt, tuple) and isinstance(rebuilt[2], list)
     assert rebuilt[1]["none"] is None and rebuilt[1]["mask"] is leaves[1]
 

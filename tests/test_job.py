@@ -708,7 +708,9 @@ class Chain(nn.Module):
 def test_model_chunks_are_views_of_one_pruned_stage_model() -> None:
     """A model= stage of two chunks keeps both chunks' units in one model (what it
     optimizes and saves) and runs each chunk through a view sharing its tensors."""
-    job = make_job(layers=None, model=Chain, schedule="zbv", virtual_stages=2, stages=2)
+    job = make_job(
+        layers=None, model=Chain, schedule="zbv", virtual_stages=2, stages=2, pruned_forward=True
+    )
     module = build_stage_chunks(job, [range(1, 2), range(2, 3)])
     assert sorted(module.state_dict()) == [
         "blocks.1.bias", "blocks.1.weight", "blocks.2.bias", "blocks.2.weight", "scale"
@@ -738,6 +740,7 @@ def test_ties_between_chunks_resolve_to_the_stages_holding_them(
         schedule=schedule,
         virtual_stages=2,
         stages=2,
+        pruned_forward=True,
     )
     (group,) = tied_groups(job, partition(job))
     assert group.names == ("blocks.0.weight", "blocks.3.weight")

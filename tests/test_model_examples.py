@@ -639,6 +639,7 @@ def _llama_job(config: LlamaConfig, stages: int, seed: int = 0, **split: Any) ->
         num_microbatches=2,
         max_steps=1,
         seed=seed,
+        pruned_forward=True,
         **split,
     )
 

@@ -23,7 +23,7 @@ from evtrain.data import DataStream
 from evtrain.errors import SpecError
 from evtrain.job import Job
 from evtrain.spec import load_job
-from evtrain.stages.boundary import split, take
+from evtrain.stages.boundary import call, split, take
 from evtrain.stages.partition import build_full_model, partition, plan_split
 from evtrain.stages.precision import LossScaler, autocast
 
@@ -66,7 +66,7 @@ def reference(job: Job, steps: int) -> tuple[dict[str, torch.Tensor], list[bool]
         optimizer.zero_grad()
         for x, y in zip(inputs, targets, strict=True):
             with autocast(job.precision, device):
-                loss = job.loss_fn(model(**x), y)
+                loss = job.loss(call(model, x), y)
             scale = scaler.scale if scaler is not None else 1.0
             (loss * scale / len(inputs)).backward()
         if scaler is not None:
@@ -251,7 +251,11 @@ def test_bad_model_input_is_refused_before_any_process(tmp_path: Path) -> None:
     # The same check, in process, for the other mistakes.
     for kind, fields, says in (
         ("layers", {"tied": [("0.nope.weight", "5.out.weight")]}, "'0.nope.weight' is not a"),
-        ("unaware", {"split_points": ["blocks.2"]}, "this stage does not hold"),
+        (
+            "unaware",
+            {"split_points": ["blocks.2"], "pruned_forward": True},
+            "this stage does not hold",
+        ),
         ("bad_leaf", {}, r"layer 1 \(CountingBlock\) produced a int at \[1\]"),
     ):
         with pytest.raises(SpecError, match=says):
