@@ -39,6 +39,15 @@ stages spent blocked on each other, summed over the stages (each stage's
 ``StepEnded.comm_wait_s``: point-to-point waits and the step boundary's
 control exchange), per step.
 
+The same decoder given as one model measures what running a model's own
+forward costs: its plain forward run as written (stand-ins for the other
+stage's units, ``evtrain_unmodified``) against the same decoder written to
+the pruning rules (``evtrain_rules``, ``pruned_forward=True``), and Hugging
+Face's ``LlamaForCausalLM`` of the same size, unmodified, at P = 2 against
+one process training it on the same microbatches (``single_hf_llama``);
+torch's tracer (``pipeline()``) is tried on that model and the summary says
+whether it splits it (``torch_tracer_hf_llama``).
+
 A second model checks structured stage boundaries: a small pre-LN decoder
 (token + position embedding, 4 blocks of 4-head causal attention and a 4x
 MLP, a LayerNorm + linear head; width 128, sequence 32, vocabulary 256) on
@@ -241,6 +250,134 @@ job = Job(
     threads=1,
 )
 """
+
+
+class Decoder(nn.Module):
+    """The same decoder as one model with a plain forward, as its author would write it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed: nn.Module | None = Embed()
+        self.blocks = nn.ModuleList(Block() for _ in range(T_BLOCKS))
+        self.head: nn.Module | None = Head()
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        assert self.embed is not None and self.head is not None
+        hidden, mask = self.embed(input_ids, attention_mask)
+        for block in self.blocks:
+            hidden, mask = block(hidden, mask)
+        return self.head(hidden, mask)
+
+
+class RulesDecoder(Decoder):
+    """The same decoder written to the pruning rules (``pruned_forward=True``)."""
+
+    def forward(self, *value: torch.Tensor) -> Any:  # type: ignore[override]
+        if self.embed is not None:
+            value = self.embed(*value)
+        for block in self.blocks:
+            value = block(*value)
+        return value if self.head is None else self.head(*value)
+
+
+def hf_llama() -> nn.Module:
+    """Hugging Face's LlamaForCausalLM sized like the decoder, unmodified."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=T_VOCAB,
+        hidden_size=T_WIDTH,
+        intermediate_size=4 * T_WIDTH,
+        num_hidden_layers=T_BLOCKS,
+        num_attention_heads=T_HEADS,
+        num_key_value_heads=T_HEADS,
+        max_position_embeddings=T_SEQ,
+        use_cache=False,
+    )
+    return LlamaForCausalLM(config)
+
+
+def hf_loss(output: Any, labels: torch.Tensor) -> torch.Tensor:
+    return transformer_loss(output.logits, labels)
+
+
+def model_spec(factory: str, loss: str, pruned: bool) -> str:
+    """A job spec of the decoder given as one model (``factory`` in this file)."""
+    return f"""
+import functools
+import sys
+import torch
+sys.path.append({str(Path(__file__).resolve().parent)!r})
+import pipeline_vs_torch as bench
+from evtrain.job import Job
+
+job = Job(
+    name="bench-{factory}",
+    model=bench.{factory},
+    pruned_forward={pruned},
+    split_points=["{"blocks.2" if "Decoder" in factory else "model.layers.2"}"],
+    loss_fn=bench.{loss},
+    optimizer=functools.partial(torch.optim.SGD, lr=1e-3),
+    train_data=bench.transformer_samples,
+    input_keys=("input_ids", "attention_mask"),
+    target_keys="labels",
+    batch_size={T_BATCH},
+    num_microbatches={MICROBATCHES},
+    max_steps=10,
+    stages={STAGES},
+    threads=1,
+)
+"""
+
+
+MODEL_SPECS = {
+    "evtrain_unmodified": model_spec("Decoder", "transformer_loss", False),
+    "evtrain_rules": model_spec("RulesDecoder", "transformer_loss", True),
+    "evtrain_hf_llama": model_spec("hf_llama", "hf_loss", False),
+}
+"""The decoder as one model: its plain forward as written, the same decoder written
+to the pruning rules, and Hugging Face's Llama as written."""
+
+
+def single_hf_llama_worker(steps: int, warmup: int) -> float:
+    """One process trains the Hugging Face Llama on the same microbatches; steps/s."""
+    _maybe_pin()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = hf_llama()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    data = transformer_samples()
+    batch = {k: v[:T_BATCH].split(T_MICROBATCH) for k, v in data.items()}
+    start = 0.0
+    for i in range(warmup + steps):
+        if i == warmup:
+            start = time.perf_counter()
+        for ids, mask, labels in zip(*batch.values(), strict=True):
+            out = model(input_ids=ids, attention_mask=mask)
+            (hf_loss(out, labels) / MICROBATCHES).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return steps / (time.perf_counter() - start)
+
+
+def torch_tracer_on_hf_llama() -> str:
+    """Whether torch.distributed.pipelining's tracer splits the same model: "ok", or why not."""
+    from torch.distributed.pipelining import SplitPoint, pipeline
+
+    model = hf_llama()
+    data = transformer_samples()
+    args = (data["input_ids"][:T_MICROBATCH],)
+    kwargs = {"attention_mask": data["attention_mask"][:T_MICROBATCH]}
+    try:
+        pipeline(
+            model,
+            mb_args=args,
+            mb_kwargs=kwargs,
+            split_spec={"model.layers.2": SplitPoint.BEGINNING},
+        )
+    except Exception as exc:
+        return f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+    return "ok"
 
 
 class _Chain(nn.Module):
@@ -552,8 +689,17 @@ KINDS = (
     "sequential",
     "evtrain_transformer",
     "torch_transformer",
+    *MODEL_SPECS,
+    "single_hf_llama",
 )
-HEADLINE_ONLY = {"evtrain_gpipe", "torch_gpipe", "evtrain_transformer", "torch_transformer"}
+HEADLINE_ONLY = {
+    "evtrain_gpipe",
+    "torch_gpipe",
+    "evtrain_transformer",
+    "torch_transformer",
+    *MODEL_SPECS,
+    "single_hf_llama",
+}
 
 
 def _grid(text: str) -> list[tuple[int, int]]:
@@ -635,6 +781,10 @@ def main() -> None:
         transformer_spec = Path(tmp) / "bench_transformer_spec.py"
         transformer_spec.write_text(TRANSFORMER_SPEC)
         t_steps, t_warmup = args.transformer_steps, args.transformer_warmup
+        model_specs = {}
+        for kind, text in MODEL_SPECS.items():
+            model_specs[kind] = Path(tmp) / f"bench_{kind}_spec.py"
+            model_specs[kind].write_text(text)
         for repeat in range(args.repeats):
             # Reversed every other repeat: slow drift of the machine's load cancels.
             for kind, P, M in runs if repeat % 2 == 0 else runs[::-1]:
@@ -645,6 +795,11 @@ def main() -> None:
                     idle[kind, P, M].append(waited)
                 elif kind == "torch_transformer":
                     rate = float(_launch(P, torch_transformer_worker, t_steps, t_warmup)[0])
+                elif kind in model_specs:
+                    rate, waited = run_evtrain(model_specs[kind], "1f1b", t_steps, t_warmup, kind)
+                    idle[kind, P, M].append(waited)
+                elif kind == "single_hf_llama":
+                    rate = float(_launch(1, single_hf_llama_worker, t_steps, t_warmup)[0])
                 elif kind.startswith("evtrain_"):
                     schedule = kind.split("_")[1]
                     rate, waited = run_evtrain(
@@ -668,7 +823,8 @@ def main() -> None:
                     f"{rate:6.2f} steps/s",
                     flush=True,
                 )
-    _report(results, idle, grid, args)
+    tracer = torch_tracer_on_hf_llama() if "evtrain_hf_llama" in chosen else None
+    _report(results, idle, grid, args, tracer)
 
 
 def _report(
@@ -676,6 +832,7 @@ def _report(
     idle: dict[tuple[str, int, int], list[float]],
     grid: list[tuple[int, int]],
     args: argparse.Namespace,
+    tracer: str | None,
 ) -> None:
     def med(kind: str, P: int, M: int) -> float | None:
         if kind == "sequential":  # run once per M, at the first P that has it
@@ -776,6 +933,16 @@ def _report(
         f"evtrain/torch 1F1B decoder {fmt(ratio_transformer)}  "
         f"(per repeat: {' '.join(map(str, per_repeat_transformer))})"
     )
+    unmodified = ratio(med("evtrain_unmodified", P, M), med("evtrain_rules", P, M))
+    hf_single = ratio(med("evtrain_hf_llama", P, M), med("single_hf_llama", P, M))
+    print(
+        f"decoder as one model, plain forward / pruning rules {fmt(unmodified)}  (per repeat: "
+        f"{' '.join(map(str, per_repeat('evtrain_unmodified', 'evtrain_rules', P, M)))})"
+    )
+    print(
+        f"Hugging Face Llama as written, P={P} / one process {fmt(hf_single)}; "
+        f"torch's tracer on it: {tracer}"
+    )
     summary = {
         "evtrain_1f1b_steps_per_s": headline["evtrain_1f1b_steps_per_s"],
         "torch_1f1b_steps_per_s": headline["torch_1f1b_steps_per_s"],
@@ -803,6 +970,14 @@ def _report(
         "torch_transformer_steps_per_s": rounded(med("torch_transformer", P, M)),
         "ratio_transformer_tuple": rounded(ratio_transformer),
         "ratio_transformer_tuple_per_repeat": per_repeat_transformer,
+        "ratio_unmodified_vs_rules": rounded(unmodified),
+        "ratio_unmodified_vs_rules_per_repeat": per_repeat(
+            "evtrain_unmodified", "evtrain_rules", P, M
+        ),
+        "ratio_hf_llama_vs_single": rounded(hf_single),
+        "evtrain_hf_llama_steps_per_s": rounded(med("evtrain_hf_llama", P, M)),
+        "single_hf_llama_steps_per_s": rounded(med("single_hf_llama", P, M)),
+        "torch_tracer_hf_llama": tracer,
         "grid": rows,
         "steps": args.steps,
         "warmup": args.warmup,

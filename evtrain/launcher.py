@@ -630,6 +630,8 @@ class Launcher:
             self.warnings += choice.warnings()
         if opts.load_weights is not None:
             path = Path(opts.load_weights).expanduser().resolve()
+            if path.is_dir() and (path / "model.safetensors").is_file():
+                path = path / "model.safetensors"  # a save_pretrained directory
             if path.is_file() and path.suffix == ".safetensors":
                 self.load_weights_path = path
             elif path.is_file():

@@ -12,10 +12,11 @@ puts the embeddings and blocks 0-1 on stage 0 and blocks 2-3, the final norm
 and the head on stage 1. The tied weight then lives on both stages and is
 kept equal.
 
-Every stage builds the whole model from the same seed and keeps only its own
-modules; the others are ``None`` (or removed from their container). So the
-``forward`` follows three rules, which is all a model needs to be split by
-name:
+Any model's own ``forward`` runs unchanged on every stage (see
+``examples/hf_llama.py``); this one takes the faster ``pruned_forward=True``
+path instead. Every stage builds the whole model from the same seed and keeps
+only its own modules; the others are ``None`` (or removed from their
+container). So the ``forward`` follows three rules:
 
 * skip a module that is not there (``x = wte(x) if wte is not None else x``),
 * iterate the blocks that are there,
@@ -348,6 +349,7 @@ def make_job() -> Job:
         name="gpt",
         model=functools.partial(GPT, GPTConfig()),
         split_points=["transformer.h.2"],
+        pruned_forward=True,
         input_keys=("input_ids", "attention_mask"),
         target_keys="labels",
         loss_fn=lm_loss,

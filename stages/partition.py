@@ -81,6 +81,7 @@ __all__ = [
     "build_stage_chunks",
     "build_stage_module",
     "layer_param_counts",
+    "meta_model",
     "meta_units",
     "partition",
     "plan_split",
@@ -114,6 +115,13 @@ def _on_meta(what: str, factory: Any) -> nn.Module:
             f"{what} factory returned {type(module).__name__}, not an nn.Module",
         )
     return module
+
+
+def meta_model(job: Job) -> nn.Module:
+    """``job.model`` built on the meta device: its structure and config, no storage."""
+    if job.model is None:
+        raise SpecError("model", "the job gives layers=, not a model")
+    return _on_meta("the model", job.model)
 
 
 def layer_param_counts(factories: Sequence[LayerFactory]) -> list[int]:

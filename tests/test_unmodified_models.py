@@ -195,24 +195,8 @@ def write(directory: Path, name: str, stages: int, steps: int, **fields: Any) ->
     return spec
 
 
-LAUNCHED = [
-    ("nanogpt", (1, 2, 4)),
-    ("llama_style", (2, 4)),
-    ("cnn", (2, 4)),
-    ("unet", (2, 4)),
-    ("hf_llama", (1, 2, 4)),
-    ("hf_qwen2", (2,)),
-    ("hf_gpt2", (2, 4)),
-    ("hf_bert", (2,)),
-    ("hf_llama_own_loss", (2,)),
-]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(("name", "stage_counts"), LAUNCHED, ids=[n for n, _ in LAUNCHED])
-def test_launched_runs_train_as_one_process(
-    tmp_path: Path, name: str, stage_counts: tuple[int, ...]
-) -> None:
+def train_and_compare(tmp_path: Path, name: str, stage_counts: tuple[int, ...]) -> None:
+    """Launch ``name`` at each stage count; every run's weights equal one process's."""
     steps = 5
     want, _ = reference(load_job(write(tmp_path, name, 1, steps)), steps)
     for stages in stage_counts:
@@ -228,5 +212,29 @@ def test_launched_runs_train_as_one_process(
         assert params <= set(got) | _aliases(load_job(spec)), sorted(params - set(got))
 
 
+# The other models launch in tests/test_unmodified_launch.py, so that the two
+# halves run side by side.
+LAUNCHED = [("hf_llama", (2, 4)), ("llama_style", (4,)), ("hf_qwen2", (2,))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "stage_counts"), LAUNCHED, ids=[n for n, _ in LAUNCHED])
+def test_launched_runs_train_as_one_process(
+    tmp_path: Path, name: str, stage_counts: tuple[int, ...]
+) -> None:
+    train_and_compare(tmp_path, name, stage_counts)
+
+
 def _aliases(job: Job) -> set[str]:
     return {n for g in tied_groups(job) for n in g.names[1:]}
+
+
+@pytest.mark.parametrize("name", ["hf_llama", "hf_gpt2", "hf_bert"])
+def test_hugging_face_examples_split_as_they_are(name: str) -> None:
+    job = load_job(TESTS_DIR.parent / "examples" / f"{name}.py")
+    assert plan_split(job).sizes[0] < len(unit_names(job))
+    want_out, want_grads = whole(job)
+    got_out, got_grads = chained(job)
+    torch.testing.assert_close(got_out.logits, want_out.logits, atol=ATOL, rtol=0)
+    for key, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[key], grad, atol=ATOL, rtol=0, msg=key)

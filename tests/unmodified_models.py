@@ -300,6 +300,7 @@ MODELS: dict[str, Any] = {
     "hf_bert": (hf_bert, ("input_ids", "attention_mask"), "classes", class_loss),
     # The model computes its own loss from labels= (Hugging Face's convention).
     "hf_llama_own_loss": (hf_llama, ("input_ids", "attention_mask", "labels"), "labels", None),
+    "hf_gpt2_own_loss": (hf_gpt2, ("input_ids", "attention_mask", "labels"), "labels", None),
 }
 
 

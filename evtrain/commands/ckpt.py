@@ -8,7 +8,10 @@
   for a run directory also that no checkpoint's manifest is corrupt.
 * ``evtrain ckpt export CKPT -o FILE`` — one safetensors file of the whole
   model, keys as in the unsplit ``nn.Sequential`` (``"3.weight"``), loadable
-  with ``build_full_model(job).load_state_dict(safetensors.torch.load_file(FILE))``.
+  with ``build_full_model(job).load_state_dict(safetensors.torch.load_file(FILE))``;
+  ``--hf DIR`` writes a Hugging Face model directory instead
+  (``model.safetensors``, and ``config.json`` when the run's model has a
+  config), which ``Cls.from_pretrained(DIR)`` loads.
 
 ``CKPT`` is a checkpoint directory or a run directory (its latest committed
 checkpoint). Torch is imported only by ``export``.
@@ -71,7 +74,20 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         ),
     )
     export.add_argument("ckpt", metavar="CKPT", help="checkpoint directory or run directory")
-    export.add_argument("-o", "--output", required=True, metavar="FILE", help="output file")
+    where = export.add_mutually_exclusive_group(required=True)
+    where.add_argument("-o", "--output", metavar="FILE", help="output file")
+    where.add_argument(
+        "--hf",
+        metavar="DIR",
+        help="write a Hugging Face model directory: model.safetensors, and config.json "
+        "when the job's model has a config (Cls.from_pretrained(DIR) loads it)",
+    )
+    export.add_argument(
+        "--spec",
+        metavar="FILE",
+        help="with --hf: the job spec whose model's config to write (default: the run's, "
+        "from its run.json)",
+    )
     export.set_defaults(func=run_export)
 
 
@@ -167,9 +183,17 @@ def run_export(args: argparse.Namespace) -> int:
     """Write the consolidated safetensors file atomically."""
     path = resolve_resume(args.ckpt)
     manifest = read_manifest(path)
-    out = Path(args.output).expanduser()
-    if not out.parent.is_dir():
-        raise UsageError(f"output directory {out.parent} does not exist")
+    if args.hf is not None:
+        hf_dir = Path(args.hf).expanduser()
+        if hf_dir.exists() and not hf_dir.is_dir():
+            raise UsageError(f"--hf: {hf_dir} is a file, not a directory")
+        spec = _spec_of(path, args.spec)
+        hf_dir.mkdir(parents=True, exist_ok=True)
+        out = hf_dir / "model.safetensors"
+    else:
+        out = Path(args.output).expanduser()
+        if not out.parent.is_dir():
+            raise UsageError(f"output directory {out.parent} does not exist")
     # torch only now: mistakes above are reported without the import cost.
     from safetensors.torch import save_file
 
@@ -194,4 +218,37 @@ def run_export(args: argparse.Namespace) -> int:
             tmp.unlink()
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     print(f"wrote {out}: {len(tensors)} tensors, {_size(nbytes)} (step {manifest.step} of {path})")
+    if args.hf is not None:
+        print(_write_config(spec, out.parent))
     return 0
+
+
+def _spec_of(ckpt: Path, given: str | None) -> Path | None:
+    """The job spec of the run that wrote ``ckpt``: ``given``, else its run.json's."""
+    if given is not None:
+        spec = Path(given).expanduser()
+        if not spec.is_file():
+            raise UsageError(f"--spec: {spec} is not a file")
+        return spec
+    from evtrain.run_record import read_run_record
+
+    for directory in ckpt.parents:
+        record = read_run_record(directory)
+        if record is not None and record.get("spec"):
+            spec = Path(record["spec"])
+            return spec if spec.is_file() else None
+    return None
+
+
+def _write_config(spec: Path | None, directory: Path) -> str:
+    """Write the config.json of the spec's model, if it has one; what was done, in a line."""
+    if spec is None:
+        return "no config.json: the run's job spec is not found (give --spec FILE)"
+    from evtrain.spec import load_job
+    from evtrain.stages.partition import meta_model
+
+    config = getattr(meta_model(load_job(spec)), "config", None)
+    if config is None or not hasattr(config, "save_pretrained"):
+        return f"no config.json: the model of {spec} has no Hugging Face config"
+    config.save_pretrained(str(directory))
+    return f"wrote {directory / 'config.json'} ({type(config).__name__} of {spec})"
