@@ -272,7 +272,9 @@ class Decoder(nn.Module):
 class RulesDecoder(Decoder):
     """The same decoder written to the pruning rules (``pruned_forward=True``)."""
 
-    def forward(self, *value: torch.Tensor) -> Any:  # type: ignore[override]
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Any:
+        # A later stage receives (hidden, mask) in place of the two inputs.
+        value: Any = (input_ids, attention_mask)
         if self.embed is not None:
             value = self.embed(*value)
         for block in self.blocks:

@@ -74,5 +74,6 @@ def make_job() -> Job:
         grad_clip=1.0,
         stages=2,
         threads=1,
-        hooks=[dict(type="logging", every=10)],
+        # A checkpoint at the end, for `evtrain ckpt export RUN --hf DIR`.
+        hooks=[dict(type="logging", every=10), dict(type="checkpoint", on_stop=True)],
     )

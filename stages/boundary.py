@@ -31,6 +31,7 @@ rebuilds it, taking no memory.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -150,6 +151,9 @@ class StandIn(torch.Tensor):
     unit this stage holds raises `StandInUsed`.
     """
 
+    _z: list[Any] | None = None
+    """Its wire form (shape, dtype name), set by `stand_in`: read without dispatch."""
+
     @classmethod
     def __torch_function__(
         cls,
@@ -185,17 +189,20 @@ def _as_stand_ins(value: Any) -> Any:
     return value
 
 
-_ZEROS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
-
-
 def stand_in(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> StandIn:
     """A StandIn of ``shape`` and ``dtype`` on ``device``; it takes no memory."""
-    zero = _ZEROS.get((dtype, device))
-    if zero is None:
-        zero = _ZEROS[(dtype, device)] = torch.zeros((), dtype=dtype, device=device)
+    return _stand_in(tuple(shape), dtype, device)
+
+
+@functools.lru_cache(maxsize=4096)
+def _stand_in(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> StandIn:
+    # One object per spec: nothing can write into a StandIn (its elements share
+    # one memory location), so every stage's stand-ins of a shape may be it.
     with torch._C.DisableTorchFunctionSubclass():
-        value = zero.expand(tuple(shape))
-    return value.as_subclass(StandIn)
+        value = torch.zeros((), dtype=dtype, device=device).expand(shape).as_subclass(StandIn)
+    if dtype in _NAMES:
+        value._z = [list(shape), _NAMES[dtype]]  # its wire form, read without dispatch
+    return value
 
 
 def is_stand_in(value: object) -> bool:
@@ -279,9 +286,13 @@ def _walk(node: Any, path: str, where: str, leaves: list[torch.Tensor], wire: bo
     # closure is a reference cycle that would keep every leaf (activations,
     # whole batches) alive until the cyclic garbage collector runs.
     if wire and isinstance(node, StandIn):
-        if node.dtype not in _NAMES:
-            raise SpecError("layers", f"{where} returned a {node.dtype} tensor at {path}")
-        return {"z": [list(node.shape), _NAMES[node.dtype]]}
+        z = getattr(node, "_z", None)
+        if z is None:  # made by model-level code, not by `stand_in`
+            with torch._C.DisableTorchFunctionSubclass():
+                if node.dtype not in _NAMES:
+                    raise SpecError("layers", f"{where} returned a {node.dtype} tensor at {path}")
+                z = [list(node.shape), _NAMES[node.dtype]]
+        return {"z": z}
     if isinstance(node, torch.Tensor):
         if node.dtype not in _NAMES:
             raise SpecError(

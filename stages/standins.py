@@ -368,17 +368,15 @@ class _Chunk:
 
     def _mark(self, key: str, value: Any) -> Any:
         tree, leaves = flatten(value, key, wire=False)
-        marked = []
+        marked, changed = [], False
         for i, t in enumerate(leaves):
-            if f"{key}/{i}" in self.plan.send:
-                if isinstance(t, StandIn):
-                    raise StandInUsed(
-                        f"{key} is needed by a later stage but never reached this one"
-                    )
-                marked.append(t)
-            else:
-                marked.append(t if isinstance(t, StandIn) else stand_in(t.shape, t.dtype, t.device))
-        return unflatten(tree, marked)
+            sent = f"{key}/{i}" in self.plan.send
+            if sent and isinstance(t, StandIn):
+                raise StandInUsed(f"{key} is needed by a later stage but never reached this one")
+            if not sent and not isinstance(t, StandIn):
+                t, changed = stand_in(t.shape, t.dtype, t.device), True
+            marked.append(t)
+        return unflatten(tree, marked) if changed else value
 
 
 class _StandInUnit(nn.Module):
