@@ -28,9 +28,11 @@ from evtrain.stages.partition import (
     build_stage_module,
     partition,
     plan_split,
+    stage_unit_modules,
     tied_groups,
     unit_names,
 )
+from evtrain.stages.precision import checkpoint_layer
 
 pytest.importorskip("transformers")
 
@@ -46,11 +48,18 @@ def first_microbatch(job: Job) -> tuple[Any, Any]:
     return x, y
 
 
-def chained(job: Job) -> tuple[Any, dict[str, torch.Tensor]]:
+def chained(
+    job: Job, stages: list[torch.nn.Module] | None = None
+) -> tuple[Any, dict[str, torch.Tensor]]:
     """The last stage's output and every stage's parameter gradients (by unsplit
     name, tied copies summed) for the first microbatch, stage by stage."""
     x, y = first_microbatch(job)
-    stages = [build_stage_module(job, r) for r in partition(job)]
+    if stages is None:
+        stages = [build_stage_module(job, r) for r in partition(job)]
+    if job.activation_checkpointing:  # as the stage actor does
+        for stage in stages:
+            for unit in stage_unit_modules(job, stage):
+                checkpoint_layer(unit)
     value, sent = x, []
     for i, stage in enumerate(stages):
         out = call(stage, value)
@@ -195,12 +204,16 @@ def write(directory: Path, name: str, stages: int, steps: int, **fields: Any) ->
     return spec
 
 
-def train_and_compare(tmp_path: Path, name: str, stage_counts: tuple[int, ...]) -> None:
+def train_and_compare(
+    tmp_path: Path, name: str, stage_counts: tuple[int, ...], **fields: Any
+) -> None:
     """Launch ``name`` at each stage count; every run's weights equal one process's."""
     steps = 5
-    want, _ = reference(load_job(write(tmp_path, name, 1, steps)), steps)
+    # The same fields: with replicas a microbatch holds fewer samples, and a loss
+    # averaged over a microbatch's tokens depends on how they are grouped.
+    want, _ = reference(load_job(write(tmp_path, name, 1, steps, **fields)), steps)
     for stages in stage_counts:
-        spec = write(tmp_path, name, stages, steps)
+        spec = write(tmp_path, name, stages, steps, **fields)
         dump = tmp_path / f"dump{stages}"
         launch(spec, "--dump-weights", str(dump))
         got: dict[str, torch.Tensor] = {}
@@ -214,7 +227,7 @@ def train_and_compare(tmp_path: Path, name: str, stage_counts: tuple[int, ...]) 
 
 # The other models launch in tests/test_unmodified_launch.py, so that the two
 # halves run side by side.
-LAUNCHED = [("hf_llama", (2, 4)), ("llama_style", (4,)), ("hf_qwen2", (2,))]
+LAUNCHED = [("hf_llama", (2, 4)), ("llama_style", (4,))]
 
 
 @pytest.mark.slow
@@ -223,6 +236,25 @@ def test_launched_runs_train_as_one_process(
     tmp_path: Path, name: str, stage_counts: tuple[int, ...]
 ) -> None:
     train_and_compare(tmp_path, name, stage_counts)
+
+
+@pytest.mark.slow
+def test_two_replicas_of_a_hugging_face_pipeline_train_as_one_process(tmp_path: Path) -> None:
+    train_and_compare(tmp_path, "hf_qwen2", (2,), data_parallel=2)
+
+
+def test_activation_checkpointing_keeps_the_gradients() -> None:
+    """Hugging Face's Llama with every held unit checkpointed: the same gradients."""
+    job = job_of("hf_llama", 2, activation_checkpointing=True)
+    _, want_grads = whole(job)
+    stages = [build_stage_module(job, r) for r in partition(job)]
+    runs: list[str] = []
+    mlp = stages[1].get_submodule("model.layers.2.mlp")
+    mlp.register_forward_pre_hook(lambda *_: runs.append("mlp"))
+    _, got_grads = chained(job, stages)
+    assert len(runs) == 2  # the forward, and its recomputation in the backward
+    for key, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[key], grad, atol=ATOL, rtol=0, msg=key)
 
 
 def _aliases(job: Job) -> set[str]:
