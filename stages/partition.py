@@ -576,9 +576,13 @@ def plan_split(job: Job) -> SplitPlan:
         else:
             costs = tuple(float(c) for c in survey(units, example_microbatch(job)).costs)
     except SurveyUnavailable as exc:
-        log.warning(
-            "model cannot run on meta; its outputs are checked by the stages", reason=str(exc)
-        )
+        if _as_written(job):  # its traced forward checks it below, on the CPU if need be
+            log.info("no compute estimate on the meta device", reason=str(exc))
+        else:
+            log.warning(
+                "model cannot run on meta; its outputs are checked by the stages",
+                reason=str(exc),
+            )
     if ranges is None:
         sizes = _balanced_split(costs, job.num_chunks) if costs is not None else None
         ranges = partition(job, balance=sizes if sizes is not None else "params")

@@ -305,8 +305,9 @@ def plan_chunks(
 # ------------------------------------------------------------- a chunk's forward
 
 
-class _StageEnd(Exception):
-    """Raised where a non-last chunk's forward reaches a later chunk's unit."""
+class _StageEnd(BaseException):
+    """Raised where a non-last chunk's forward reaches a later chunk's unit; a
+    BaseException, so that a model's own ``except Exception`` lets it through."""
 
 
 @dataclass

@@ -19,7 +19,7 @@ from evtrain.spec import load_job
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
 
-LAUNCHED = [("nanogpt", (1, 2, 4)), ("cnn", (4,)), ("unet", (4,)), ("hf_bert", (2,))]
+LAUNCHED = [("nanogpt", (1, 4)), ("cnn", (4,)), ("unet", (4,)), ("hf_bert", (2,))]
 
 
 @pytest.mark.parametrize(("name", "stage_counts"), LAUNCHED, ids=[n for n, _ in LAUNCHED])
