@@ -506,8 +506,9 @@ def _trace(job: Job, model: nn.Module | None = None) -> ForwardTrace:
     except SpecError:
         raise
     except Exception as exc:
+        first_line = f"{type(exc).__name__}: {exc}".splitlines()[0]
         raise SpecError(
-            "model", f"its forward failed on the first microbatch: {type(exc).__name__}: {exc}"
+            "model", f"its forward failed on the first microbatch: {first_line}"
         ) from exc
     finally:
         with torch.no_grad():

@@ -211,6 +211,20 @@ def test_bad_models_are_refused_before_any_process() -> None:
     with pytest.raises(SpecError, match="split the model"):
         plan_split(job)
 
+    class Mismatched(Backwards):
+        """Its second layer cannot take the first one's output."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.b = torch.nn.Linear(4, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(self.a(x))
+
+    with pytest.raises(SpecError, match="its forward failed on the first microbatch") as err:
+        plan_split(job.with_overrides(model=Mismatched))
+    assert "\n" not in str(err.value)
+
 
 def write(directory: Path, name: str, stages: int, steps: int, **fields: Any) -> Path:
     spec = directory / f"{name}_{stages}_spec.py"
