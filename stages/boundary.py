@@ -205,10 +205,6 @@ def _stand_in(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) 
     return value
 
 
-def is_stand_in(value: object) -> bool:
-    return isinstance(value, StandIn)
-
-
 @dataclass(frozen=True)
 class TensorSpec:
     """Shape, dtype and gradient flag of one tensor that crosses a stage boundary."""

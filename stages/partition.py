@@ -482,8 +482,9 @@ def _as_written(job: Job) -> bool:
     return job.model is not None and not job.pruned_forward
 
 
-def _trace(job: Job, model: nn.Module | None = None) -> ForwardTrace:
-    """One traced forward of the whole model on the first training microbatch.
+def _trace(job: Job, names: Sequence[str], model: nn.Module | None = None) -> ForwardTrace:
+    """One traced forward of the whole model (units ``names``) on the first
+    training microbatch.
 
     Without ``model`` (planning before launch) it runs on the meta device,
     or, for a forward that reads values (a mask's), on a model built on the
@@ -495,11 +496,10 @@ def _trace(job: Job, model: nn.Module | None = None) -> ForwardTrace:
         inputs = as_inputs(_meta_example(job))  # the data are read outside the meta context
         try:
             with torch.device("meta"):
-                return trace_forward(meta, inputs, _model_units(job, meta))
+                return trace_forward(meta, inputs, names)
         except Exception as exc:
             log.debug("tracing on the cpu", reason=f"{type(exc).__name__}: {exc}")
             model = _build_model(job)
-    names = _model_units(job, model)
     saved = {n: b.clone() for n, b in model.named_buffers()}
     try:
         return trace_forward(model, as_inputs(example_microbatch(job)), names)
@@ -516,9 +516,13 @@ def _trace(job: Job, model: nn.Module | None = None) -> ForwardTrace:
                 buffer.copy_(saved[name])
 
 
-def chunk_plans(job: Job, model: nn.Module | None = None) -> list[ChunkPlan]:
-    """What each model chunk of an as-written ``job.model`` keeps, stands in for and sends."""
-    return plan_chunks(_trace(job, model), unit_names(job), partition(job))
+def chunk_plans(
+    job: Job, names: Sequence[str], ranges: Sequence[range], model: nn.Module | None = None
+) -> list[ChunkPlan]:
+    """What each model chunk (``ranges`` of the units ``names``) of an as-written
+    ``job.model`` keeps, stands in for and sends; ``model`` is the whole model to
+    trace, if the caller has built it."""
+    return plan_chunks(_trace(job, names, model), names, ranges)
 
 
 @dataclass(frozen=True)
@@ -589,7 +593,7 @@ def plan_split(job: Job) -> SplitPlan:
         ranges = partition(job, balance=sizes if sizes is not None else "params")
         tied_groups(job, ranges)
     if _as_written(job):
-        chunk_plans(job)
+        chunk_plans(job, unit_names(job), ranges)
     elif job.model is not None and costs is not None:
         try:
             _check_model_stages(job, ranges)
@@ -714,7 +718,8 @@ def build_stage_chunks(
         kept = sorted({i for r in unit_ranges for i in r})
         module = _build_model(job)
         _check_outside_params(module, names)
-        plans = chunk_plans(job, module) if _as_written(job) else None
+        ranges = partition(job)
+        plans = chunk_plans(job, names, ranges, module) if _as_written(job) else None
         if plans is not None:
             for i in set(range(len(names))) - set(kept):
                 if names[i] in plans[0].chunk_of:
@@ -724,7 +729,6 @@ def build_stage_chunks(
         # Moved before the views are made: a move replaces buffers, which the
         # views share by identity.
         module.to(device)
-        ranges = partition(job)
         views = []
         for r in unit_ranges:
             units = [module.get_submodule(names[i]) for i in r]
@@ -847,8 +851,9 @@ def build_stage_module(
         module = _build_model(job)
         _check_outside_params(module, names)
         if _as_written(job):
-            plans = chunk_plans(job, module)
-            install(module, names, unit_range, plans[partition(job).index(unit_range)])
+            ranges = partition(job)
+            plans = chunk_plans(job, names, ranges, module)
+            install(module, names, unit_range, plans[ranges.index(unit_range)])
         else:
             _prune(module, names, unit_range)
     # Plain attributes, read back by `stage_units` and `stage_aliases`.
