@@ -203,7 +203,7 @@ def eval_microbatches(
     possibly fewer than ``num_microbatches``), of which only the very last
     may hold fewer than ``mb`` samples. A forward-only schedule handles any
     microbatch count; the executor knows each microbatch's batch dimension
-    from this plan (the other dimensions are the same for every sample).
+    from this plan (its other dimensions are the data's: `evtrain.stages.shapes`).
 
     Slice a tensor with ``tensor[r.start:r.stop]``. Raises `ValueError` when
     ``batch_size`` is not a multiple of ``num_microbatches``.

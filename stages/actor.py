@@ -132,7 +132,7 @@ import socket
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -186,7 +186,7 @@ from evtrain.job import Job
 from evtrain.loading import make_reader
 from evtrain.reporting import Reporter, reporting
 from evtrain.spec import apply_overrides, load_job
-from evtrain.stages.boundary import BoundarySpec, TensorSpec, flatten
+from evtrain.stages.boundary import BoundarySpec
 from evtrain.stages.control import ControlResult, StepControl
 from evtrain.stages.data_parallel import Replicas
 from evtrain.stages.executor import EvalSet, Span, StageExecutor, StepStats
@@ -204,6 +204,7 @@ from evtrain.stages.partition import (
 )
 from evtrain.stages.precision import autocast, checkpoint_layer, compile_module
 from evtrain.stages.schedules import chunk_place, model_chunk
+from evtrain.stages.shapes import ChunkSpecs, ShapeTable
 from evtrain.stages.tied import TiedWeights
 from evtrain.stages.worker import ReportStatus, StageReport, WorkerConfig
 
@@ -615,7 +616,12 @@ class StageActor:
             )
         V = job.virtual_stages
         self.groups = build_groups(
-            self.place, self.device, backend, PROCESS_GROUP_TIMEOUT, virtual_stages=V
+            self.place,
+            self.device,
+            backend,
+            PROCESS_GROUP_TIMEOUT,
+            virtual_stages=V,
+            varying_shapes=job.data_loader is not None,
         )
         ranges = partition(job)
         # Per-stage RNG for randomness inside layers (dropout); layer init is
@@ -681,37 +687,15 @@ class StageActor:
             job, "train", first, last, self.device, stream=stream, replica=self.replica
         )
 
-        input_specs = None
-        if first:
-            tree, leaves = flatten(job.example_batch(1)[0], "train_data")
-            input_specs = [
-                BoundarySpec(tree, tuple(TensorSpec((n, *t.shape[1:]), t.dtype) for t in leaves))
-                for n in sizes
-            ]
-        specs: list[dict[int, tuple[BoundarySpec, BoundarySpec | None]]] = []
-        for v, chunk in enumerate(self.chunks):
-            # Each chunk's input spec comes from model chunk c - 1: the data's on
-            # chunk 0, this stage's own previous chunk at a hand-off (zbv's turn),
-            # else the stage holding it, which sent it first (the chunks' order
-            # runs from the data to the loss, so nothing waits in a circle).
-            c = ids[v]
-            src = None if c == 0 else chunk_place(job.schedule, P, c - 1)[0]
-            dst = None if c == P * chunks - 1 else chunk_place(job.schedule, P, c + 1)[0]
-            if src == self.stage:
-                handed = specs[ids.index(c - 1)].values()
-                input_specs = [out for _, out in handed if out is not None]
-            units = stage_units(chunk)
-            where = f"stage {self.stage} (units {units[0]}..{units[-1]})"
-            in_specs, out_specs = exchange_shapes(
-                prev=None if src in (None, self.stage) else self.place.rank_of(src),
-                next=None if dst in (None, self.stage) else self.place.rank_of(dst),
-                input_specs=input_specs,
-                output_spec_of=functools.partial(self._infer, chunk, where=where),
-                last=dst is None,
-                group=self._mailbox.act_group,
-                device=self.device if self.device.type == "cuda" else torch.device("cpu"),
-            )
-            specs.append(dict(zip(sizes, zip(in_specs, out_specs, strict=True), strict=True)))
+        assert self.groups is not None
+        shapes = ShapeTable(
+            functools.partial(self._agree, ids),
+            first=first,
+            varying=job.data_loader is not None,
+            group=self.groups.shapes,
+            src=self.place.rank_of(chunk_place(job.schedule, P, 0)[0]),
+        )
+        shapes.setup(sizes, job.example_batch(1)[0] if first else None)
 
         params = [p for p in module.parameters() if p.requires_grad]
         optimizer = job.optimizer(params) if params else None
@@ -730,7 +714,7 @@ class StageActor:
             replicas=self.replicas,
             place=self.place,
             stream=stream,
-            specs=specs,
+            shapes=shapes,
             chunks=self.chunks,
             train=train_reader,
             evaluations=evaluations,
@@ -744,6 +728,41 @@ class StageActor:
         )
         self._restore(optimizer, scheduler)
         return total
+
+    def _agree(
+        self, ids: Sequence[int], data_specs: Sequence[BoundarySpec] | None
+    ) -> list[list[ChunkSpecs]]:
+        """Agree with the pipeline on the specs of new data shapes, chunk by chunk
+        (`evtrain.stages.shapes.Agree`; ``ids`` are this stage's model chunks)."""
+        job = self.job
+        assert job is not None
+        P = self.num_stages
+        input_specs = data_specs
+        agreed: list[list[ChunkSpecs]] = []
+        for v, chunk in enumerate(self.chunks):
+            # Each chunk's input spec comes from model chunk c - 1: the data's on
+            # chunk 0, this stage's own previous chunk at a hand-off (zbv's turn),
+            # else the stage holding it, which sent it first (the chunks' order
+            # runs from the data to the loss, so nothing waits in a circle).
+            c = ids[v]
+            src = None if c == 0 else chunk_place(job.schedule, P, c - 1)[0]
+            dst = None if c == P * len(self.chunks) - 1 else chunk_place(job.schedule, P, c + 1)[0]
+            if src == self.stage:
+                handed = agreed[ids.index(c - 1)]
+                input_specs = [out for _, out in handed if out is not None]
+            units = stage_units(chunk)
+            where = f"stage {self.stage} (units {units[0]}..{units[-1]})"
+            in_specs, out_specs = exchange_shapes(
+                prev=None if src in (None, self.stage) else self.place.rank_of(src),
+                next=None if dst in (None, self.stage) else self.place.rank_of(dst),
+                input_specs=input_specs,
+                output_spec_of=functools.partial(self._infer, chunk, where=where),
+                last=dst is None,
+                group=self._mailbox.act_group,
+                device=self.device if self.device.type == "cuda" else torch.device("cpu"),
+            )
+            agreed.append(list(zip(in_specs, out_specs, strict=True)))
+        return agreed
 
     def _infer(self, chunk: nn.Module, spec: BoundarySpec, *, where: str) -> BoundarySpec:
         # Under the run's autocast: the agreed dtypes are those training sends.

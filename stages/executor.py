@@ -99,6 +99,7 @@ from evtrain.stages.schedules import (
     model_chunk,
     parse_schedule,
 )
+from evtrain.stages.shapes import ShapeTable
 from evtrain.stages.tied import TiedWeights
 
 _Program = list[tuple[Callable[[int, int], None], int, int]]
@@ -117,7 +118,8 @@ class Span:
     start: float
     end: float
     op: str = ""
-    """For waits: ``recv_act``, ``recv_grad``, ``send``, ``reduce`` or ``control``;
+    """For waits: ``recv_act``, ``recv_grad``, ``send``, ``reduce``, ``control`` or
+    ``shapes`` (telling and agreeing the pass's data shapes, `evtrain.stages.shapes`);
     for the halves of a split backward: ``input`` or ``weight``."""
     chunk: int = 0
     """The model chunk (interleaved and zbv: the stage's local chunk) of the microbatch."""
@@ -181,10 +183,9 @@ activation waits drop to ~0 in the steady state, steps ~7% shorter)."""
 class StageExecutor:
     """Executes the instruction lists of one pipeline stage.
 
-    ``specs[v]`` maps every microbatch size of the run to the (input, output)
-    `BoundarySpec` of this stage's model chunk v, as agreed by
-    `evtrain.stages.p2p.exchange_shapes` (the output spec is None on the
-    model's last chunk, which sends nothing). ``chunks`` are the chunks'
+    ``shapes`` holds the (input, output) `BoundarySpec` of each of this
+    stage's model chunks for every data shape, and names each pass's shapes
+    (`evtrain.stages.shapes`). ``chunks`` are the chunks'
     modules (interleaved and zbv; default: ``module`` is the only chunk),
     ``module`` holds them all.
     ``train``/``evaluation`` read the first stage's inputs and the last
@@ -209,7 +210,7 @@ class StageExecutor:
         tied: TiedWeights | None = None,
         replicas: Replicas | None = None,
         place: Place | None = None,
-        specs: Sequence[dict[int, tuple[BoundarySpec, BoundarySpec | None]]],
+        shapes: ShapeTable,
         chunks: Sequence[nn.Module] | None = None,
         train: Reader | None,
         evaluations: Sequence[EvalSet] = (),
@@ -256,7 +257,7 @@ class StageExecutor:
         stage skips the same steps."""
         self._skipped = False
         self.stream = stream
-        self.specs = list(specs)
+        self.shapes = shapes
         self.train = train
         self.evaluations = list(evaluations)
         self.eval_batches_done = 0
@@ -272,7 +273,9 @@ class StageExecutor:
         self._split = None
         if kind.splits_backward:
             # A chunk whose input takes no gradient has no I to do: its layers stay as they are.
-            takes_grad = [any(act.carries_grad for act, _ in by_size.values()) for by_size in specs]
+            takes_grad = [
+                any(act.carries_grad for act, _ in shapes.chunk_specs(v)) for v in range(self.V)
+            ]
             self._split = SplitBackward(
                 module, [c for c, grad in zip(self.chunks, takes_grad, strict=True) if grad]
             )
@@ -379,8 +382,8 @@ class StageExecutor:
         for accum in range(self.job.grad_accum):
             self._mb_offset = accum * self.M
             self._final_pass = accum == self.job.grad_accum - 1
-            self._begin_pass([mb] * self.M)
             self._load_batch(self.stream.batch_index(index, accum))
+            self._begin_pass([mb] * self.M)
             for handler, microbatch, chunk in self._pass_program:
                 handler(microbatch, chunk)
         self._final_pass = False
@@ -507,8 +510,13 @@ class StageExecutor:
         self._outputs = [None] * slots
         self._losses = [None] * slots
         self._grads = [None] * slots
-        self._act_specs = [self.specs[v][size][0] for v in range(self.V) for size in sizes]
-        self._out_specs = [self.specs[v][size][1] for v in range(self.V) for size in sizes]
+        start = time.perf_counter()
+        ids = self.shapes.pass_ids(sizes, self._batch_x if any(self._first) else None)
+        if self._spans is not None and self.shapes.varying:
+            self._spans.append(Span("wait", -1, start, time.perf_counter(), "shapes"))
+        specs = [self.shapes.specs(v, i) for v in range(self.V) for i in ids]
+        self._act_specs = [act for act, _ in specs]
+        self._out_specs = [out for _, out in specs]
         self._recv_act = [None] * slots
         self._recv_grad = [None] * slots
         # Post receives early: gloo moves a send's data only once the receive
@@ -630,7 +638,7 @@ class StageExecutor:
             self._spans.append(Span("forward", self._mb_offset + m, start, end, "", v))
 
     def _output_leaves(self, out: Any, m: int, v: int) -> list[torch.Tensor]:
-        """The leaves of output ``m``, checked against the spec agreed before training."""
+        """The leaves of output ``m``, checked against the spec agreed for its shape."""
         _tree, leaves = flatten(out, f"stage {self.stage}")
         spec = self._out_specs[v * self._n + m]
         assert spec is not None
@@ -642,8 +650,8 @@ class StageExecutor:
             want = [(s.shape, s.dtype) for s in spec.leaves]
             raise RuntimeError(
                 f"stage {self.stage} output of microbatch {m} has leaves {got}, but {want} "
-                "were agreed before training: a stage's output structure, shapes and dtypes "
-                "may depend only on the microbatch size"
+                "were agreed for its input: a stage's output structure, shapes and dtypes "
+                "may depend only on the shapes of the data, not on its values"
             )
         return leaves
 
@@ -832,13 +840,13 @@ class StageExecutor:
 
     def _eval_batch(self, batch: Sequence[range], reader: Reader | None) -> None:
         self._mb_offset = 0
-        self._begin_pass([len(r) for r in batch])
         self._batch_x = []
         self._batch_y = []
         if reader is not None:
             pairs = [reader.rows(r) for r in batch]
             self._batch_x = [x for x, _ in pairs]
             self._batch_y = [y for _, y in pairs]
+        self._begin_pass([len(r) for r in batch])
         program = self._eval_programs.get(len(batch))
         if program is None:
             program = self._compile(

@@ -22,6 +22,9 @@ The groups one process uses:
   DDP's reducer averages the gradients.
 * ``control`` — every process, always gloo (the per-step control exchange,
   `evtrain.stages.control`).
+* ``shapes`` — its replica's P stages again, always gloo, when the data's
+  shapes may vary: the first stage tells the others each pass's shapes
+  (`evtrain.stages.shapes`).
 
 `dist.new_group` is collective over all ranks: every process creates every
 group, in the same order, and keeps its own.
@@ -87,6 +90,7 @@ class StageGroups:
     control: dist.ProcessGroup | None
     chunks: list[tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]]
     """(activations, gradients) into each model chunk v, pair 0 included."""
+    shapes: dist.ProcessGroup | None = None
 
 
 def build_groups(
@@ -95,6 +99,7 @@ def build_groups(
     backend: str,
     timeout: datetime.timedelta,
     virtual_stages: int = 1,
+    varying_shapes: bool = False,
 ) -> StageGroups:
     """Create the mesh and every group (collective: all processes call it, in step)."""
     if place.world_size == 1:
@@ -123,4 +128,11 @@ def build_groups(
                 pair = (act, grad)
         chunks.append(pair)
     control = dist.new_group(backend="gloo", timeout=timeout)
-    return StageGroups(pipeline, pipeline_grads, replicas, control, chunks)
+    shapes = None
+    if varying_shapes and place.num_stages > 1:
+        for replica in range(place.replicas):
+            ranks = [place.rank_of(s, replica) for s in range(place.num_stages)]
+            group = dist.new_group(ranks, backend="gloo", timeout=timeout)
+            if replica == place.replica:
+                shapes = group
+    return StageGroups(pipeline, pipeline_grads, replicas, control, chunks, shapes)

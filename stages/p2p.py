@@ -9,13 +9,12 @@ which is what lets receives be posted far ahead without blocking sends queued
 behind them.
 
 What crosses a boundary is a pytree of tensors (`evtrain.stages.boundary`).
-Its structure, shapes and dtypes are agreed once, before training, without
-pickling (`exchange_shapes`): every stage knows the few distinct microbatch
-sizes of the run (training and evaluation), stage 0 derives its input specs
-from the data, and each stage infers its output spec with one forward on
-zeros and sends the specs downstream as one small JSON message. After that,
-every microbatch moves as its leaves, one message each, into buffers of
-known shape.
+Its structure, shapes and dtypes are agreed once per shape of the data,
+without pickling (`exchange_shapes`; which shapes, and when,
+`evtrain.stages.shapes`): stage 0 derives its input specs from the data, and
+each stage infers its output spec with one forward on zeros and sends the
+specs downstream as one small JSON message. After that, every microbatch
+moves as its leaves, one message each, into buffers of known shape.
 
 Performance rules this module is built for (measured on gloo, 2 CPU processes):
 
@@ -114,7 +113,7 @@ def exchange_shapes(
     group: dist.ProcessGroup | None,
     device: torch.device,
 ) -> tuple[list[BoundarySpec], list[BoundarySpec | None]]:
-    """Agree on every boundary shape of one model chunk, once, before training.
+    """Agree on the boundary specs of one model chunk for some shapes of the data.
 
     ``prev``/``next`` are the global ranks the chunk receives from and sends
     to, None where there is no other process: at the model's ends, and at a

@@ -4,6 +4,7 @@ through `evtrain ckpt export --hf` and ``from_pretrained``."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -12,9 +13,15 @@ import pytest
 import torch
 from test_real_models import ATOL, dumped, launch, reference
 from test_unmodified_models import train_and_compare, write
+from unmodified_models import Sentences, pad_batch
 
 from evtrain.checkpoint import latest_committed
+from evtrain.data import DataStream, eval_microbatches
+from evtrain.job import Job
+from evtrain.loading import split_sample
 from evtrain.spec import load_job
+from evtrain.stages.boundary import call, split
+from evtrain.stages.partition import build_full_model
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
@@ -68,3 +75,73 @@ def test_gpt2_computing_its_own_loss_exports_for_from_pretrained(tmp_path: Path)
     assert model.lm_head.weight is model.transformer.wte.weight
     for key, value in model.state_dict().items():
         torch.testing.assert_close(value, want[key], atol=ATOL, rtol=0, msg=key)
+
+
+def varlen_reference(
+    job: Job, steps: int, eval_every: int
+) -> tuple[dict[str, torch.Tensor], dict[int, float], set[int]]:
+    """One process over the same padded batches: the weights, the eval loss at each
+    evaluation, and the padded lengths the training batches had."""
+    model = build_full_model(job)
+    optimizer = job.optimizer(model.parameters())
+    data = Sentences()
+    stream = DataStream(len(data), job.batch_size, job.seed)
+    lengths: set[int] = set()
+
+    def read(indices: list[int]) -> tuple[object, object]:
+        return split_sample(pad_batch([data[i] for i in indices]), job.input_keys, job.target_keys)
+
+    evals: dict[int, float] = {}
+    for step in range(1, steps + 1):
+        x, y = read(stream.indices(step - 1).tolist())
+        lengths.add(x["input_ids"].shape[1])  # type: ignore[index]
+        optimizer.zero_grad()
+        pieces = list(
+            zip(split(x, job.microbatch_size), split(y, job.microbatch_size), strict=True)
+        )
+        for xm, ym in pieces:
+            (job.loss(call(model, xm), ym) / len(pieces)).backward()
+        optimizer.step()
+        if step % eval_every == 0:
+            model.eval()
+            total = 0.0
+            with torch.no_grad():
+                plan = eval_microbatches(len(data), job.batch_size, job.num_microbatches)
+                for r in (r for batch in plan for r in batch):
+                    xm, ym = read(list(r))
+                    total += float(job.loss(call(model, xm), ym)) * len(r)
+            model.train()
+            evals[step] = total / len(data)
+    return dict(model.state_dict()), evals, lengths
+
+
+VARLEN = [("1f1b", 1), ("zbv", 2)]
+
+
+@pytest.mark.parametrize(("schedule", "chunks"), VARLEN, ids=[s for s, _ in VARLEN])
+def test_batches_padded_to_their_own_longest_train_as_one_process(
+    tmp_path: Path, schedule: str, chunks: int
+) -> None:
+    """A new sequence length in many steps (and in the microbatches of an evaluation):
+    every new shape is agreed on the way, and training and evaluation equal one
+    process's."""
+    steps, every = 6, 3
+    fields = {
+        "varlen": True,
+        "eval_every": every,
+        "schedule": schedule,
+        "virtual_stages": chunks,
+        "hooks": [{"type": "metrics"}],
+    }
+    spec = write(tmp_path, "llama_style", 2, steps, **fields)
+    want, want_evals, lengths = varlen_reference(load_job(spec), steps, every)
+    assert len(lengths) >= 2, lengths  # the data does take new shapes
+    launch(spec, "--dump-weights", str(tmp_path / "dump"))
+    for shard in dumped(tmp_path / "dump"):
+        for key, value in shard.items():
+            torch.testing.assert_close(value, want[key], atol=ATOL, rtol=0, msg=key)
+    rows = [json.loads(line) for line in (tmp_path / "run2" / "metrics.jsonl").open()]
+    got_evals = {r["step"]: r["metrics"]["loss"] for r in rows if r["type"] == "eval"}
+    assert got_evals.keys() == want_evals.keys()
+    for step, loss in want_evals.items():
+        assert got_evals[step] == pytest.approx(loss, abs=ATOL), step

@@ -304,6 +304,36 @@ MODELS: dict[str, Any] = {
 }
 
 
+class Sentences(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+    """Token sequences of their own lengths (2 to SEQ), unpadded: `pad_batch` pads each
+    batch to its own longest, so the batches' shapes differ."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(11)
+        self.ids = torch.randint(1, VOCAB, (SAMPLES, SEQ + 1), generator=g)
+        # Mostly short, a few long: the longest of a batch varies from batch to batch.
+        self.lengths = [SEQ if i % 9 == 0 else 2 + i % 3 for i in range(SAMPLES)]
+
+    def __len__(self) -> int:
+        return SAMPLES
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        n = self.lengths[i]
+        return {"input_ids": self.ids[i, :n], "labels": self.ids[i, 1 : n + 1]}
+
+
+def pad_batch(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Pad to the batch's longest sample: ids with 0, labels with -100, and the mask."""
+    t = max(len(s["input_ids"]) for s in samples)
+    ids = torch.zeros(len(samples), t, dtype=torch.long)
+    labels = torch.full((len(samples), t), -100, dtype=torch.long)
+    mask = torch.zeros(len(samples), t, dtype=torch.long)
+    for row, s in enumerate(samples):
+        n = len(s["input_ids"])
+        ids[row, :n], labels[row, :n], mask[row, :n] = s["input_ids"], s["labels"], 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
 def data_of(name: str) -> Any:
     if name == "cnn":
         return _images(None)
@@ -315,7 +345,11 @@ def data_of(name: str) -> Any:
     return text
 
 
-def make_job(name: str, stages: int, steps: int, run_dir: str, **fields: Any) -> Job:
+def make_job(
+    name: str, stages: int, steps: int, run_dir: str, *, varlen: bool = False, **fields: Any
+) -> Job:
+    """``varlen``: the text read from `Sentences` through a DataLoader, each batch padded
+    to its own longest sample (training and evaluation)."""
     model, inputs, targets, loss = MODELS[name]
     if name == "nanogpt":
         inputs = ("idx", "attention_mask")
@@ -334,5 +368,9 @@ def make_job(name: str, stages: int, steps: int, run_dir: str, **fields: Any) ->
         "run_dir": run_dir,
         "seed": 3,
     }
+    if varlen:
+        common.update(
+            train_data=Sentences, eval_data=Sentences, data_loader={"collate_fn": pad_batch}
+        )
     common.update(fields)
     return Job(**common)
