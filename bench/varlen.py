@@ -6,10 +6,11 @@ boundary specs of each new shape on the way (`evtrain.stages.shapes`: a
 broadcast of a few integers per pass, one agreement per distinct shape);
 this bench measures what that costs against the same run with one shape.
 
-Model: Hugging Face's ``LlamaForCausalLM`` as written (width 128, 4 layers, 4
-heads, vocabulary 256), P = 2 stages, batch 16 in M = 4 microbatches, SGD, one
-thread per process. Data: 4,096 token sequences whose lengths are uniform in
-[8, 64], read through a DataLoader (``data_loader={"collate_fn": ...}``).
+Model: Hugging Face's ``LlamaForCausalLM`` as written, the one of
+bench/pipeline_vs_torch.py (width 128, 4 layers, 4 heads, vocabulary 256),
+P = 2 stages, batch 16 in M = 4 microbatches, SGD, one thread per process.
+Data: 4,096 token sequences whose lengths are uniform in [8, 64], read
+through a DataLoader (``data_loader={"collate_fn": ...}``).
 Two contenders, alternating, ``--repeats`` times each:
 
 * ``varlen``: each batch padded to its own longest sample — a new shape in many
@@ -54,14 +55,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 from torch.utils.data import Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pipeline_vs_torch as pvt
 
-WIDTH, LAYERS, HEADS, VOCAB = 128, 4, 4, 256
+VOCAB = pvt.T_VOCAB
 SHORTEST, LONGEST = 8, 64
 SAMPLES = 4096
 BATCH, MICROBATCHES, STAGES = 16, 4, 2
@@ -96,26 +95,6 @@ def pad(samples: list[dict[str, torch.Tensor]], length: int | None = None) -> di
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def model() -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=WIDTH,
-        intermediate_size=4 * WIDTH,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS,
-        num_key_value_heads=HEADS,
-        max_position_embeddings=LONGEST,
-        use_cache=False,
-    )
-    return LlamaForCausalLM(config)
-
-
-def loss(output: Any, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(output.logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100)
-
-
 def spec(length: int | None) -> str:
     collate = "bench.pad" if length is None else f"functools.partial(bench.pad, length={length})"
     return f"""
@@ -128,8 +107,8 @@ from evtrain.job import Job
 
 job = Job(
     name="bench-varlen",
-    model=bench.model,
-    loss_fn=bench.loss,
+    model=bench.pvt.hf_llama,
+    loss_fn=bench.pvt.hf_loss,
     optimizer=functools.partial(torch.optim.SGD, lr=1e-3),
     train_data=bench.Sequences,
     data_loader={{"collate_fn": {collate}}},
