@@ -608,6 +608,33 @@ def _removing(directory: str) -> Iterator[None]:
         shutil.rmtree(directory, ignore_errors=True)
 
 
+def run_events(
+    spec: Path, overrides: dict[str, str], stages: int, run_id: str, topics: tuple[str, ...]
+) -> list[Any]:
+    """Launch evtrain's stage workers with a live bus; the events of ``topics`` they
+    published (a subscriber in this process plays the hook)."""
+    from evtrain.bus import Broker, BusAddress, Subscriber
+    from evtrain.stages.worker import WorkerConfig, worker_main
+
+    address = BusAddress.new_ipc()
+    with Broker(address), _removing(address.location):
+        sub = Subscriber(address.endpoint("events_out"), topics=topics)
+        config = WorkerConfig(
+            spec_path=str(spec), overrides=overrides, bus=str(address), run_id=run_id
+        )
+        _launch(stages, worker_main, config.encode())
+        events: list[Any] = []
+        quiet_since = time.monotonic()
+        while time.monotonic() - quiet_since < 0.5:
+            batch = sub.drain()
+            if batch:
+                events.extend(batch)
+                quiet_since = time.monotonic()
+            time.sleep(0.01)
+        sub.close()
+    return events
+
+
 def run_evtrain(
     spec: Path,
     schedule: str,
@@ -622,35 +649,16 @@ def run_evtrain(
     """Launch evtrain's stage workers with a live bus: steps/s from the last
     stage's StepEnded events, and the seconds per step the stages spent blocked
     on each other (their ``comm_wait_s``, summed over the stages, timed steps)."""
-    from evtrain.bus import Broker, BusAddress, Subscriber
     from evtrain.events import StepEnded, StepStarted
-    from evtrain.stages.worker import WorkerConfig, worker_main
 
-    address = BusAddress.new_ipc()
-    with Broker(address), _removing(address.location):
-        sub = Subscriber(address.endpoint("events_out"), topics=("step.",))
-        config = WorkerConfig(
-            spec_path=str(spec),
-            overrides={
-                "schedule": schedule,
-                "steps": str(warmup + steps),
-                "stages": str(stages),
-                "microbatches": str(microbatches),
-                "virtual_stages": str(virtual_stages),
-            },
-            bus=str(address),
-            run_id=f"bench-{label or schedule}",
-        )
-        _launch(stages, worker_main, config.encode())
-        events = []
-        quiet_since = time.monotonic()
-        while time.monotonic() - quiet_since < 0.5:
-            batch = sub.drain()
-            if batch:
-                events.extend(batch)
-                quiet_since = time.monotonic()
-            time.sleep(0.01)
-        sub.close()
+    overrides = {
+        "schedule": schedule,
+        "steps": str(warmup + steps),
+        "stages": str(stages),
+        "microbatches": str(microbatches),
+        "virtual_stages": str(virtual_stages),
+    }
+    events = run_events(spec, overrides, stages, f"bench-{label or schedule}", ("step.",))
     last = stages - 1
     started = {e.step: e.ts for e in events if isinstance(e, StepStarted) and e.stage == last}
     ended = {e.step: e.ts for e in events if isinstance(e, StepEnded) and e.stage == last}

@@ -50,7 +50,6 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -137,29 +136,15 @@ def padded_lengths(steps: int) -> list[int]:
 def run(spec: Path, steps: int, warmup: int, label: str) -> tuple[float, float]:
     """Launch the stages with a live bus: steps/s (the last stage's timestamps) and
     the share of its wall time the stage reading the inputs spent on shapes."""
-    from evtrain.bus import Broker, BusAddress, Subscriber
     from evtrain.events import MicrobatchWait, StepEnded, StepStarted
-    from evtrain.stages.worker import WorkerConfig, worker_main
 
-    address = BusAddress.new_ipc()
-    with Broker(address):
-        sub = Subscriber(address.endpoint("events_out"), topics=("step.", "microbatch.wait"))
-        config = WorkerConfig(
-            spec_path=str(spec),
-            overrides={"steps": str(warmup + steps)},
-            bus=str(address),
-            run_id=f"bench-varlen-{label}",
-        )
-        pvt._launch(STAGES, worker_main, config.encode())
-        events: list[Any] = []
-        quiet_since = time.monotonic()
-        while time.monotonic() - quiet_since < 0.5:
-            batch = sub.drain()
-            if batch:
-                events.extend(batch)
-                quiet_since = time.monotonic()
-            time.sleep(0.01)
-        sub.close()
+    events = pvt.run_events(
+        spec,
+        {"steps": str(warmup + steps)},
+        STAGES,
+        f"bench-varlen-{label}",
+        ("step.", "microbatch.wait"),
+    )
     first, final = warmup + 1, warmup + steps
 
     def bounds(stage: int) -> tuple[float, float]:
