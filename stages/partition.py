@@ -44,6 +44,7 @@ partition: layer i is always built with the CPU RNG seeded to
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 from collections.abc import Collection, Iterator, Mapping, Sequence
@@ -402,14 +403,20 @@ def unit_costs(job: Job) -> list[float]:
     forward and backward FLOPs plus an element floor). A model's units are
     not a chain — its ``forward`` decides how they connect — so the whole
     model runs once and each unit is charged three times the forward FLOPs
-    counted while it ran. Falls back to parameter counts, with a warning,
-    when the model cannot run on meta.
+    counted while it ran. A model run as written whose forward reads values
+    (Hugging Face's mask code) is counted on a model built on the CPU. Falls
+    back to parameter counts, with a warning, when nothing can run it.
     """
     from evtrain.stages.survey import SurveyUnavailable, survey
 
     try:
         if job.model is not None:
-            return _model_costs(job)
+            try:
+                return _model_costs(job)
+            except SurveyUnavailable:
+                if not _as_written(job):
+                    raise
+                return _model_costs(job, _build_model(job))
         return [float(c) for c in survey(meta_units(job), example_microbatch(job)).costs]
     except SurveyUnavailable as exc:
         log.warning("no compute estimate; balancing by parameter count", reason=str(exc))
@@ -432,10 +439,14 @@ def _on_meta_run(what: str, fn: Any) -> Any:
         raise SurveyUnavailable(what, f"{type(exc).__name__}: {exc}".splitlines()[0]) from exc
 
 
-def _model_costs(job: Job) -> list[float]:
+def _model_costs(job: Job, model: nn.Module | None = None) -> list[float]:
+    """Each unit's training cost from one forward of the whole model: on the meta
+    device, or on ``model`` (built on the CPU) with the first microbatch."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    model = _on_meta("the model", job.model)
+    on_meta = model is None
+    if model is None:
+        model = _on_meta("the model", job.model)
     names = _model_units(job, model)
     counter = FlopCounterMode(display=False)
     flops = [0] * len(names)
@@ -451,13 +462,23 @@ def _model_costs(job: Job) -> list[float]:
 
         unit.register_forward_pre_hook(before)
         unit.register_forward_hook(after)
-    example = _meta_example(job)
+    if on_meta:
+        example = _meta_example(job)
 
-    def run() -> None:
-        with counter:
-            call(model, example)
+        def run() -> None:
+            with counter:
+                call(model, example)
 
-    _on_meta_run("the model", run)
+        _on_meta_run("the model", run)
+    else:
+        from evtrain.stages.survey import SurveyUnavailable
+
+        try:
+            with _buffers_kept(model), torch.no_grad(), counter:
+                call(model, example_microbatch(job))
+        except Exception as exc:
+            first_line = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            raise SurveyUnavailable("the model", first_line) from exc
     # Forward, input gradient and weight gradient cost about the same.
     return [3.0 * f for f in flops]
 
@@ -500,9 +521,9 @@ def _trace(job: Job, names: Sequence[str], model: nn.Module | None = None) -> Fo
         except Exception as exc:
             log.debug("tracing on the cpu", reason=f"{type(exc).__name__}: {exc}")
             model = _build_model(job)
-    saved = {n: b.clone() for n, b in model.named_buffers()}
     try:
-        return trace_forward(model, as_inputs(example_microbatch(job)), names)
+        with _buffers_kept(model):
+            return trace_forward(model, as_inputs(example_microbatch(job)), names)
     except SpecError:
         raise
     except Exception as exc:
@@ -510,6 +531,14 @@ def _trace(job: Job, names: Sequence[str], model: nn.Module | None = None) -> Fo
         raise SpecError(
             "model", f"its forward failed on the first microbatch: {first_line}"
         ) from exc
+
+
+@contextlib.contextmanager
+def _buffers_kept(model: nn.Module) -> Iterator[None]:
+    """Run a forward that must leave no trace in the model's buffers (BatchNorm statistics)."""
+    saved = {n: b.clone() for n, b in model.named_buffers()}
+    try:
+        yield
     finally:
         with torch.no_grad():
             for name, buffer in model.named_buffers():
@@ -574,6 +603,7 @@ def plan_split(job: Job) -> SplitPlan:
         tied_groups(job, ranges)
     units = meta_units(job)
     costs: tuple[float, ...] | None = None
+    model = None
     try:
         if job.model is not None:
             if ranges is None or job.num_chunks > 1:
@@ -581,8 +611,12 @@ def plan_split(job: Job) -> SplitPlan:
         else:
             costs = tuple(float(c) for c in survey(units, example_microbatch(job)).costs)
     except SurveyUnavailable as exc:
-        if _as_written(job):  # its traced forward checks it below, on the CPU if need be
-            log.info("no compute estimate on the meta device", reason=str(exc))
+        if _as_written(job):
+            # Counted on the CPU, whose model the trace below then runs too.
+            log.debug("no compute estimate on meta; counting on the cpu", reason=str(exc))
+            model = _build_model(job)
+            with contextlib.suppress(SurveyUnavailable):  # the trace below says why
+                costs = tuple(_model_costs(job, model))
         else:
             log.warning(
                 "model cannot run on meta; its outputs are checked by the stages",
@@ -593,7 +627,7 @@ def plan_split(job: Job) -> SplitPlan:
         ranges = partition(job, balance=sizes if sizes is not None else "params")
         tied_groups(job, ranges)
     if _as_written(job):
-        chunk_plans(job, unit_names(job), ranges)
+        chunk_plans(job, unit_names(job), ranges, model)
     elif job.model is not None and costs is not None:
         try:
             _check_model_stages(job, ranges)

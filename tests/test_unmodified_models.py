@@ -24,6 +24,7 @@ from evtrain.job import Job
 from evtrain.spec import load_job
 from evtrain.stages.boundary import StandInUsed, call, flatten, stand_in, unflatten
 from evtrain.stages.partition import (
+    _model_costs,
     build_full_model,
     build_stage_chunks,
     build_stage_module,
@@ -31,10 +32,12 @@ from evtrain.stages.partition import (
     plan_split,
     stage_unit_modules,
     tied_groups,
+    unit_costs,
     unit_names,
 )
 from evtrain.stages.precision import checkpoint_layer
 from evtrain.stages.schedules import model_chunk
+from evtrain.stages.survey import SurveyUnavailable
 
 pytest.importorskip("transformers")
 
@@ -144,6 +147,21 @@ def test_units_reach_into_nested_models_and_split_points_at_any_depth() -> None:
     # a split inside one cannot follow the forward, and says so.
     with pytest.raises(SpecError, match=r"calls model\.layers\.1\.self_attn after"):
         plan_split(job_of("hf_llama", 2, split_points=["model.layers.1.mlp"]))
+
+
+def test_compute_balancing_counts_a_model_that_reads_values_on_the_cpu() -> None:
+    """Hugging Face's forward reads its mask's values, which the meta device cannot
+    give: the estimate comes from one forward on the CPU, each decoder layer the same."""
+    job = job_of("hf_llama", 2, balance="compute")
+    with pytest.raises(SurveyUnavailable):
+        _model_costs(job)  # on meta
+    plan = plan_split(job)
+    assert plan.costs is not None
+    names = unit_names(job)
+    layers = [plan.costs[names.index(f"model.layers.{i}")] for i in range(um.BLOCKS)]
+    assert layers[0] > 0 and layers == [layers[0]] * um.BLOCKS
+    assert plan.costs[names.index("lm_head")] > 0
+    assert unit_costs(job) == list(plan.costs)
 
 
 def test_a_skip_connection_travels_to_the_stage_that_uses_it() -> None:
