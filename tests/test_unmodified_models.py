@@ -35,7 +35,7 @@ from evtrain.stages.partition import (
     unit_costs,
     unit_names,
 )
-from evtrain.stages.precision import checkpoint_layer
+from evtrain.stages.precision import autocast, checkpoint_layer
 from evtrain.stages.schedules import model_chunk
 from evtrain.stages.survey import SurveyUnavailable
 
@@ -307,6 +307,35 @@ def test_activation_checkpointing_keeps_the_gradients() -> None:
     assert len(runs) == 2  # the forward, and its recomputation in the backward
     for key, grad in want_grads.items():
         torch.testing.assert_close(got_grads[key], grad, atol=ATOL, rtol=0, msg=key)
+
+
+def test_hugging_face_checkpointing_keeps_the_gradients() -> None:
+    """The model's own checkpointing (``activation_checkpointing_enable()``) on
+    stages that stand in for each other's layers: recomputed, the same gradients."""
+    job = job_of("hf_llama", 2, model=um.hf_llama_checkpointed)
+    _, want_grads = whole(job)
+    stages = [build_stage_module(job, r) for r in partition(job)]
+    runs: list[str] = []
+    stages[1].get_submodule("model.layers.2.mlp").register_forward_pre_hook(
+        lambda *_: runs.append("mlp")
+    )
+    _, got_grads = chained(job, stages)
+    assert len(runs) == 2  # the forward, and its recomputation in the backward
+    assert sorted(got_grads) == sorted(want_grads)
+    for key, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[key], grad, atol=ATOL, rtol=0, msg=key)
+
+
+def test_bf16_stages_equal_the_whole_model() -> None:
+    """Under the run's bf16 autocast the boundary carries what the model computes."""
+    job = job_of("hf_llama", 2, precision="bf16")
+    with autocast("bf16", torch.device("cpu")):
+        want_out, want_grads = whole(job)
+        got_out, got_grads = chained(job)
+    assert got_out.logits.dtype == torch.bfloat16
+    torch.testing.assert_close(got_out.logits, want_out.logits, atol=0, rtol=0)
+    for key, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[key], grad, atol=0, rtol=0, msg=key)
 
 
 def _aliases(job: Job) -> set[str]:

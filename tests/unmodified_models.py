@@ -220,6 +220,13 @@ hf_llama = functools.partial(_hf_decoder, "Llama")
 hf_qwen2 = functools.partial(_hf_decoder, "Qwen2")
 
 
+def hf_llama_checkpointed() -> nn.Module:
+    """The Llama with Hugging Face's own activation checkpointing on (its default kind)."""
+    model = hf_llama()
+    model.activation_checkpointing_enable()  # type: ignore[operator]
+    return model
+
+
 def hf_gpt2() -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
