@@ -26,7 +26,13 @@ from evtrain.stages.partition import build_full_model
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
 
-LAUNCHED = [("nanogpt", (1, 4)), ("cnn", (4,)), ("unet", (4,)), ("hf_bert", (2,))]
+LAUNCHED = [
+    ("nanogpt", (1, 4)),
+    ("cnn", (2, 4)),
+    ("unet", (4,)),
+    ("hf_bert", (2,)),
+    ("hf_gpt2", (4,)),
+]
 
 
 @pytest.mark.parametrize(("name", "stage_counts"), LAUNCHED, ids=[n for n, _ in LAUNCHED])

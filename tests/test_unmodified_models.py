@@ -263,7 +263,8 @@ def train_and_compare(
     steps = 5
     # The same fields: with replicas a microbatch holds fewer samples, and a loss
     # averaged over a microbatch's tokens depends on how they are grouped.
-    want, _ = reference(load_job(write(tmp_path, name, 1, steps, **fields)), steps)
+    one = {k: v for k, v in fields.items() if k not in ("schedule", "virtual_stages")}
+    want, _ = reference(load_job(write(tmp_path, name, 1, steps, **one)), steps)
     for stages in stage_counts:
         spec = write(tmp_path, name, stages, steps, **fields)
         dump = tmp_path / f"dump{stages}"
@@ -280,6 +281,12 @@ def train_and_compare(
 # The other models launch in tests/test_unmodified_launch.py, so that the two
 # halves run side by side.
 LAUNCHED = [("hf_llama", (4,)), ("llama_style", (4,))]
+
+
+@pytest.mark.slow
+def test_an_interleaved_hugging_face_pipeline_trains_as_one_process(tmp_path: Path) -> None:
+    """Two chunks per stage, each running the model's own forward from the top."""
+    train_and_compare(tmp_path, "hf_llama", (2,), schedule="interleaved", virtual_stages=2)
 
 
 @pytest.mark.slow
