@@ -189,7 +189,8 @@ from evtrain.spec import apply_overrides, load_job
 from evtrain.stages.boundary import BoundarySpec
 from evtrain.stages.control import ControlResult, StepControl
 from evtrain.stages.data_parallel import Replicas
-from evtrain.stages.executor import EvalSet, Span, StageExecutor, StepStats
+from evtrain.stages.evaluation import EvalSet
+from evtrain.stages.executor import Span, StageExecutor, StepStats
 from evtrain.stages.mesh import Place, StageGroups, build_groups
 from evtrain.stages.orders import Orders
 from evtrain.stages.p2p import Mailbox, exchange_shapes, infer_output_spec

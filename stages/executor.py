@@ -47,17 +47,13 @@ back-propagates ``loss / (M * grad_accum)``, so with a mean-reduced loss a
 step equals one single-process step on all the step's samples (DDP divides
 by the D replicas, each of which reads ``1/D`` of every batch).
 
-Evaluation (`StageExecutor.evaluate`) runs one set at a time. The last stage
-sums ``loss`` and the plain (additive) metrics weighted by each microbatch's
-`Job.eval_weight` (its samples by default) and divides once by the set's
-total weight; metric objects (`Job.metrics`) are updated with every
-microbatch and computed once at the end of the set.
+Evaluation (`StageExecutor.evaluate`) runs one set at a time, forward only;
+the last stage tallies its metrics (`evtrain.stages.evaluation`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 import time
 from collections import deque
@@ -69,12 +65,13 @@ import torch
 from torch import nn
 
 from evtrain.data import DataStream, eval_microbatches
-from evtrain.job import Job, MetricFactory, is_metric_object
+from evtrain.job import Job
 from evtrain.loading import Reader
 from evtrain.stages.backward import SplitBackward
 from evtrain.stages.boundary import BoundarySpec, call, flatten, split
 from evtrain.stages.control import ControlResult, StepControl
 from evtrain.stages.data_parallel import Replicas
+from evtrain.stages.evaluation import EvalSet, EvalStats, EvalTally, MetricObjects
 from evtrain.stages.instructions import (
     Backward,
     BackwardInput,
@@ -145,29 +142,6 @@ class StepStats:
     """fp16: the step overflowed somewhere in the pipeline and no stage applied it."""
 
 
-@dataclass
-class EvalStats:
-    """One evaluation pass over one set; ``metrics`` is empty except on the last stage.
-
-    Metric names are the job's (``loss``, ``accuracy``), without the set's prefix.
-    """
-
-    metrics: dict[str, float]
-    samples: int
-    num_batches: int
-    duration_s: float
-
-
-@dataclass(frozen=True)
-class EvalSet:
-    """One evaluation set as a stage sees it: its name (``""`` for the single unnamed
-    set), the reader of what this stage consumes (None: it reads nothing) and its size."""
-
-    name: str
-    reader: Reader | None
-    num_samples: int
-
-
 _GradClip = float | None
 
 DEFAULT_LOOKAHEAD = 1
@@ -178,6 +152,26 @@ m only after the backward that waited for gradient m-2, so the last stage,
 the busiest one, waits for it. One extra forward hides that latency for the
 cost of one more stored activation per stage (measured: the last stage's
 activation waits drop to ~0 in the steady state, steps ~7% shorter)."""
+
+
+@dataclass(slots=True)
+class _Slot:
+    """One model chunk's microbatch within a pass: its specs and what it holds
+    between instructions (each field dropped once used)."""
+
+    act_spec: BoundarySpec
+    out_spec: BoundarySpec | None
+    size: int
+    input: Any = None
+    in_leaves: list[torch.Tensor] | None = None
+    """The received input leaves that send a gradient back."""
+    target: Any = None
+    outputs: list[torch.Tensor] | None = None
+    """The output leaves: all of them until sent, then those that take a gradient."""
+    loss: torch.Tensor | None = None
+    grads: list[torch.Tensor] | None = None
+    recv_act: PendingRecv | None = None
+    recv_grad: PendingRecv | None = None
 
 
 class StageExecutor:
@@ -302,23 +296,10 @@ class StageExecutor:
         self._eval_programs: dict[int, _Program] = {}
         self._loss_scale = 1.0 / (self.M * job.grad_accum)
 
-        # Per-pass state, indexed by slot: chunk v's microbatch m is slot v * n + m
-        # in a pass of n microbatches.
+        # Per-pass state: chunk v's microbatch m is slot v * n + m in a pass of n.
         self._n = 0
-        self._inputs: list[Any] = []
-        # The input leaves that send a gradient back, and the output leaves
-        # (all of them until sent, then only those that take a gradient).
-        self._in_leaves: list[list[torch.Tensor] | None] = []
-        self._targets: list[Any] = []
-        self._outputs: list[list[torch.Tensor] | None] = []
-        self._losses: list[torch.Tensor | None] = []
-        self._grads: list[list[torch.Tensor] | None] = []
-        self._recv_act: list[PendingRecv | None] = []
-        self._recv_grad: list[PendingRecv | None] = []
-        self._sizes: list[int] = []
+        self._slots: list[_Slot] = []
         self._grads_posted = True
-        self._act_specs: list[BoundarySpec] = []
-        self._out_specs: list[BoundarySpec | None] = []
         self._batch_x: list[Any] = []
         self._batch_y: list[Any] = []
         self._mb_offset = 0
@@ -326,11 +307,8 @@ class StageExecutor:
         self._forward_s = 0.0
         self._backward_s = 0.0
         self._loss_sum: torch.Tensor | None = None
-        self._eval_sums: dict[str, torch.Tensor] = {}
-        self._eval_weight: torch.Tensor | None = None
-        self._metric_objects: dict[str, dict[str, Any]] = {}
-        """Per eval set: the job's metric objects, this stage's own copies (last stage)."""
-        self._eval_objects: dict[str, Any] = {}
+        self._metric_objects = MetricObjects(job, device)
+        self._tally: EvalTally | None = None
         self._training = True
 
     def _at(self, where: tuple[int, int]) -> tuple[int, int]:
@@ -501,24 +479,13 @@ class StageExecutor:
 
     def _begin_pass(self, sizes: Sequence[int]) -> None:
         n = len(sizes)
-        slots = n * self.V
         self._n = n
-        self._sizes = list(sizes)
-        self._inputs = [None] * slots
-        self._in_leaves = [None] * slots
-        self._targets = [None] * slots
-        self._outputs = [None] * slots
-        self._losses = [None] * slots
-        self._grads = [None] * slots
         start = time.perf_counter()
         ids = self.shapes.pass_ids(sizes, self._batch_x if any(self._first) else None)
         if self._spans is not None and self.shapes.varying:
             self._spans.append(Span("wait", -1, start, time.perf_counter(), "shapes"))
         specs = [self.shapes.specs(v, i) for v in range(self.V) for i in ids]
-        self._act_specs = [act for act, _ in specs]
-        self._out_specs = [out for _, out in specs]
-        self._recv_act = [None] * slots
-        self._recv_grad = [None] * slots
+        self._slots = [_Slot(act, out, sizes[k % n]) for k, (act, out) in enumerate(specs)]
         # Post receives early: gloo moves a send's data only once the receive
         # is posted, so a just-in-time receive costs a round trip per message.
         window = min(self.recv_window, n)
@@ -529,8 +496,8 @@ class StageExecutor:
             if peer is not None and not self._local(peer):
                 for m in range(window):
                     k = v * n + m
-                    self._recv_act[k] = self.mailbox.post_recv_activation(
-                        self._act_specs[k], peer[0], v
+                    self._slots[k].recv_act = self.mailbox.post_recv_activation(
+                        self._slots[k].act_spec, peer[0], v
                     )
         # Gradient receives are posted right after the first activation send
         # (`_post_grad_receives`): not needed before then, and posting them
@@ -546,13 +513,12 @@ class StageExecutor:
             if peer is None or self._local(peer):
                 continue
             for m in range(min(self.recv_window, n)):
-                spec = self._out_specs[v * n + m]
+                spec = self._slots[v * n + m].out_spec
                 if spec is not None and spec.carries_grad:
-                    self._recv_grad[v * n + m] = self.mailbox.post_recv_grad(spec, peer[0], v)
+                    self._slots[v * n + m].recv_grad = self.mailbox.post_recv_grad(spec, peer[0], v)
 
     def _end_pass(self) -> None:
-        self._inputs = self._targets = self._losses = []
-        self._in_leaves = self._outputs = self._grads = []
+        self._slots = []
         self._batch_x = self._batch_y = []
 
     def _load_batch(self, batch_index: int) -> None:
@@ -568,45 +534,42 @@ class StageExecutor:
     # ------------------------------------------------------------ instructions
 
     def _load(self, m: int, v: int) -> None:
-        k = v * self._n + m
+        slot = self._slots[v * self._n + m]
         if self._first[v]:
-            self._inputs[k] = self._batch_x[m]
+            slot.input = self._batch_x[m]
         if self._last[v]:
-            self._targets[k] = self._batch_y[m]
+            slot.target = self._batch_y[m]
 
     def _recv_activation(self, m: int, v: int) -> None:
         n = self._n
         k = v * n + m
+        slot = self._slots[k]
         peer = self._prev[v]
         assert peer is not None
         if self._local(peer):
             leaves = self._handed_acts[v].popleft()
         else:
-            pending = self._recv_act[k]
+            pending = slot.recv_act
             assert pending is not None, f"activation {m} of chunk {v} was never posted"
-            self._recv_act[k] = None
+            slot.recv_act = None
             leaves, start, end = self.mailbox.wait(pending)
             if self._spans is not None:
                 self._spans.append(Span("wait", self._mb_offset + m, start, end, "recv_act", v))
-            nxt = m + self.recv_window
-            if nxt < n:
-                self._recv_act[k + self.recv_window] = self.mailbox.post_recv_activation(
-                    self._act_specs[k + self.recv_window], peer[0], v
-                )
-        spec = self._act_specs[k]
+            if m + self.recv_window < n:
+                ahead = self._slots[k + self.recv_window]
+                ahead.recv_act = self.mailbox.post_recv_activation(ahead.act_spec, peer[0], v)
+        spec = slot.act_spec
         if self._training:
-            grad_leaves = [
+            slot.in_leaves = [
                 leaf.requires_grad_(True)
                 for leaf, leaf_spec in zip(leaves, spec.leaves, strict=True)
                 if leaf_spec.carries_grad
             ]
-            self._in_leaves[k] = grad_leaves
-        self._inputs[k] = spec.unflatten(leaves, self.device)
+        slot.input = spec.unflatten(leaves, self.device)
 
     def _forward(self, m: int, v: int) -> None:
-        k = v * self._n + m
-        x = self._inputs[k]
-        self._inputs[k] = None
+        slot = self._slots[v * self._n + m]
+        x, slot.input = slot.input, None
         last = self._last[v]
         start = time.perf_counter()
         # One chunk goes through DDP's wrapper (its reducer is armed by hand);
@@ -620,27 +583,26 @@ class StageExecutor:
                     out = call(replicas.module, x)
             loss = None
             if last and self._training:
-                target = self._targets[k]
-                assert target is not None
-                loss = self.job.loss(out, target)
+                assert slot.target is not None
+                loss = self.job.loss(out, slot.target)
         if last:
             if loss is not None:
-                self._losses[k] = loss
+                slot.loss = loss
                 detached = loss.detach()
                 self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
             else:
-                self._eval_metrics(out, self._targets[k], self._sizes[m])
+                assert self._tally is not None
+                self._tally.add(out, slot.target, slot.size)
         else:
-            self._outputs[k] = self._output_leaves(out, m, v)
+            slot.outputs = self._output_leaves(out, m, slot.out_spec)
         end = time.perf_counter()
         self._forward_s += end - start
         if self._spans is not None:
             self._spans.append(Span("forward", self._mb_offset + m, start, end, "", v))
 
-    def _output_leaves(self, out: Any, m: int, v: int) -> list[torch.Tensor]:
+    def _output_leaves(self, out: Any, m: int, spec: BoundarySpec | None) -> list[torch.Tensor]:
         """The leaves of output ``m``, checked against the spec agreed for its shape."""
         _tree, leaves = flatten(out, f"stage {self.stage}")
-        spec = self._out_specs[v * self._n + m]
         assert spec is not None
         if len(leaves) != len(spec.leaves) or any(
             t.shape != s.shape or t.dtype != s.dtype
@@ -656,9 +618,8 @@ class StageExecutor:
         return leaves
 
     def _send_activation(self, m: int, v: int) -> None:
-        k = v * self._n + m
-        leaves = self._outputs[k]
-        spec = self._out_specs[k]
+        slot = self._slots[v * self._n + m]
+        leaves, spec = slot.outputs, slot.out_spec
         peer = self._next[v]
         assert leaves is not None and spec is not None and peer is not None
         if self._local(peer):
@@ -668,10 +629,10 @@ class StageExecutor:
         else:
             self.mailbox.send_activation(leaves, *peer)
         if not self._training:
-            self._outputs[k] = None
+            slot.outputs = None
             return
         # Keep only what the backward needs.
-        self._outputs[k] = [t for t, s in zip(leaves, spec.leaves, strict=True) if s.carries_grad]
+        slot.outputs = [t for t, s in zip(leaves, spec.leaves, strict=True) if s.carries_grad]
         if not self._grads_posted:
             self._post_grad_receives()
 
@@ -680,39 +641,39 @@ class StageExecutor:
             self._post_grad_receives()
         n = self._n
         k = v * n + m
+        slot = self._slots[k]
         peer = self._next[v]
         assert peer is not None
         if self._local(peer):
-            spec = self._out_specs[k]
-            self._grads[k] = self._handed_grads[v].popleft() if spec and spec.carries_grad else None
+            spec = slot.out_spec
+            slot.grads = self._handed_grads[v].popleft() if spec and spec.carries_grad else None
             return
-        pending = self._recv_grad[k]
-        self._recv_grad[k] = None
+        pending, slot.recv_grad = slot.recv_grad, None
         if pending is None:  # integer outputs carry no gradient
             return
         grads, start, end = self.mailbox.wait(pending)
         if self._spans is not None:
             self._spans.append(Span("wait", self._mb_offset + m, start, end, "recv_grad", v))
-        nxt = m + self.recv_window
-        spec = self._out_specs[k + self.recv_window] if nxt < n else None
-        if spec is not None and spec.carries_grad:
-            self._recv_grad[k + self.recv_window] = self.mailbox.post_recv_grad(spec, peer[0], v)
-        self._grads[k] = grads
+        if m + self.recv_window < n:
+            ahead = self._slots[k + self.recv_window]
+            spec = ahead.out_spec
+            if spec is not None and spec.carries_grad:
+                ahead.recv_grad = self.mailbox.post_recv_grad(spec, peer[0], v)
+        slot.grads = grads
 
     def _backward_roots(
         self, m: int, v: int
     ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         """What microbatch ``m``'s backward starts from: the scaled loss (last
         chunk), or the outputs that take a gradient with the gradients received."""
-        k = v * self._n + m
+        slot = self._slots[v * self._n + m]
         if self._last[v]:
-            loss = self._losses[k]
-            self._losses[k] = None
+            loss, slot.loss = slot.loss, None
             assert loss is not None
             scale = self._loss_scale * (self.scaler.scale if self.scaler is not None else 1.0)
             return [loss * scale], None
-        outs, received = self._outputs[k] or [], self._grads[k] or []
-        self._outputs[k] = self._grads[k] = None
+        outs, received = slot.outputs or [], slot.grads or []
+        slot.outputs = slot.grads = None
         pairs = [(o, g) for o, g in zip(outs, received, strict=True) if o.requires_grad]
         return [o for o, _ in pairs], [g for _, g in pairs]
 
@@ -722,7 +683,7 @@ class StageExecutor:
         tensors, grads = self._backward_roots(m, v)
         k = v * self._n + m
         with self._local_grads():
-            self._split.input_half(k, tensors, grads, self._in_leaves[k] or [])
+            self._split.input_half(k, tensors, grads, self._slots[k].in_leaves or [])
         self._backward_span(m, v, start, "input")
 
     def _backward_weight(self, m: int, v: int) -> None:
@@ -758,9 +719,8 @@ class StageExecutor:
         self._backward_span(m, v, start)
 
     def _send_grad(self, m: int, v: int) -> None:
-        k = v * self._n + m
-        leaves = self._in_leaves[k]
-        self._in_leaves[k] = None
+        slot = self._slots[v * self._n + m]
+        leaves, slot.in_leaves = slot.in_leaves, None
         peer = self._prev[v]
         if not leaves or peer is None:
             return
@@ -786,9 +746,10 @@ class StageExecutor:
         plan = eval_microbatches(num_samples, self.job.effective_eval_batch_size, self.M)
         self._training = False
         self._spans = None
-        self._eval_sums = {}
-        self._eval_weight = None
-        self._eval_objects = self._objects_of(evaluation.name) if self.last else {}
+        self._tally = None
+        if self.last:
+            objects = self._metric_objects.fresh(evaluation.name)
+            self._tally = EvalTally(job=self.job, device=self.device, objects=objects)
         self.eval_batches_done = 0
         was_training = self.module.training
         # The chunks too: a model= stage's chunks are views with containers of their own.
@@ -807,36 +768,10 @@ class StageExecutor:
             self._end_pass()
         metrics: dict[str, float] = {}
         if self.last and num_samples:
-            metrics = self._eval_results()
+            assert self._tally is not None
+            metrics = self._tally.results()
         self.mailbox.reset_wait()
         return EvalStats(metrics, num_samples, len(plan), time.perf_counter() - start)
-
-    def _objects_of(self, name: str) -> dict[str, Any]:
-        """Set ``name``'s metric objects, reset: built on first use, one copy per set."""
-        objects = self._metric_objects.get(name)
-        if objects is None:
-            objects = {}
-            for key, value in self.job.metrics.items():
-                if isinstance(value, MetricFactory):
-                    objects[key] = _stage_local(value(), self.device)
-                elif is_metric_object(value):
-                    objects[key] = _stage_local(copy.deepcopy(value), self.device)
-            self._metric_objects[name] = objects
-        for obj in objects.values():
-            obj.reset()
-        return objects
-
-    def _eval_results(self) -> dict[str, float]:
-        """``loss`` and the job's metrics over the whole set, in the job's order."""
-        weight = float(self._eval_weight) if self._eval_weight is not None else 0.0
-        results: dict[str, float] = {}
-        for name in ("loss", *self.job.metrics):
-            obj = self._eval_objects.get(name)
-            if obj is not None:
-                results[name] = _one_number(name, obj.compute())
-            elif name in self._eval_sums:
-                results[name] = float(self._eval_sums[name]) / weight if weight else math.nan
-        return results
 
     def _eval_batch(self, batch: Sequence[range], reader: Reader | None) -> None:
         self._mb_offset = 0
@@ -862,63 +797,3 @@ class StageExecutor:
             self._eval_programs[len(batch)] = program
         for handler, microbatch, chunk in program:
             handler(microbatch, chunk)
-
-    def _eval_metrics(self, output: Any, target: Any, n: int) -> None:
-        assert target is not None
-        job = self.job
-        # Kept as tensors on the device: one float conversion per set, not a
-        # device synchronization per microbatch.
-        raw = n if job.eval_weight is None else job.eval_weight(target)
-        weight = torch.as_tensor(raw, device=self.device).detach().double()
-        self._eval_weight = weight if self._eval_weight is None else self._eval_weight + weight
-        values: dict[str, float | torch.Tensor] = {"loss": job.loss(output, target)}
-        for name, fn in job.metrics.items():
-            obj = self._eval_objects.get(name)
-            if obj is not None:
-                obj.update(output, target)
-            else:
-                values[name] = fn(output, target)
-        for name, value in values.items():
-            mean = torch.as_tensor(value, device=self.device).detach().double()
-            # A microbatch of weight 0 (all padding) has a mean of 0/0: it adds nothing.
-            weighted = torch.where(weight > 0, mean * weight, torch.zeros_like(mean))
-            previous = self._eval_sums.get(name)
-            self._eval_sums[name] = weighted if previous is None else previous + weighted
-
-
-def _stage_local(obj: Any, device: torch.device) -> Any:
-    """A metric object made to compute on this stage alone, on its device.
-
-    torchmetrics gathers a metric's state over the default process group when
-    one exists; here that group is the pipeline, whose other stages take no
-    part in the evaluation, so the gather would wait for peers that never
-    join it (until the process group's timeout).
-    """
-    modules = obj.modules() if isinstance(obj, nn.Module) else [obj]
-    for module in modules:
-        if hasattr(module, "distributed_available_fn"):
-            module.distributed_available_fn = _not_distributed
-    if isinstance(obj, nn.Module):
-        obj = obj.to(device)
-    return obj
-
-
-def _not_distributed() -> bool:
-    return False
-
-
-def _one_number(name: str, value: Any) -> float:
-    """A computed metric as a float; anything but one number is the metric's mistake."""
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        return float(value.detach())
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        return float(value)
-    what = (
-        f"a tensor of shape {tuple(value.shape)}"
-        if isinstance(value, torch.Tensor)
-        else f"a {type(value).__name__}"
-    )
-    raise RuntimeError(
-        f"metric {name!r} computed {what}; a metric reports one number (e.g. pick an "
-        "average, or give each value its own name in Job.metrics)"
-    )
