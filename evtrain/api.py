@@ -252,7 +252,11 @@ def _source(spec: str | os.PathLike[str] | Job) -> dict[str, Any]:
         )
     if isinstance(spec, Job):
         # The path is a placeholder until the launcher writes the spec that rebuilds it.
-        return {"spec": "<job>", "job": spec}
+        try:
+            source = JobPayload.of(spec)  # what the stage processes rebuild it from
+        except UsageError as exc:
+            raise exc.with_traceback(None) from None
+        return {"spec": "<job>", "job": spec, "job_source": source}
     if isinstance(spec, str | os.PathLike):
         return {"spec": os.fspath(spec)}
     raise UsageError(f"expected a job spec path or an evtrain Job, got {type(spec).__name__}")
@@ -397,6 +401,10 @@ class JobPayload:
     def directories(self) -> list[str]:
         """The directories of the file modules (hook processes import their neighbours)."""
         return sorted({str(Path(path).parent) for path in self.files.values()})
+
+    def write_spec(self, directory: Path) -> Path:
+        """`write_job_spec` of this payload (`evtrain.launcher.options.JobSource`)."""
+        return write_job_spec(self, directory)
 
 
 def _globals_of(data: bytes) -> list[tuple[str, str]]:

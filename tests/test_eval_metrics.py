@@ -51,7 +51,7 @@ from evtrain.exporters.metrics_log import eval_record
 from evtrain.hooks.checkpoint import CheckpointHook
 from evtrain.hooks.early_stopping import EarlyStopping
 from evtrain.job import Job, accuracy, layer, metric
-from evtrain.launcher import _check_monitored_metric
+from evtrain.launcher import check_monitored_metric
 from evtrain.progress import RunConsole
 from evtrain.spec import load_job
 from evtrain.stages.partition import build_full_model
@@ -515,11 +515,11 @@ def test_a_hook_watching_an_unprefixed_name_of_named_sets_is_a_spec_error() -> N
     x, y = torch.randn(10, 4), torch.randint(0, 3, (10,))
     named = make_job(metrics={"accuracy": accuracy}, eval_data={"val": (x, y), "test": (x, y)})
     with pytest.raises(SpecError, match=r"best_metric 'accuracy' .* 'val/accuracy' or 'test/"):
-        _check_monitored_metric(named, CheckpointHook(best_metric="accuracy"))
+        check_monitored_metric(named, CheckpointHook(best_metric="accuracy"))
     with pytest.raises(SpecError, match=r"metric 'loss' is reported per eval set"):
-        _check_monitored_metric(named, EarlyStopping())
-    _check_monitored_metric(named, CheckpointHook(best_metric="val/accuracy"))
-    _check_monitored_metric(make_job(eval_data=(x, y)), CheckpointHook(best_metric="loss"))
+        check_monitored_metric(named, EarlyStopping())
+    check_monitored_metric(named, CheckpointHook(best_metric="val/accuracy"))
+    check_monitored_metric(make_job(eval_data=(x, y)), CheckpointHook(best_metric="loss"))
 
 
 def _replayed(hook: Any, events: list[Message]) -> None:

@@ -1,0 +1,380 @@
+"""What the launcher learns of the run without the bus, and how it notices the bus is gone.
+
+`FailureWatch`: the truth about every stage comes from files that do not
+depend on the bus — each stage's `evtrain.stages.worker.StageReport` and the
+agent's `evtrain.elastic_agent.AgentReport`, in ``RUN_DIR/launches/RUN_ID/``
+— and, for another node's stages, from ``StageFailed`` events.
+
+Failures: the first stage that failed is the root cause, not the first one
+that said so (`evtrain.failures`): the others usually fail on its closed
+connections moments later, and a stage killed by a signal says nothing at
+all. The launcher prints it once (``evtrain launch: error: stage 1 was
+killed by SIGKILL after step 62``, or the exception with the user's
+``FILE:LINE``), then one line per consequence, and writes everything, full
+tracebacks included, to ``RUN_DIR/launches/RUN_ID/failure.txt``
+(`evtrain.launcher.report`). It publishes ``RunEnded(status="failed")`` with
+``root_cause`` itself, as soon as the cause is known (an exception that is
+not a symptom names it outright; a death needs its exit status, and after
+`FAILURE_SETTLE_S` the cause is published anyway); the agent kills
+survivors that do not end within a second, and hooks get a second to finish
+(`evtrain.launcher.hooks.FAILED_HOOK_GRACE_S`), so a failed launch ends a few
+seconds after the failure. With ``--max-restarts`` a failure before the last
+restart is a warning naming its root cause, and elastic restarts the
+workers. A failure on another node leaves this node's workers waiting on
+the dead peer: they are killed `FAILED_WORKERS_GRACE_S` after the run ended
+(`workers_outstay_failure`).
+
+`BusWatch`: the broker and its death. The broker the launcher hosts lives
+as long as the launcher; with ``--external-bus`` it is another process,
+which may die on its own, and the launcher does not depend on it for
+anything but events. Training goes on, the stage reports keep the launcher
+informed, and when no event arrived for `BUS_QUIET_S` seconds and the
+broker does not answer, the launcher warns that the bus was lost at step N.
+At the end the summary and ``run.json`` say so with the consequence
+(`BusWatch.loss_line`: hooks saw nothing after step N; checkpoints after it
+were not committed), and the exit status is 3 instead of 0: the weights
+trained after step N exist only in the stages that are gone. A broker that
+comes back (a restarted compose service) is used again; the loss is still
+reported.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from evtrain.elastic_agent import AgentReport, AttemptReport
+from evtrain.events import RunEnded, StageFailed
+from evtrain.failures import (
+    Failure,
+    RootCause,
+    failure_from_exit,
+    find_root_cause,
+    is_communication_error,
+)
+from evtrain.launcher.bus import RunBus
+from evtrain.progress import Progress
+from evtrain.stages.worker import StageReport, read_stage_reports
+
+__all__ = [
+    "BUS_QUIET_S",
+    "FAILED_WORKERS_GRACE_S",
+    "FAILURE_SETTLE_S",
+    "BusLoss",
+    "BusWatch",
+    "FailureWatch",
+    "workers_outstay_failure",
+]
+
+FAILURE_SETTLE_S = 1.5
+"""Seconds after the first sign of a failure by which the root cause is published anyway."""
+FAILED_WORKERS_GRACE_S = 5.0
+"""Seconds this node's workers get to end after the run failed before they are killed."""
+BUS_QUIET_S = 3.0
+"""No event for this long while stages run (they send heartbeats every second): ask the broker."""
+_FINISHED = ("completed", "stopped")
+
+
+class FailureWatch:
+    """The stages' and the agent's reports of the current attempt, and what failed in it."""
+
+    def __init__(
+        self, job: Any, progress: Progress, *, report_dir: Path, agent_report: Path, restarts: int
+    ) -> None:
+        self.job = job
+        self.progress = progress
+        self.report_dir = report_dir
+        self.agent_report_path = agent_report
+        self.restarts = restarts
+        self.agent_report: AgentReport | None = None
+        self.stage_reports: dict[int, StageReport] = {}
+        """The current attempt's reports, by global rank."""
+        self._failure_seen_at: float | None = None
+        self._announced_attempts: set[int] = set()
+        self._told: RootCause | None = None
+
+    def refresh(self) -> None:
+        """Read the reports again."""
+        report = AgentReport.read(self.agent_report_path)
+        if report is not None:
+            self.agent_report = report
+        attempt = self.current_attempt()
+        number = attempt.attempt if attempt is not None else 0
+        self.stage_reports = read_stage_reports(self.report_dir, number)
+
+    def current_attempt(self) -> AttemptReport | None:
+        report = self.agent_report
+        return report.attempts[-1] if report is not None and report.attempts else None
+
+    def steps_known(self) -> int:
+        """The most steps anyone reported: the bus or a stage."""
+        reports = [r.step for r in self.stage_reports.values()]
+        return max([self.progress.stats.steps_done, *reports])
+
+    def failures(self, attempt: AttemptReport | None) -> list[Failure]:
+        """Every stage failure of ``attempt`` (None: what the bus said, if anything)."""
+        number = attempt.attempt if attempt is not None else 0
+        started = attempt.started_at if attempt is not None else 0.0
+        if attempt is self.current_attempt():
+            reports = self.stage_reports
+        else:
+            reports = read_stage_reports(self.report_dir, number)
+        exits = {w.rank: w for w in attempt.workers} if attempt is not None else {}
+        replicas = self.job.data_parallel
+        published: dict[int, StageFailed] = {}
+        for failed in sorted(self.progress.stats.failures, key=lambda e: e.ts):
+            if failed.ts >= started:
+                published.setdefault(failed.stage * replicas + failed.replica, failed)
+        failures = []
+        for rank in range(self.job.world_size):
+            report, worker, event = reports.get(rank), exits.get(rank), published.get(rank)
+            # Pipeline-major ranks, as on a (pp, dp) mesh: stage r // D, replica r % D.
+            stage, replica = divmod(rank, replicas)
+            which = replica if replicas > 1 else None
+            if report is not None and report.status == "failed":
+                failures.append(
+                    Failure(
+                        stage=stage,
+                        replica=which,
+                        at=report.failed_at or report.updated,
+                        what=report.error,
+                        consequence=report.consequence,
+                        location=report.location,
+                        step=report.failed_step,
+                        user_frames=tuple(report.user_frames),
+                        traceback=report.traceback,
+                    )
+                )
+            elif (
+                worker is not None
+                and worker.died_at is not None
+                and worker.exit_code != 0
+                and not (report is not None and report.status in _FINISHED)
+            ):
+                steps = max(report.step if report is not None else 0, self.steps_known())
+                failures.append(
+                    failure_from_exit(
+                        stage,
+                        worker.exit_code,
+                        worker.died_at,
+                        killed_by_agent=worker.killed_by_agent,
+                        step=steps,
+                        replica=which,
+                    )
+                )
+            elif event is not None and rank not in exits:
+                # Another node's stage: the bus is all this launcher hears of it.
+                failures.append(
+                    Failure(
+                        stage=stage,
+                        replica=which,
+                        at=event.ts,
+                        what=event.error,
+                        consequence=is_communication_error(event.error),
+                        step=event.step,
+                        traceback=event.traceback,
+                    )
+                )
+        return failures
+
+    def root_cause(self, attempt: AttemptReport | None, *, ended_by_us: bool) -> RootCause | None:
+        """The root cause of ``attempt``'s failures; deaths we caused are none."""
+        failures = self.failures(attempt)
+        if ended_by_us:
+            # We had elastic (or ourselves) end the workers: their deaths say nothing.
+            failures = [f for f in failures if not f.died]
+        return find_root_cause(failures)
+
+    def restart_pending(self, attempt: AttemptReport | None) -> bool:
+        number = attempt.attempt if attempt is not None else 0
+        return number < self.restarts
+
+    def announce_restarts(self, *, ended_by_us: bool) -> list[str]:
+        """A warning for each failed attempt that elastic restarted, once."""
+        report = self.agent_report
+        lines = []
+        for attempt in report.attempts[:-1] if report is not None else []:
+            if attempt.attempt in self._announced_attempts:
+                continue
+            self._announced_attempts.add(attempt.attempt)
+            root = self.root_cause(attempt, ended_by_us=ended_by_us)
+            what = root.headline() if root is not None else "the stage workers failed"
+            lines.append(
+                f"{what}; elastic restarts the workers "
+                f"(restart {attempt.attempt + 1} of {self.restarts})"
+            )
+        return lines
+
+    def settled_root(self, now: float) -> RootCause | None:
+        """The root cause of the last attempt's failure once it is known, else None.
+
+        Call it while the run has not ended and the workers were not ended by
+        us: an exception that is not a symptom names the cause outright; a
+        death needs its exit status, which the agent has once elastic reaped it.
+        """
+        attempt = self.current_attempt()
+        if self.restart_pending(attempt):
+            return None
+        failures = self.failures(attempt)
+        if not failures:
+            return None
+        if self._failure_seen_at is None:
+            self._failure_seen_at = now
+        known = any(not f.consequence and f.certain for f in failures)
+        if known or now - self._failure_seen_at > FAILURE_SETTLE_S:
+            return find_root_cause(failures)
+        return None
+
+    def failed(self, root: RootCause) -> RunEnded:
+        """The ``RunEnded`` that tells the hooks ``root`` ended the run (remembered)."""
+        self._told = root
+        headline = root.headline()
+        return RunEnded(
+            status="failed", reason=headline, root_cause=headline, step=self.steps_known()
+        )
+
+    def final_root_cause(self, *, ended_by_us: bool) -> RootCause | None:
+        """The root cause with all evidence in; what the hooks were told, if it agrees."""
+        root = self.root_cause(self.current_attempt(), ended_by_us=ended_by_us)
+        told = self._told
+        if (
+            root is not None
+            and told is not None
+            and (root.first.stage, root.first.replica, root.first.what)
+            == (told.first.stage, told.first.replica, told.first.what)
+        ):
+            # The same failure, maybe a step count later: keep one wording.
+            return RootCause(first=told.first, consequences=root.consequences)
+        return root
+
+    def settle_progress(self) -> None:
+        """The stages' own count and last loss, where the bus fell behind."""
+        reports = list(self.stage_reports.values())
+        if not reports:
+            return
+        last = max(reports, key=lambda r: r.stage)
+        self.progress.settle(max(r.step for r in reports), last.loss)
+
+    def any_running(self) -> bool:
+        """Whether a stage reports that it starts or runs."""
+        return any(r.status in ("starting", "running") for r in self.stage_reports.values())
+
+    def ended_status(self, ended: RunEnded | None) -> str:
+        """How a run that did not fail ended: stage 0's word, else the stages' own reports."""
+        if ended is not None:
+            return ended.status
+        stopped = any(r.status == "stopped" for r in self.stage_reports.values())
+        return "stopped" if stopped else "completed"
+
+
+def workers_outstay_failure(
+    published: RunEnded | None, published_at: float, now: float, *, ended_by_us: bool
+) -> bool:
+    """Whether this node's workers should be killed: the run failed a while ago.
+
+    The agent ends the survivors of a failure among its own workers. A
+    failure on another node, heard of on the bus, leaves ours waiting for a
+    peer that is gone (in a collective, or a gloo connect) until a timeout
+    half an hour later. Blocked in a native call, they could not act on
+    elastic's SIGTERM either, and a failed run saves nothing at its end.
+    """
+    if published is None or published.status != "failed" or ended_by_us:
+        return False
+    return now - published_at >= FAILED_WORKERS_GRACE_S
+
+
+@dataclass
+class BusLoss:
+    """When the bus stopped answering, and whether it came back."""
+
+    step: int
+    at: float
+    back_at_step: int | None = None
+
+
+class BusWatch:
+    """Notices a bus that stopped delivering while the stages publish (module docstring)."""
+
+    def __init__(self, bus: RunBus, warn: Callable[[str], None], *, since: float) -> None:
+        self.bus = bus
+        self.warn = warn
+        self.last_event = since
+        """When the last event arrived (``since``: none yet)."""
+        self.loss: BusLoss | None = None
+
+    def heard(self) -> None:
+        """An event arrived."""
+        self.last_event = time.monotonic()
+
+    @property
+    def down(self) -> bool:
+        """Whether the bus is lost and has not come back."""
+        return self.loss is not None and self.loss.back_at_step is None
+
+    async def run(
+        self,
+        *,
+        stages_running: Callable[[], bool],
+        steps_known: Callable[[], int],
+        steps_seen: Callable[[], int],
+        agent_running: Callable[[], bool],
+    ) -> None:
+        """Every second: a quiet bus while stages run is asked; a lost one may come back."""
+        while True:
+            await anyio.sleep(1.0)
+            quiet = time.monotonic() - self.last_event
+            loss = self.loss
+            if loss is not None:
+                if loss.back_at_step is None and quiet < BUS_QUIET_S:
+                    loss.back_at_step = steps_known()
+                    self.warn(
+                        f"the bus at {self.bus.address} answers again (step {loss.back_at_step})"
+                    )
+                continue
+            if quiet >= BUS_QUIET_S and stages_running():
+                await self.check(steps_seen(), agent_running=agent_running)
+
+    async def check(self, step: int, *, agent_running: Callable[[], bool]) -> None:
+        """Ask the broker; if it does not answer, the bus was lost at ``step``."""
+        alive = await self.bus.answers()
+        if alive or self.loss is not None:
+            return
+        self.loss = BusLoss(step=step, at=time.time())
+        if agent_running():
+            self.warn(
+                f"the bus at {self.bus.address} stopped answering at step {step}; training goes "
+                "on, but hooks get no events and no checkpoint is committed until it is back"
+            )
+
+    def loss_line(self, *, checkpointing: bool, run_dir: Path | None) -> str | None:
+        """What the loss cost, for the summary and ``run.json`` (None: no loss)."""
+        loss = self.loss
+        if loss is None:
+            return None
+        back = f" (back at step {loss.back_at_step})" if loss.back_at_step is not None else ""
+        line = f"the bus was lost at step {loss.step}{back}: hooks got no events after it"
+        if checkpointing:
+            from evtrain.checkpoint import latest_committed
+
+            assert run_dir is not None
+            latest = latest_committed(run_dir)
+            committed = f"latest committed: step {latest.step}" if latest else "none committed"
+            line += f"; checkpoints after step {loss.step} were not committed ({committed})"
+        return line
+
+    def record(self, *, checkpointing: bool, run_dir: Path | None) -> dict[str, Any] | None:
+        """The loss as ``run.json`` records it (None: no loss)."""
+        loss = self.loss
+        if loss is None:
+            return None
+        return {
+            "step": loss.step,
+            "at": loss.at,
+            "back_at_step": loss.back_at_step,
+            "consequence": self.loss_line(checkpointing=checkpointing, run_dir=run_dir),
+        }
