@@ -86,14 +86,15 @@ the job's ``eval_every``), then at most one checkpoint per directory, then
 the stop. One more *final boundary* after the last step applies what
 arrived meanwhile.
 
-Checkpoints (the protocol: `evtrain.checkpoint`): each stage owns a
-`ShardWriter` and saves after that boundary's optimizer step, scheduler step
-and evaluation, so the shard holds the weights just evaluated. With
-``WorkerConfig.await_plan`` (the launcher starts a checkpoint hook) stage 0
-holds boundary 0 until the coordinator's plan arrived. Finished
-writes are published at every boundary and with the heartbeats. When the
-run ends without failure, the plan's on-stop checkpoint is saved, every
-shard is waited for and reported, the stages meet at the final barrier,
+Checkpoints (the protocol: `evtrain.checkpoint`; what a stage saves when:
+`evtrain.stages.checkpointing`): a stage saves after that boundary's
+optimizer step, scheduler step and evaluation, so the shard holds the
+weights just evaluated. With ``WorkerConfig.await_plan`` (the launcher
+starts a checkpoint hook) stage 0 holds boundary 0 until the coordinator's
+plan arrived. Finished writes are published at every boundary and with the
+heartbeats. When the run ends without failure, the plan's on-stop
+checkpoint is saved, every shard is waited for and reported, the stages
+meet at the final barrier,
 and stage 0 waits for the coordinator's verdict on every checkpoint of the
 run (``EVTRAIN_COORDINATOR_TIMEOUT_S``, default 30) before it publishes
 ``RunEnded``.
@@ -149,9 +150,8 @@ from evtrain.bus.commands import CommandLedger, CommandReceiver
 from evtrain.bus.publisher import Publisher
 from evtrain.bus.security import curve_from_env
 from evtrain.bus.subscriber import Subscriber
-from evtrain.checkpoint import CheckpointError, format_checkpoint_path
+from evtrain.checkpoint import CheckpointError
 from evtrain.checkpoint.loader import agree_on_resume, load_stage_shard, load_weights
-from evtrain.checkpoint.plan import ON_STOP
 from evtrain.checkpoint.writer import ShardWriter
 from evtrain.data import derive_seed, eval_microbatches
 from evtrain.errors import SpecError
@@ -160,7 +160,6 @@ from evtrain.events import (
     CheckpointFailed,
     CheckpointNow,
     CheckpointPlan,
-    CheckpointRequested,
     Command,
     EpochEnded,
     EvalEnded,
@@ -187,6 +186,7 @@ from evtrain.loading import make_reader
 from evtrain.reporting import Reporter, reporting
 from evtrain.spec import apply_overrides, load_job
 from evtrain.stages.boundary import BoundarySpec
+from evtrain.stages.checkpointing import StageCheckpointing
 from evtrain.stages.control import ControlResult, StepControl
 from evtrain.stages.data_parallel import Replicas
 from evtrain.stages.evaluation import EvalSet
@@ -216,8 +216,6 @@ log = structlog.get_logger("evtrain.stages.actor")
 HEARTBEAT_INTERVAL_S = 1.0
 PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=30)
 _FORCE_EXIT_AFTER_S = 1.0
-FAILURE_WRITE_WAIT_S = 60.0
-"""Seconds a failing stage waits for its shard write in flight before it reports."""
 COORDINATOR_TIMEOUT_ENV = "EVTRAIN_COORDINATOR_TIMEOUT_S"
 """Seconds stage 0 waits for the checkpoint coordinator, at most: for its plan before
 the first step, for its verdicts (and every stage's last events) at the end (default 30)."""
@@ -289,14 +287,10 @@ class StageActor:
         self._verdicts: Subscriber | None = None
         self.ledger = CommandLedger(self.stage, None)
         self.orders: Orders | None = None
-        self._saves: dict[tuple[int, str], str] = {}
-        """(step, checkpoint directory) -> checkpoint id of every save this run started."""
-        self._awaiting: set[str] = set()
-        """Checkpoint ids stage 0 still needs the coordinator's verdict on."""
+        self.checkpointing: StageCheckpointing | None = None
         self._stop_requested = False
         self._first_signal: float | None = None
         self._in_step = False
-        self.writer: ShardWriter | None = None
         self.start_step = 0
         self._last_loss: float | None = None
         self._eval_progress: EvalProgress | None = None
@@ -371,7 +365,8 @@ class StageActor:
                 tg.cancel_scope.cancel()
         finally:
             if failure is not None:
-                self._finish_shard_write()
+                if self.checkpointing is not None:
+                    self.checkpointing.finish_failing()
                 self._report_failure(failure)
             if self._receiver is not None:
                 self._receiver.close()
@@ -397,17 +392,6 @@ class StageActor:
             report.write(directory)
         except OSError as exc:
             log.warning("cannot write the stage report", stage=self.stage, error=str(exc))
-
-    def _finish_shard_write(self) -> None:
-        """A failing stage still completes and reports the shard it is writing.
-
-        The checkpoint was taken steps before the failure and is whole once
-        every stage's shard is: losing it to the crash would throw away good
-        work. Bounded by ``FAILURE_WRITE_WAIT_S``.
-        """
-        if self.writer is not None and self.writer.busy():
-            for done in self.writer.wait(FAILURE_WRITE_WAIT_S):
-                self.publish(done.to_event())
 
     def _report_failure(self, exc: BaseException) -> None:
         text = "".join(traceback.format_exception(exc))
@@ -449,7 +433,8 @@ class StageActor:
             )
             self._publish_eval_progress()
             self._write_report()
-            self._publish_shards()
+            if self.checkpointing is not None:
+                self.checkpointing.publish_done()
             await anyio.sleep(HEARTBEAT_INTERVAL_S)
 
     async def _signals(self) -> None:
@@ -530,10 +515,11 @@ class StageActor:
         # are this stage's last events; stage 0 announces the end only once it
         # got every stage's StageStopped back from the broker, so RunEnded
         # reaches every hook after all of them.
-        await self._save_on_stop()
-        if self.writer is not None:
-            for done in await anyio.to_thread.run_sync(self.writer.wait):
-                self.publish(done.to_event())
+        checkpointing = self.checkpointing
+        assert checkpointing is not None
+        if self.completed > self.start_step and self.orders is not None:
+            await checkpointing.save_on_stop(self.completed, self.orders.plan)
+        await checkpointing.finish()
         self.publish(
             StageStopped(
                 stage=self.stage,
@@ -547,8 +533,7 @@ class StageActor:
         self._write_report(status)
         if self.place.rank == 0:
             self.publish(RunEnded(status=status, reason=stop_reason or "", step=self.completed))
-        if self.writer is not None:
-            self.writer.close()
+        checkpointing.close()
         log.debug("stage finished", stage=self.stage, status=status, steps=self.completed)
 
     async def _train(self, step: int, total: int, first: ControlResult) -> tuple[int, str | None]:
@@ -720,8 +705,17 @@ class StageActor:
             train=train_reader,
             evaluations=evaluations,
         )
+        writer = None
         if not self.config.evaluate_only and self.replica == 0:
-            self.writer = ShardWriter(self.stage, self.num_stages, device=self.device)
+            writer = ShardWriter(self.stage, self.num_stages, device=self.device)
+        self.checkpointing = StageCheckpointing(
+            stage=self.stage,
+            lead=self.place.rank == 0,
+            writer=writer,
+            module=module,
+            executor=self.executor,
+            publish=self.publish,
+        )
         self.orders = Orders(
             last_step=total,
             batches_per_step=stream.grad_accum,
@@ -927,8 +921,11 @@ class StageActor:
                 metric = await anyio.to_thread.run_sync(
                     self._share_metric, metrics.get(plan.best_metric, math.nan)
                 )
-        await self._save_due(work, metric, periodic=fresh)
-        self._publish_shards()
+        assert self.checkpointing is not None
+        await self.checkpointing.save_due(
+            step, work.checkpoints, orders.plan, metric, periodic=fresh
+        )
+        self.checkpointing.publish_done()
         if work.stop_reason is None and control.signalled:
             return "signal"
         return work.stop_reason
@@ -961,95 +958,6 @@ class StageActor:
         assert self.control is not None
         return self.control.share(value, src=self.place.rank_of(self.num_stages - 1, 0))
 
-    async def _save_due(self, work: _Work, metric: float | None, *, periodic: bool) -> None:
-        """Save what this boundary owes: the plan's reasons and the commanded checkpoints.
-
-        Requests for one directory share one save (one checkpoint id, the
-        others listed as fulfilled by it); a directory already saved at this
-        step is not saved again.
-        """
-        assert self.orders is not None
-        step, plan = work.step, self.orders.plan
-        saves: dict[Path, _Save] = {}
-        if plan is not None:
-            reasons = [r for r in (periodic and plan.periodic(step), plan.evaluated(metric)) if r]
-            if reasons:
-                path = format_checkpoint_path(plan.plan.path, step)
-                saves[path] = _Save(plan.checkpoint_id(step), path, reasons, metric)
-        for command in work.checkpoints:
-            path = format_checkpoint_path(command.path, step)
-            save = saves.get(path)
-            if save is None:
-                saves[path] = _Save(command.checkpoint_id, path, [command.reason], None)
-            else:
-                save.fulfils.append(command.checkpoint_id)
-                save.reasons.append(command.reason)
-        for save in saves.values():
-            await self._save(step, save)
-
-    async def _save_on_stop(self) -> None:
-        """Save the plan's on-stop checkpoint (`_save` skips it when this step is saved)."""
-        plan = self.orders.plan if self.orders is not None else None
-        if plan is None or not plan.plan.on_stop or self.completed <= self.start_step:
-            return
-        path = format_checkpoint_path(plan.plan.path, self.completed)
-        await self._save(
-            self.completed, _Save(plan.checkpoint_id(self.completed), path, [ON_STOP], None)
-        )
-
-    async def _save(self, step: int, save: _Save) -> None:
-        """Start (or, when this directory holds this step already, re-announce) one save."""
-        if self.replica:
-            return  # replica 0 writes the stage's shard: the replicas' weights are equal
-        key = (step, str(save.path))
-        done = self._saves.get(key)
-        if done is not None:
-            if self.place.rank == 0 and (save.fulfils or save.checkpoint_id != done):
-                self.publish(save.requested(step, done, [save.checkpoint_id, *save.fulfils]))
-            return
-        self._saves[key] = save.checkpoint_id
-        if self.place.rank == 0:
-            self.publish(save.requested(step, save.checkpoint_id, save.fulfils))
-            if self.orders is not None and self.orders.plan is not None:
-                self._awaiting.add(save.checkpoint_id)
-        error = await anyio.to_thread.run_sync(self._write_shard, step, save)
-        if error is not None:
-            for cid in (save.checkpoint_id, *save.fulfils):
-                self.publish(
-                    CheckpointFailed(checkpoint_id=cid, step=step, stage=self.stage, error=error)
-                )
-
-    def _write_shard(self, step: int, save: _Save) -> str | None:
-        """Capture this stage's shard of ``save`` and hand it to the writer (blocking, short).
-
-        The write itself continues in the writer's thread; returns the error
-        of a refused save (already committed, unusable path, unsupported state).
-        """
-        writer, executor, module = self.writer, self.executor, self.module
-        if writer is None or executor is None or module is None:
-            return "the stage is not ready to checkpoint"
-        try:
-            writer.save(
-                save.path,
-                checkpoint_id=save.checkpoint_id,
-                step=step,
-                module=module,
-                optimizer=executor.optimizer,
-                scheduler=executor.lr_scheduler,
-                data_position=executor.stream.batch_index(step),
-                reason=save.reason,
-                metric=save.metric,
-                extra=(
-                    {"loss_scaler": executor.scaler.state_dict()}
-                    if executor.scaler is not None
-                    else None
-                ),
-            )
-        except CheckpointError as exc:
-            log.error("checkpoint refused", stage=self.stage, error=str(exc))
-            return str(exc)
-        return None
-
     async def _await_plan(self, receiver: CommandReceiver) -> None:
         """Stage 0: hold boundary 0 until the coordinator's `CheckpointPlan` arrived (bounded)."""
         timeout = _coordinator_timeout_s()
@@ -1077,18 +985,19 @@ class StageActor:
         stopped: set[tuple[int, int]] = set()
         everyone = {(s, r) for s in range(self.num_stages) for r in range(self.place.replicas)}
         deadline = time.monotonic() + _coordinator_timeout_s()
-        while time.monotonic() < deadline and (self._awaiting or stopped < everyone):
+        awaiting = self.checkpointing.awaiting if self.checkpointing is not None else set()
+        while time.monotonic() < deadline and (awaiting or stopped < everyone):
             for msg in await subscriber.receive(timeout=0.2):
                 if isinstance(msg, StageStopped) and msg.run_id == self.config.run_id:
                     stopped.add((msg.stage, msg.replica))
                 elif isinstance(msg, CheckpointCommitted) or (
                     isinstance(msg, CheckpointFailed) and msg.stage is None
                 ):
-                    self._awaiting.discard(msg.checkpoint_id)
-        if self._awaiting:
+                    awaiting.discard(msg.checkpoint_id)
+        if awaiting:
             log.warning(
                 "no verdict on checkpoints at the end of the run",
-                checkpoint_ids=sorted(self._awaiting),
+                checkpoint_ids=sorted(awaiting),
                 waited_s=_coordinator_timeout_s(),
             )
         if stopped < everyone:
@@ -1096,12 +1005,6 @@ class StageActor:
                 "not every stage's last events came back from the bus",
                 missing=sorted(everyone - stopped),
             )
-
-    def _publish_shards(self) -> None:
-        """Publish the shard writes that finished since the last call (never blocks)."""
-        if self.writer is not None:
-            for done in self.writer.poll():
-                self.publish(done.to_event())
 
     async def _evaluate(self, step: int) -> dict[str, float]:
         """Evaluate the weights after ``step`` steps on every eval set; the metrics (all
@@ -1187,31 +1090,6 @@ class _Work:
     evaluate: bool = False
     checkpoints: list[CheckpointNow] = field(default_factory=list)
     stop_reason: str | None = None
-
-
-@dataclass
-class _Save:
-    """One checkpoint directory to save at a boundary, and every request it answers."""
-
-    checkpoint_id: str
-    path: Path
-    reasons: list[str]
-    metric: float | None
-    fulfils: list[str] = field(default_factory=list)
-
-    @property
-    def reason(self) -> str:
-        return ", ".join(dict.fromkeys(r for r in self.reasons if r))
-
-    def requested(self, step: int, checkpoint_id: str, fulfils: list[str]) -> CheckpointRequested:
-        return CheckpointRequested(
-            checkpoint_id=checkpoint_id,
-            step=step,
-            path=str(self.path),
-            reason=self.reason,
-            metric=self.metric,
-            fulfils=fulfils,
-        )
 
 
 COMMAND_HANDLERS: dict[type[Command], Callable[[StageActor, Any, _Work], None]] = {

@@ -1,0 +1,202 @@
+"""A stage's side of checkpointing: which saves a boundary owes, and handing them to the writer.
+
+The protocol (directories, shards, commits, the coordinator) is
+`evtrain.checkpoint`'s; this module decides *what* a stage saves at a
+boundary and delegates *how* to its `ShardWriter`:
+
+* at a boundary, the plan's reasons (periodic, a better evaluated metric)
+  and the commanded checkpoints; requests for one directory share one save
+  (one checkpoint id, the others listed as fulfilled by it), and a directory
+  already saved at this step is only announced again;
+* the plan's on-stop checkpoint when the run ends without failure;
+* replica 0 writes its stage's shard (the replicas' weights are equal);
+  rank 0 announces every save (``CheckpointRequested``) and, with a plan,
+  remembers it until the coordinator's verdict (`awaiting`);
+* finished writes are published whenever the stage looks (`publish_done`),
+  all of them at the end (`finish`), and a failing stage still completes
+  the shard it is writing, bounded by ``FAILURE_WRITE_WAIT_S``: the
+  checkpoint was taken steps before the failure and is whole once every
+  shard is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import anyio.to_thread
+import structlog
+from torch import nn
+
+from evtrain.checkpoint import CheckpointError, format_checkpoint_path
+from evtrain.checkpoint.plan import ON_STOP, PlanState
+from evtrain.checkpoint.writer import ShardWriter
+from evtrain.events import CheckpointFailed, CheckpointNow, CheckpointRequested, Event
+from evtrain.stages.executor import StageExecutor
+
+__all__ = ["FAILURE_WRITE_WAIT_S", "StageCheckpointing"]
+
+log = structlog.get_logger()
+
+FAILURE_WRITE_WAIT_S = 60.0
+"""Seconds a failing stage waits for its shard write in flight before it reports."""
+
+
+@dataclass
+class _Save:
+    """One checkpoint directory to save at a boundary, and every request it answers."""
+
+    checkpoint_id: str
+    path: Path
+    reasons: list[str]
+    metric: float | None
+    fulfils: list[str] = field(default_factory=list)
+
+    @property
+    def reason(self) -> str:
+        return ", ".join(dict.fromkeys(r for r in self.reasons if r))
+
+    def requested(self, step: int, checkpoint_id: str, fulfils: list[str]) -> CheckpointRequested:
+        return CheckpointRequested(
+            checkpoint_id=checkpoint_id,
+            step=step,
+            path=str(self.path),
+            reason=self.reason,
+            metric=self.metric,
+            fulfils=fulfils,
+        )
+
+
+class StageCheckpointing:
+    """The saves of one stage process (see the module docstring).
+
+    ``writer`` is None where the stage saves nothing (evaluation only, and
+    replicas other than 0); ``lead`` is global rank 0, which announces the
+    saves; ``publish`` puts an event on the bus.
+    """
+
+    def __init__(
+        self,
+        *,
+        stage: int,
+        lead: bool,
+        writer: ShardWriter | None,
+        module: nn.Module,
+        executor: StageExecutor,
+        publish: Callable[[Event], None],
+    ) -> None:
+        self._stage = stage
+        self._lead = lead
+        self._writer = writer
+        self._module = module
+        self._executor = executor
+        self._publish = publish
+        self._saved: dict[tuple[int, str], str] = {}
+        """(step, directory) already saved -> the checkpoint id that saved it."""
+        self.awaiting: set[str] = set()
+        """Rank 0, with a plan: checkpoint ids whose verdict has not come back yet."""
+
+    async def save_due(
+        self,
+        step: int,
+        commanded: list[CheckpointNow],
+        plan: PlanState | None,
+        metric: float | None,
+        *,
+        periodic: bool,
+    ) -> None:
+        """Save what boundary ``step`` owes: the plan's reasons and the commanded checkpoints."""
+        saves: dict[Path, _Save] = {}
+        if plan is not None:
+            reasons = [r for r in (periodic and plan.periodic(step), plan.evaluated(metric)) if r]
+            if reasons:
+                path = format_checkpoint_path(plan.plan.path, step)
+                saves[path] = _Save(plan.checkpoint_id(step), path, reasons, metric)
+        for command in commanded:
+            path = format_checkpoint_path(command.path, step)
+            save = saves.get(path)
+            if save is None:
+                saves[path] = _Save(command.checkpoint_id, path, [command.reason], None)
+            else:
+                save.fulfils.append(command.checkpoint_id)
+                save.reasons.append(command.reason)
+        for save in saves.values():
+            await self._save(step, save, planned=plan is not None)
+
+    async def save_on_stop(self, step: int, plan: PlanState | None) -> None:
+        """The plan's on-stop checkpoint after ``step`` (nothing when this step is saved)."""
+        if plan is None or not plan.plan.on_stop:
+            return
+        path = format_checkpoint_path(plan.plan.path, step)
+        await self._save(step, _Save(plan.checkpoint_id(step), path, [ON_STOP], None), planned=True)
+
+    async def _save(self, step: int, save: _Save, *, planned: bool) -> None:
+        """Start (or, when this directory holds this step already, re-announce) one save."""
+        if self._writer is None:
+            return
+        key = (step, str(save.path))
+        done = self._saved.get(key)
+        if done is not None:
+            if self._lead and (save.fulfils or save.checkpoint_id != done):
+                self._publish(save.requested(step, done, [save.checkpoint_id, *save.fulfils]))
+            return
+        self._saved[key] = save.checkpoint_id
+        if self._lead:
+            self._publish(save.requested(step, save.checkpoint_id, save.fulfils))
+            if planned:
+                self.awaiting.add(save.checkpoint_id)
+        error = await anyio.to_thread.run_sync(self._write, self._writer, step, save)
+        if error is not None:
+            for cid in (save.checkpoint_id, *save.fulfils):
+                self._publish(
+                    CheckpointFailed(checkpoint_id=cid, step=step, stage=self._stage, error=error)
+                )
+
+    def _write(self, writer: ShardWriter, step: int, save: _Save) -> str | None:
+        """Capture this stage's shard and hand it to the writer (blocking, short); the
+        write continues in the writer's thread. The error of a refused save, or None."""
+        executor = self._executor
+        try:
+            writer.save(
+                save.path,
+                checkpoint_id=save.checkpoint_id,
+                step=step,
+                module=self._module,
+                optimizer=executor.optimizer,
+                scheduler=executor.lr_scheduler,
+                data_position=executor.stream.batch_index(step),
+                reason=save.reason,
+                metric=save.metric,
+                extra=(
+                    {"loss_scaler": executor.scaler.state_dict()}
+                    if executor.scaler is not None
+                    else None
+                ),
+            )
+        except CheckpointError as exc:
+            log.error("checkpoint refused", stage=self._stage, error=str(exc))
+            return str(exc)
+        return None
+
+    def publish_done(self) -> None:
+        """Publish the shard writes that finished since the last call (never blocks)."""
+        if self._writer is not None:
+            for done in self._writer.poll():
+                self._publish(done.to_event())
+
+    async def finish(self) -> None:
+        """Wait for every shard in flight and publish each."""
+        if self._writer is not None:
+            for done in await anyio.to_thread.run_sync(self._writer.wait):
+                self._publish(done.to_event())
+
+    def finish_failing(self) -> None:
+        """A failing stage: complete the shard being written (bounded) and publish it."""
+        if self._writer is not None and self._writer.busy():
+            for done in self._writer.wait(FAILURE_WRITE_WAIT_S):
+                self._publish(done.to_event())
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
