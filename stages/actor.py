@@ -123,8 +123,6 @@ communication error) before `StageFailed` is published.
 
 from __future__ import annotations
 
-import datetime
-import functools
 import math
 import os
 import resource
@@ -133,27 +131,21 @@ import socket
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 import anyio
 import anyio.to_thread
 import structlog
 import torch
-import torch.distributed as dist
-from torch import nn
 
 from evtrain.bus.address import BusAddress
 from evtrain.bus.commands import CommandLedger, CommandReceiver
 from evtrain.bus.publisher import Publisher
 from evtrain.bus.security import curve_from_env
 from evtrain.bus.subscriber import Subscriber
-from evtrain.checkpoint import CheckpointError
-from evtrain.checkpoint.loader import agree_on_resume, load_stage_shard, load_weights
-from evtrain.checkpoint.writer import ShardWriter
-from evtrain.data import derive_seed, eval_microbatches
+from evtrain.data import eval_microbatches
 from evtrain.errors import SpecError
 from evtrain.events import (
     CheckpointCommitted,
@@ -182,31 +174,21 @@ from evtrain.events import (
 )
 from evtrain.failures import frame_location, is_communication_error, user_frames
 from evtrain.job import Job
-from evtrain.loading import make_reader
 from evtrain.reporting import Reporter, reporting
 from evtrain.spec import apply_overrides, load_job
-from evtrain.stages.boundary import BoundarySpec
-from evtrain.stages.checkpointing import StageCheckpointing
-from evtrain.stages.control import ControlResult, StepControl
-from evtrain.stages.data_parallel import Replicas
-from evtrain.stages.evaluation import EvalSet
-from evtrain.stages.executor import Span, StageExecutor, StepStats
-from evtrain.stages.mesh import Place, StageGroups, build_groups
-from evtrain.stages.orders import Orders
-from evtrain.stages.p2p import Mailbox, exchange_shapes, infer_output_spec
+from evtrain.stages.control import ControlResult
+from evtrain.stages.executor import Span, StepStats
+from evtrain.stages.mesh import Place
 from evtrain.stages.partition import (
-    build_stage_chunks,
-    build_stage_module,
-    partition,
-    stage_aliases,
-    stage_unit_modules,
     stage_units,
-    tied_groups,
 )
-from evtrain.stages.precision import autocast, checkpoint_layer, compile_module
-from evtrain.stages.schedules import chunk_place, model_chunk
-from evtrain.stages.shapes import ChunkSpecs, ShapeTable
-from evtrain.stages.tied import TiedWeights
+from evtrain.stages.setup import (
+    StageRuntime,
+    build_stage,
+    finish_stage,
+    prepare_stage,
+    restart_count,
+)
 from evtrain.stages.worker import ReportStatus, StageReport, WorkerConfig
 
 __all__ = ["RankInfo", "StageActor", "run_worker", "spans_enabled"]
@@ -214,7 +196,6 @@ __all__ = ["RankInfo", "StageActor", "run_worker", "spans_enabled"]
 log = structlog.get_logger("evtrain.stages.actor")
 
 HEARTBEAT_INTERVAL_S = 1.0
-PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=30)
 _FORCE_EXIT_AFTER_S = 1.0
 COORDINATOR_TIMEOUT_ENV = "EVTRAIN_COORDINATOR_TIMEOUT_S"
 """Seconds stage 0 waits for the checkpoint coordinator, at most: for its plan before
@@ -276,22 +257,15 @@ class StageActor:
         self.publisher: Publisher | None = None
         self.reporter = Reporter()
         self.job: Job | None = None
-        self.executor: StageExecutor | None = None
-        self.control: StepControl | None = None
-        self.module: nn.Module | None = None
-        self.tied: TiedWeights | None = None
-        self.groups: StageGroups | None = None
-        self.replicas: Replicas | None = None
+        self.runtime: StageRuntime | None = None
+        """Everything set up before the first step (`evtrain.stages.setup`)."""
         self.device = torch.device("cpu")
         self._receiver: CommandReceiver | None = None
         self._verdicts: Subscriber | None = None
         self.ledger = CommandLedger(self.stage, None)
-        self.orders: Orders | None = None
-        self.checkpointing: StageCheckpointing | None = None
         self._stop_requested = False
         self._first_signal: float | None = None
         self._in_step = False
-        self.start_step = 0
         self._last_loss: float | None = None
         self._eval_progress: EvalProgress | None = None
         """The evaluation in progress on the last stage (its batches before the current set)."""
@@ -301,7 +275,7 @@ class StageActor:
                 rank=ranks.rank,
                 stage=self.stage,
                 pid=os.getpid(),
-                attempt=_restart_count(),
+                attempt=restart_count(),
                 status="starting",
                 updated=time.time(),
             )
@@ -309,6 +283,12 @@ class StageActor:
         self._clock_offset = time.time() - time.perf_counter()
 
     # ------------------------------------------------------------------ events
+
+    @property
+    def _rt(self) -> StageRuntime:
+        if self.runtime is None:
+            raise RuntimeError(f"stage {self.stage} is not set up yet")
+        return self.runtime
 
     def publish(self, event: Event) -> None:
         """Publish without blocking (drops are counted by the publisher); no-op without bus."""
@@ -365,8 +345,8 @@ class StageActor:
                 tg.cancel_scope.cancel()
         finally:
             if failure is not None:
-                if self.checkpointing is not None:
-                    self.checkpointing.finish_failing()
+                if self.runtime is not None:
+                    self.runtime.checkpointing.finish_failing()
                 self._report_failure(failure)
             if self._receiver is not None:
                 self._receiver.close()
@@ -433,8 +413,8 @@ class StageActor:
             )
             self._publish_eval_progress()
             self._write_report()
-            if self.checkpointing is not None:
-                self.checkpointing.publish_done()
+            if self.runtime is not None:
+                self.runtime.checkpointing.publish_done()
             await anyio.sleep(HEARTBEAT_INTERVAL_S)
 
     async def _signals(self) -> None:
@@ -446,8 +426,8 @@ class StageActor:
                 if self._first_signal is None:
                     self._first_signal = now
                     self._stop_requested = True
-                    if self.executor is not None:
-                        self.executor.stop_requested = True
+                    if self.runtime is not None:
+                        self.runtime.executor.stop_requested = True
                     log.info("signal: stopping after this step", stage=self.stage, signal=signum)
                 elif now - self._first_signal > _FORCE_EXIT_AFTER_S:
                     log.warning("second signal: exiting now", stage=self.stage, signal=signum)
@@ -456,9 +436,12 @@ class StageActor:
                     os._exit(128 + signum)
 
     async def _main(self) -> None:
-        await anyio.to_thread.run_sync(self._setup)
-        job, module = self.job, self.module
-        assert job is not None and module is not None
+        job = self.job
+        assert job is not None  # run() loaded it
+        parts = await anyio.to_thread.run_sync(
+            build_stage, job, self.place, self.ranks.local_rank, self._receiver
+        )
+        self.device, module = parts.device, parts.module
         self.publish(
             StageStarted(
                 stage=self.stage,
@@ -472,15 +455,15 @@ class StageActor:
                 num_params=sum(p.numel() for p in module.parameters()),
             )
         )
-        total = await anyio.to_thread.run_sync(self._prepare)
-        executor, control = self.executor, self.control
-        assert executor is not None and control is not None
-        executor.stop_requested = self._stop_requested
+        rt = await anyio.to_thread.run_sync(prepare_stage, job, parts, self.config, self.publish)
+        self.runtime = rt
+        self.completed = start_step = rt.start_step
+        total, control = rt.total_steps, parts.control
+        rt.executor.stop_requested = self._stop_requested
 
         # Boundary 0: every stage joined; commands sent before the run apply now,
         # and a coordinator's checkpoint plan, which it sends on RunStarted, is
         # awaited so that it applies from the first step.
-        start_step = self.start_step
         if self.place.rank == 0:
             self.publish(
                 RunStarted(
@@ -515,10 +498,9 @@ class StageActor:
         # are this stage's last events; stage 0 announces the end only once it
         # got every stage's StageStopped back from the broker, so RunEnded
         # reaches every hook after all of them.
-        checkpointing = self.checkpointing
-        assert checkpointing is not None
-        if self.completed > self.start_step and self.orders is not None:
-            await checkpointing.save_on_stop(self.completed, self.orders.plan)
+        checkpointing = rt.checkpointing
+        if self.completed > start_step:
+            await checkpointing.save_on_stop(self.completed, rt.orders.plan)
         await checkpointing.finish()
         self.publish(
             StageStopped(
@@ -528,7 +510,7 @@ class StageActor:
                 reason=stop_reason or "",
             )
         )
-        await anyio.to_thread.run_sync(self._finish)
+        await anyio.to_thread.run_sync(finish_stage, rt, self.config.dump_weights_dir)
         await self._await_the_end()
         self._write_report(status)
         if self.place.rank == 0:
@@ -538,8 +520,8 @@ class StageActor:
 
     async def _train(self, step: int, total: int, first: ControlResult) -> tuple[int, str | None]:
         """Train from boundary ``step`` to ``total``; the last step and the stop reason."""
-        job, control = self.job, self.control
-        assert job is not None and control is not None
+        rt = self._rt
+        job, control = rt.job, rt.parts.control
         stop_reason = await self._boundary(step, first, scheduled_eval=False)
         with reporting(self.reporter):
             while stop_reason is None and step < total:
@@ -579,251 +561,11 @@ class StageActor:
         if self.report is not None:
             self.report.stage, self.report.replica = self.stage, self.replica
 
-    def _setup(self) -> None:
-        """Join the process groups, build this stage's slice (blocking)."""
-        job = self.job
-        assert job is not None
-        if os.environ.get("EVTRAIN_PIN_CPU") == "1":  # opt-in, see the module docstring
-            cpus = sorted(os.sched_getaffinity(0))
-            os.sched_setaffinity(0, {cpus[self.ranks.local_rank % len(cpus)]})
-        torch.set_num_threads(job.threads or 1)
-        self.device = job.stage_device(self.ranks.local_rank)
-        cuda = self.device.type == "cuda"
-        if cuda:
-            torch.cuda.set_device(self.device)
-        backend = "nccl" if cuda else "gloo"
-        if not dist.is_initialized():
-            dist.init_process_group(
-                backend,
-                rank=self.ranks.rank,
-                world_size=self.ranks.world_size,
-                timeout=PROCESS_GROUP_TIMEOUT,
-                device_id=self.device if cuda else None,
-            )
-        V = job.virtual_stages
-        self.groups = build_groups(
-            self.place,
-            self.device,
-            backend,
-            PROCESS_GROUP_TIMEOUT,
-            virtual_stages=V,
-            varying_shapes=job.data_loader is not None,
-        )
-        ranges = partition(job)
-        # Per-stage RNG for randomness inside layers (dropout); layer init is
-        # seeded per layer by build_stage_module, independent of the partition.
-        replica_key = () if self.place.replica == 0 else ("replica", self.place.replica)
-        torch.manual_seed(derive_seed(job.seed, "stage", self.stage, *replica_key))
-        if V == 1:
-            self.module = build_stage_module(job, ranges[self.stage], self.device)
-            self.chunks = [self.module]
-        else:
-            # Interleaved: this stage's chunks are the model's chunks stage, stage + P...;
-            # zbv: P - 1 - stage and P + stage.
-            ids = [model_chunk(job.schedule, self.stage, self.num_stages, v) for v in range(V)]
-            chunked = build_stage_chunks(job, [ranges[c] for c in ids], self.device)
-            self.module, self.chunks = chunked, list(vars(chunked)["chunks"])
-        for module in (self.module, *self.chunks):
-            module.train()
-        if job.activation_checkpointing:
-            for unit in stage_unit_modules(job, self.module):
-                checkpoint_layer(unit)
-        for chunk in self.chunks:
-            compile_module(chunk, job.compile)
-        self.tied = TiedWeights(tied_groups(job, ranges), self.place, self.module, backend)
-        self.tied.sync()
-        trainable = any(p.requires_grad for p in self.module.parameters())
-        if self.groups.replicas is not None and trainable:
-            self.replicas = Replicas(self.module, self.groups.replicas, self.device)
-        self._mailbox = Mailbox(
-            device=self.device,
-            act_group=self.groups.pipeline,
-            grad_group=self.groups.pipeline_grads,
-            chunk_groups=self.groups.chunks,
-        )
-        self.control = StepControl(
-            rank=self.place.rank,
-            world_size=self.place.world_size,
-            group=self.groups.control,
-            receiver=self._receiver,
-        )
-
-    def _prepare(self) -> int:
-        """Load data, agree on boundary shapes, build the optimizer and executor (blocking)."""
-        job, module = self.job, self.module
-        assert job is not None and module is not None
-        P, chunks = self.num_stages, len(self.chunks)
-        ids = [model_chunk(job.schedule, self.stage, P, v) for v in range(chunks)]
-        # This stage reads the inputs (it holds the model's first chunk), the targets (its last).
-        first, last = 0 in ids, P * chunks - 1 in ids
-        stream = job.train_stream()
-        total = job.total_steps()
-        eval_sizes: set[int] = set()
-        evaluations: list[EvalSet] = []
-        for name in job.eval_sets:
-            num = job.num_eval_samples(name)
-            plan = eval_microbatches(num, job.effective_eval_batch_size, job.num_microbatches)
-            eval_sizes.update(len(r) for batch in plan for r in batch)
-            reader = make_reader(
-                job, "eval", first, last, self.device, eval_plan=plan, eval_set=name
-            )
-            evaluations.append(EvalSet(name, reader, num))
-        sizes = sorted({job.microbatch_size, *eval_sizes})
-        train_reader = make_reader(
-            job, "train", first, last, self.device, stream=stream, replica=self.replica
-        )
-
-        assert self.groups is not None
-        shapes = ShapeTable(
-            functools.partial(self._agree, ids),
-            first=first,
-            varying=job.data_loader is not None,
-            group=self.groups.shapes,
-            src=self.place.rank_of(chunk_place(job.schedule, P, 0)[0]),
-        )
-        shapes.setup(sizes, job.example_batch(1)[0] if first else None)
-
-        params = [p for p in module.parameters() if p.requires_grad]
-        optimizer = job.optimizer(params) if params else None
-        scheduler = job.build_scheduler(optimizer) if optimizer is not None else None
-        self.executor = StageExecutor(
-            job=job,
-            stage=self.stage,
-            num_stages=self.num_stages,
-            device=self.device,
-            module=module,
-            optimizer=optimizer,
-            lr_scheduler=scheduler,
-            mailbox=self._mailbox,
-            control=self.control,  # type: ignore[arg-type]
-            tied=self.tied,
-            replicas=self.replicas,
-            place=self.place,
-            stream=stream,
-            shapes=shapes,
-            chunks=self.chunks,
-            train=train_reader,
-            evaluations=evaluations,
-        )
-        writer = None
-        if not self.config.evaluate_only and self.replica == 0:
-            writer = ShardWriter(self.stage, self.num_stages, device=self.device)
-        self.checkpointing = StageCheckpointing(
-            stage=self.stage,
-            lead=self.place.rank == 0,
-            writer=writer,
-            module=module,
-            executor=self.executor,
-            publish=self.publish,
-        )
-        self.orders = Orders(
-            last_step=total,
-            batches_per_step=stream.grad_accum,
-            batches_per_epoch=stream.batches_per_epoch,
-        )
-        self._restore(optimizer, scheduler)
-        return total
-
-    def _agree(
-        self, ids: Sequence[int], data_specs: Sequence[BoundarySpec] | None
-    ) -> list[list[ChunkSpecs]]:
-        """Agree with the pipeline on the specs of new data shapes, chunk by chunk
-        (`evtrain.stages.shapes.Agree`; ``ids`` are this stage's model chunks)."""
-        job = self.job
-        assert job is not None
-        P = self.num_stages
-        input_specs = data_specs
-        agreed: list[list[ChunkSpecs]] = []
-        for v, chunk in enumerate(self.chunks):
-            # Each chunk's input spec comes from model chunk c - 1: the data's on
-            # chunk 0, this stage's own previous chunk at a hand-off (zbv's turn),
-            # else the stage holding it, which sent it first (the chunks' order
-            # runs from the data to the loss, so nothing waits in a circle).
-            c = ids[v]
-            src = None if c == 0 else chunk_place(job.schedule, P, c - 1)[0]
-            dst = None if c == P * len(self.chunks) - 1 else chunk_place(job.schedule, P, c + 1)[0]
-            if src == self.stage:
-                handed = agreed[ids.index(c - 1)]
-                input_specs = [out for _, out in handed if out is not None]
-            units = stage_units(chunk)
-            where = f"stage {self.stage} (units {units[0]}..{units[-1]})"
-            in_specs, out_specs = exchange_shapes(
-                prev=None if src in (None, self.stage) else self.place.rank_of(src),
-                next=None if dst in (None, self.stage) else self.place.rank_of(dst),
-                input_specs=input_specs,
-                output_spec_of=functools.partial(self._infer, chunk, where=where),
-                last=dst is None,
-                group=self._mailbox.act_group,
-                device=self.device if self.device.type == "cuda" else torch.device("cpu"),
-            )
-            agreed.append(list(zip(in_specs, out_specs, strict=True)))
-        return agreed
-
-    def _infer(self, chunk: nn.Module, spec: BoundarySpec, *, where: str) -> BoundarySpec:
-        # Under the run's autocast: the agreed dtypes are those training sends.
-        assert self.job is not None
-        with autocast(self.job.precision, self.device):
-            return infer_output_spec(chunk, spec, self.device, where)
-
-    def _restore(self, optimizer: torch.optim.Optimizer | None, scheduler: object) -> None:
-        """Resume from a checkpoint or load weights, as the config says (blocking, collective)."""
-        config, job, module = self.config, self.job, self.module
-        assert job is not None and module is not None
-        path = None
-        if _restart_count() > 0:
-            # An elastic restart: continue from the last committed checkpoint.
-            try:
-                path = agree_on_resume(job.run_dir)
-            except CheckpointError as exc:
-                log.warning("restart: no committed checkpoint to resume", error=str(exc))
-        if path is None and config.resume is not None:
-            resume = job.run_dir if config.resume == "latest" else config.resume
-            path = agree_on_resume(resume)
-        if path is not None:
-            # A checkpoint holds replica 0's random state: the others draw their
-            # own (dropout masks independent of replica 0's), seeded by the step.
-            state = load_stage_shard(
-                path, self.stage, module, optimizer, scheduler, restore_rng=self.replica == 0
-            )
-            if self.replica:
-                seed = derive_seed(job.seed, "stage", self.stage, "replica", self.replica)
-                torch.manual_seed(derive_seed(seed, "resumed", state.step))
-            scaler = self.executor.scaler if self.executor is not None else None
-            if scaler is not None and "loss_scaler" in state.extra:
-                scaler.load_state_dict(state.extra["loss_scaler"])
-            self.start_step = self.completed = state.step
-            log.info("resumed", stage=self.stage, path=str(path), step=state.step)
-        elif config.load_weights is not None:
-            load_weights(config.load_weights, module)
-            log.info("weights loaded", stage=self.stage, path=config.load_weights)
-
-    def _finish(self) -> None:
-        """Final barrier, optional weight dump, leave the process groups (blocking)."""
-        assert self.control is not None and self.module is not None
-        self.control.barrier()
-        if self.config.dump_weights_dir:
-            from safetensors.torch import save_file
-
-            directory = Path(self.config.dump_weights_dir)
-            directory.mkdir(parents=True, exist_ok=True)
-            # Every copy of a tied weight too, so that their equality can be checked;
-            # an alias held with its canonical name here is the same tensor, which
-            # safetensors refuses to write twice: a copy of it, then.
-            named = dict(self.module.named_parameters(remove_duplicate=False))
-            aliases = {a: named[a].detach().clone() for a in stage_aliases(self.module)}
-            state = {
-                k: v.detach().cpu().contiguous()
-                for k, v in {**self.module.state_dict(), **aliases}.items()
-            }
-            save_file(state, str(directory / f"stage-{self.stage}.safetensors"))
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
     # ------------------------------------------------------------------- steps
 
     async def _train_step(self, step: int) -> StepStats:
-        job, executor = self.job, self.executor
-        assert job is not None and executor is not None
+        rt = self._rt
+        job, executor = rt.job, rt.executor
         spans = spans_enabled(job.microbatch_spans, step)
         self.publish(StepStarted(step=step, stage=self.stage, replica=self.replica))
         if self.device.type == "cuda":
@@ -890,9 +632,9 @@ class StageActor:
         self, step: int, control: ControlResult, *, scheduled_eval: bool, final: bool = False
     ) -> str | None:
         """Apply what every stage agreed on at this boundary; return a stop reason or None."""
-        orders, job = self.orders, self.job
-        assert orders is not None and job is not None
-        fresh = step > self.start_step and not final
+        rt = self._rt
+        orders = rt.orders
+        fresh = step > rt.start_step and not final
         if self.place.rank == 0 and fresh:
             for epoch in orders.epochs_ended(step):
                 self.publish(EpochEnded(epoch=epoch, step=step))
@@ -921,11 +663,8 @@ class StageActor:
                 metric = await anyio.to_thread.run_sync(
                     self._share_metric, metrics.get(plan.best_metric, math.nan)
                 )
-        assert self.checkpointing is not None
-        await self.checkpointing.save_due(
-            step, work.checkpoints, orders.plan, metric, periodic=fresh
-        )
-        self.checkpointing.publish_done()
+        await rt.checkpointing.save_due(step, work.checkpoints, orders.plan, metric, periodic=fresh)
+        rt.checkpointing.publish_done()
         if work.stop_reason is None and control.signalled:
             return "signal"
         return work.stop_reason
@@ -942,12 +681,10 @@ class StageActor:
         work.checkpoints.append(command)
 
     def _on_plan(self, command: CheckpointPlan, work: _Work) -> None:
-        assert self.orders is not None
-        self.orders.set_plan(command)
+        self._rt.orders.set_plan(command)
 
     def _on_evaluate(self, command: EvaluateNow, work: _Work) -> None:
-        assert self.orders is not None
-        if self.orders.add_evaluation(command, work.step):
+        if self._rt.orders.add_evaluation(command, work.step):
             work.evaluate = True
 
     def _on_stop_run(self, command: StopRun, work: _Work) -> None:
@@ -955,8 +692,7 @@ class StageActor:
 
     def _share_metric(self, value: float) -> float:
         """The last stage's ``value`` on every stage (blocking, collective)."""
-        assert self.control is not None
-        return self.control.share(value, src=self.place.rank_of(self.num_stages - 1, 0))
+        return self._rt.parts.control.share(value, src=self.place.rank_of(self.num_stages - 1, 0))
 
     async def _await_plan(self, receiver: CommandReceiver) -> None:
         """Stage 0: hold boundary 0 until the coordinator's `CheckpointPlan` arrived (bounded)."""
@@ -985,7 +721,7 @@ class StageActor:
         stopped: set[tuple[int, int]] = set()
         everyone = {(s, r) for s in range(self.num_stages) for r in range(self.place.replicas)}
         deadline = time.monotonic() + _coordinator_timeout_s()
-        awaiting = self.checkpointing.awaiting if self.checkpointing is not None else set()
+        awaiting = self.runtime.checkpointing.awaiting if self.runtime is not None else set()
         while time.monotonic() < deadline and (awaiting or stopped < everyone):
             for msg in await subscriber.receive(timeout=0.2):
                 if isinstance(msg, StageStopped) and msg.run_id == self.config.run_id:
@@ -1009,8 +745,7 @@ class StageActor:
     async def _evaluate(self, step: int) -> dict[str, float]:
         """Evaluate the weights after ``step`` steps on every eval set; the metrics (all
         sets, prefixed for named ones) on the last stage, else {}."""
-        executor, job = self.executor, self.job
-        assert executor is not None and job is not None
+        executor, job = self._rt.executor, self._rt.job
         if self.replica:
             return {}  # replica 0's pipeline evaluates the whole set, once
         last = self.stage == self.num_stages - 1
@@ -1067,9 +802,10 @@ class StageActor:
     def _publish_eval_progress(self) -> None:
         """The last stage, evaluating: how far it got (with every heartbeat, so a console
         that joins late or an event that was dropped costs at most a second)."""
-        current, executor = self._eval_progress, self.executor
-        if current is None or executor is None:
+        current = self._eval_progress
+        if current is None or self.runtime is None:
             return
+        executor = self.runtime.executor
         done = current.batches_done + executor.eval_batches_done
         self.publish(
             EvalProgress(
@@ -1115,15 +851,10 @@ def _eval_batches(job: Job | None) -> int:
     )
 
 
-def _restart_count() -> int:
-    """How many times elastic restarted this worker group (0: the first attempt)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-
-
 def _restart_pending() -> bool:
     """Whether elastic will restart the workers after this failure."""
     max_restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
-    return _restart_count() < max_restarts
+    return restart_count() < max_restarts
 
 
 def _coordinator_timeout_s() -> float:
