@@ -235,7 +235,8 @@ def read_model_tensors(
     return {k: out[k] for k in wanted}
 
 
-def load_stage_shard(
+# Each branch is one kind of state a shard may hold, restored in its protocol's order.
+def load_stage_shard(  # noqa: C901
     ckpt_dir: str | os.PathLike[str],
     stage: int,
     module: nn.Module,
