@@ -957,11 +957,6 @@ class Job:
         return self.batch_size // (self.num_microbatches * self.data_parallel)
 
     @property
-    def replica_batch_size(self) -> int:
-        """Samples of each batch one replica reads (``batch_size // data_parallel``)."""
-        return self.batch_size // self.data_parallel
-
-    @property
     def world_size(self) -> int:
         """Processes of the run: ``stages * data_parallel``."""
         return self.stages * self.data_parallel
