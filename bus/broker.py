@@ -23,20 +23,17 @@ the counts (`fetch_stats` asks a broker in another process); the proxies log
 them, at most every ``REPORT_INTERVAL`` seconds while hostile input keeps
 coming.
 
-What one forwarded event costs, measured on a 2-core machine: the loop itself
-about 1.5 us of pyzmq calls at best (two receives, two sends: 0.8 us; the
+What one forwarded event costs (figures: docs/benchmarks.md, "Measurements
+behind design choices"): the loop's pyzmq calls (two receives, two sends; the
 payload is received as a Frame because its ``more`` flag is the cheap way to
-see a third frame, asking ``ZMQ_RCVMORE`` through pyzmq costs 0.7 us), plus the
-I/O thread's 1-2 us and, at wakeups of few messages, their syscalls; the state
-service samples steps at a fixed ~40 ms of CPU per second. ``evtrain bus``
-measured 3-6 us per event in all under bench/bus_throughput.py (load average
-3-6.7) and 3-10 us under bench/fanin.py's paced trials, where bursts of one step
-arrive a few events per wakeup. Holding messages back to forward larger
-bursts (a 0.2 ms pause after a small one halved the wakeups at 70k events/s),
-or receiving a whole burst before sending any of it, showed no CPU saving
-above the noise, so the loop forwards each message as it reads it. In that
-bench the hook, not the broker, falls behind first: its queue here overflows
-while publishers drop nothing (see `evtrain.bus.subscriber` for its costs).
+see a third frame, asking ``ZMQ_RCVMORE`` through pyzmq costs more), plus the
+I/O thread's work and, at wakeups of few messages, their syscalls; the state
+service samples steps at a fixed CPU cost per second. Holding messages back
+to forward larger bursts (which does cut the wakeups), or receiving a whole
+burst before sending any of it, showed no CPU saving above the noise, so the
+loop forwards each message as it reads it. In bench/fanin.py the hook, not
+the broker, falls behind first: its queue here overflows while publishers
+drop nothing (see `evtrain.bus.subscriber` for its costs).
 
 The loops run in Python threads and release the interpreter lock at every
 libzmq call: in a process whose other Python threads mostly wait (``evtrain

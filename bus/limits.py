@@ -11,12 +11,12 @@ within them, and the state service sizes its replies by them.
 * A subscription is a one-frame message ``\\x01 PREFIX`` (``\\x00`` cancels it)
   whose ``PREFIX`` is an evtrain topic or a prefix of one (the empty prefix
   means everything), so at most `MAX_SUBSCRIPTION_BYTES` long. libzmq keeps
-  every distinct subscription a subscriber sent until it leaves, at about 50
-  bytes of trie per byte (measured), and no option bounds how many: the frame
-  limit keeps each one short (~2.7 KiB of trie on a bus without CURVE). Each
-  subscriber that leaves then costs a walk over the whole trie (~60 ms with
-  20,000 distinct subscriptions held), so a bus open to users who are not
-  trusted needs CURVE.
+  every distinct subscription a subscriber sent until it leaves, in a trie
+  many times its size, and no option bounds how many: the frame limit keeps
+  each one short. Each subscriber that leaves then costs a walk over the
+  whole trie, long once many distinct subscriptions are held, so a bus open
+  to users who are not trusted needs CURVE (figures: docs/benchmarks.md,
+  "Measurements behind design choices").
 * libzmq bounds its queues in messages, not bytes: the broker queues at most
   `QUEUE_MESSAGES` messages of at most `MAX_MESSAGE_BYTES` towards each
   subscriber, `PEER_BYTES` (160 MiB) for one that stops reading while the

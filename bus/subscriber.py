@@ -1,8 +1,9 @@
 """Subscriber: receives messages by topic prefix inside an anyio (asyncio) task.
 
 It awaits readiness once and then drains every ready message without awaiting
-again: one await per message would cap a subscriber near 45k msg/s on these
-machines, draining reaches the broker's rate. A drain returns at most
+again: one await per message would cap a subscriber well below the broker's
+rate, draining reaches it (figures: docs/benchmarks.md, "Measurements behind
+design choices"). A drain returns at most
 `DRAIN_LIMIT` messages: decoded messages are objects the garbage collector
 tracks, and a batch of thousands alive at once made its passes (and the full
 collections its survivors trigger) cost more than decoding them.
@@ -40,8 +41,9 @@ DEFAULT_HWM = 10_000
 DRAIN_LIMIT = 256
 """Messages one drain returns at most (see the module docstring).
 
-Measured per message in a process with a hook's heap (~100k objects): 4096 at
-once cost 4.7 us, 256 cost 2.7 us, and smaller batches gain nothing more.
+Per message, in a process with a hook's heap, far larger batches cost more and
+smaller ones gain nothing more (figures: docs/benchmarks.md, "Measurements
+behind design choices").
 """
 # Plain ints: pyzmq converts its enum flags on every call (measurably slower).
 _NOBLOCK = int(zmq.NOBLOCK)

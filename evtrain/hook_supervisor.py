@@ -12,11 +12,9 @@ cannot touch the training loop or another hook. A built-in with
 
 Why share: the stages and the hooks compete for the same cores, and each hook
 process spends its own wake-up, receive and decode on every event it wants.
-On a 2-core machine (``bench/hook_overhead.py``: 2 stages, the 8 observing
-built-ins) eight processes spend 5.0-6.7 ms of CPU per step, one host
-1.1-1.5 ms; with eight, steps were 1.13x slower than without hooks on a
-quiet machine, with one host 1.013x (median of 6 repeats that spread
-0.95-1.11: that bench's docstring has the figures and their noise).
+One host for the built-ins spends far less CPU per step than one process
+each, and slows the steps far less (``bench/hook_overhead.py``; figures:
+docs/benchmarks.md, "Measurements behind design choices").
 
 The price: in the host, built-ins run one after another. A handler that
 raises is reported (`HookError`) and the others go on; one whose ``setup``

@@ -6,8 +6,9 @@ events, heartbeats, signals — and hands each blocking unit of work (process
 group setup, a training step, an evaluation pass) to one worker thread, so the
 loop stays responsive: heartbeats keep coming during a long step, and
 publishing never waits on the step nor the step on the bus. One thread hop
-per step costs ~0.05-0.2 ms, far less than gloo waits inside the loop would
-(gloo work cannot be awaited: a wait would block the whole loop).
+per step costs far less than gloo waits inside the loop would (gloo work
+cannot be awaited: a wait would block the whole loop; figures:
+docs/benchmarks.md, "Measurements behind design choices").
 
 Step numbering: ``StepStarted.step``/``StepEnded.step`` are 1-based — step k
 is the k-th optimizer step and reads the data of `DataStream` index k-1.
@@ -67,8 +68,9 @@ Environment knobs: ``EVTRAIN_LOG_FORMAT`` (``console``/``json``) and
 output; ``EVTRAIN_PIN_CPU=1`` pins each stage process to one core (by local
 rank, within the process's allowed CPUs). Pinning is opt-in: on a quiet
 2-core machine it made no measurable difference, under CPU contention it
-was worth up to ~40% (processes stop migrating onto each other's core after
-every wake-up), but two jobs pinning the same cores would collide.
+helps (processes stop migrating onto each other's core after every wake-up;
+figures: docs/benchmarks.md, "Measurements behind design choices"), but two
+jobs pinning the same cores would collide.
 
 Signals: SIGTERM or SIGINT asks for a clean stop. The request travels in the
 next control exchange, so every stage finishes the same step and the run

@@ -14,19 +14,17 @@ computes its gradients as usual.
 
 Why not torch's own split (`torch.distributed.pipelining._backward`, which
 captures the gradients at the nodes where weight paths join the input path
-and runs one autograd pass per group of weights in W): measured on one stage
-of four Linear(512, 512) + ReLU with a microbatch of 32 rows on one CPU
-thread, its I + W cost 4.2 ms against 3.4 ms for the whole backward — W's
-autograd passes cost a quarter more than the products they compute, more than
-zero bubble saves at this size.
+and runs one autograd pass per group of weights in W): on a small stage its
+I + W cost more than the whole backward — W's autograd passes cost more than
+the products they compute, more than zero bubble saves (figures:
+docs/benchmarks.md, "Measurements behind design choices").
 
 On a stage whose input needs no gradient (the first stage, or one fed only
 integers) I has nothing to send: it does nothing and W runs the whole
 backward, as torch's stages do on the first stage. The linear layers of such
-a stage (or model chunk) are left as they are: routing them too costs 5 % of
-their forward and backward time (four Linear(512, 512) + ReLU, 8 microbatches
-of 32 rows, one CPU thread: 12.0 against 11.4 ms of forwards, 29.0 against
-27.5 ms of backwards).
+a stage (or model chunk) are left as they are: routing them too adds to
+their forward and backward time for no gain (figures: docs/benchmarks.md,
+"Measurements behind design choices").
 """
 
 from __future__ import annotations

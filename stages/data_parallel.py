@@ -18,22 +18,21 @@ step runs M (x grad_accum) backwards, and only the last may reduce.
   all-reduces start as the accumulated gradients become ready and DDP
   finalizes them (waits, copies the averages back) when the backward ends.
 
-Why DDP, measured by ``bench/dp_reducer.py`` (one 8.4 MB stage of eight
-Linear(512) layers, 2 replicas on gloo, M=8; every variant equal to
-single-process training):
+Why DDP, measured by ``bench/dp_reducer.py`` (every variant equal to
+single-process training; figures: docs/benchmarks.md, "Measurements behind
+design choices"):
 
 * reducing once per step instead of after every microbatch (DDP without
-  ``no_sync``) is about twice as fast: 0.51-0.52x for the latter;
-* DDP's buckets against a loop of one all-reduce per parameter at the step
-  end: the loop runs at 0.83-0.86x;
+  ``no_sync``) is much faster;
+* DDP's buckets beat a loop of one all-reduce per parameter at the step end;
 * one flat all-reduce of every gradient at the step end is as fast as DDP
-  (0.95-1.08x, within noise): at this size DDP's rebuilt buckets are two, and
+  (within noise) on a small stage, where DDP's rebuilt buckets are few and
   only the last layer's overlaps the backward; larger stages give the
   overlap more to hide;
-* FSDP2 (``fully_shard``, gradient sync only in the last backward) runs at
-  0.25-0.27x, with 73 all-gathers and 8 reduce-scatters per step, and uses
-  about 40 MiB more per process: a stage already holds only its slice of the
-  model, so sharding it further pays only for a stage too big for one device.
+* FSDP2 (``fully_shard``, gradient sync only in the last backward) is several
+  times slower, with many more collectives per step, and uses more memory per
+  process: a stage already holds only its slice of the model, so sharding it
+  further pays only for a stage too big for one device.
 
 Buffers are synchronized at start only (``forward_sync_buffers=False``):
 syncing them at every forward is a collective per microbatch. BatchNorm running statistics
@@ -89,7 +88,7 @@ class Replicas:
 
         For a split backward, whose weight gradients are complete only after
         the step's last W (the reducer's hooks never see them): as fast as
-        DDP's buckets at the step end, measured above.
+        DDP's buckets at the step end (see the module docstring).
         """
         grads = [p.grad for p in params if p.grad is not None]
         if not grads:

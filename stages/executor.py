@@ -150,8 +150,9 @@ DEFAULT_LOOKAHEAD = 1
 pays a gradient round trip per microbatch: the first stage sends activation
 m only after the backward that waited for gradient m-2, so the last stage,
 the busiest one, waits for it. One extra forward hides that latency for the
-cost of one more stored activation per stage (measured: the last stage's
-activation waits drop to ~0 in the steady state, steps ~7% shorter)."""
+cost of one more stored activation per stage: the last stage stops waiting
+for activations in the steady state and steps get shorter (figures:
+docs/benchmarks.md, "Measurements behind design choices")."""
 
 
 @dataclass(slots=True)

@@ -3,10 +3,10 @@
 Stage ``s`` runs on global rank ``s``. Activations flow ``s -> s+1`` on the
 *activation group* (the default process group) and gradients ``s+1 -> s`` on a
 separate *gradient group*, so each direction has its own connections: on gloo
-a second TCP connection measurably helped (best median step time on 2 cores),
-and on NCCL it keeps the two directions on separate communicators/streams,
-which is what lets receives be posted far ahead without blocking sends queued
-behind them.
+a second TCP connection per direction helps (measured: docs/benchmarks.md,
+"Measurements behind design choices"), and on NCCL it keeps the two
+directions on separate communicators/streams, which is what lets receives be
+posted far ahead without blocking sends queued behind them.
 
 What crosses a boundary is a pytree of tensors (`evtrain.stages.boundary`).
 Its structure, shapes and dtypes are agreed once per shape of the data,
@@ -16,7 +16,7 @@ each stage infers its output spec with one forward on zeros and sends the
 specs downstream as one small JSON message. After that, every microbatch
 moves as its leaves, one message each, into buffers of known shape.
 
-Performance rules this module is built for (measured on gloo, 2 CPU processes):
+Performance rules this module is built for (measured on gloo):
 
 * receives are *posted early* (`post_recv`) and waited on only when the data
   is needed: gloo writes a send to the socket only once the peer's receive
