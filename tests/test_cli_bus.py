@@ -32,7 +32,7 @@ def publish_until_exit(
     curve = load_client(curve_dir) if curve_dir else None
     bus = BusAddress.parse(address)
     with Publisher(bus.endpoint("events_in"), source="stage/0", curve=curve) as pub:
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 120  # the subscriber is a process still starting
         step = 0
         while proc.poll() is None and time.monotonic() < deadline:
             pub.publish(step_event(step))

@@ -517,8 +517,9 @@ def test_hook_processes_and_evtrain_events_survive_a_hostile_bus(
             Publisher(bus.endpoint("events_in"), source=f"stage/{s}", run_id=REAL_RUN)
             for s in range(STAGES)
         ]
-        # `evtrain events` prints once its subscription is live.
-        deadline = time.monotonic() + 30
+        # `evtrain events` prints once its subscription is live (bounded against a hang:
+        # a loaded machine starts a process slowly).
+        deadline = time.monotonic() + 120
         while "heartbeat" not in (workdir / "events.out").read_text():
             assert time.monotonic() < deadline, "evtrain events never printed"
             pubs[0].publish(Heartbeat(stage=0))
@@ -558,7 +559,7 @@ def test_hook_processes_and_evtrain_events_survive_a_hostile_bus(
         # The hostile frames come on their own connection: without waiting, some could
         # overtake run.started, and before a run is known any valid step is of it.
         port = int(wait_for_text(workdir / "prometheus.port", "\n", timeout=30))
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 120
         while "evtrain_run_running 1.0" not in _scrape(port):
             assert time.monotonic() < deadline, "the exporter never saw run.started"
             time.sleep(0.05)
