@@ -23,6 +23,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import structlog
 import torch
@@ -59,7 +60,9 @@ from evtrain.stages.precision import autocast, checkpoint_layer, compile_module
 from evtrain.stages.schedules import chunk_place, model_chunk
 from evtrain.stages.shapes import ChunkSpecs, ShapeTable
 from evtrain.stages.tied import TiedWeights
-from evtrain.stages.worker import WorkerConfig
+
+if TYPE_CHECKING:  # the worker starts the actor, which calls this module
+    from evtrain.stages.worker import WorkerConfig
 
 __all__ = [
     "PROCESS_GROUP_TIMEOUT",
