@@ -106,6 +106,29 @@ def test_commits_once_every_shard_is_durable(tmp_path: Path, clock: Clock) -> No
     assert c.pending() == [] and c.last_committed_step == 7
 
 
+def test_checkpoints_commit_in_step_order_whatever_order_their_events_come(
+    tmp_path: Path, clock: Clock
+) -> None:
+    # Each stage writes its shards in step order, but the stages' events
+    # interleave: stage 1's event for step 5 can come before stage 0's for
+    # step 4, when both checkpoints are already whole on disk.
+    c = coordinator(tmp_path, clock)
+    paths = {step: step_dir(tmp_path, step) for step in (4, 5)}
+    for step, path in paths.items():
+        c.requested(f"p-{step}", step=step, path=str(path), reason="r")
+    write_shard(tmp_path, 4, 1, "p-4")
+    assert c.shard_saved("p-4", step=4, path=str(paths[4])) == []
+    for step in (4, 5):
+        write_shard(tmp_path, step, 0, f"p-{step}")
+    write_shard(tmp_path, 5, 1, "p-5")
+    verdicts = c.shard_saved("p-5", step=5, path=str(paths[5]))
+    assert [v.step for v in verdicts if isinstance(v, Committed)] == [4, 5]
+    assert c.shard_saved("p-4", step=4, path=str(paths[4])) == []
+    assert c.shard_saved("p-5", step=5, path=str(paths[5])) == []
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == paths[5].name
+    assert c.last_committed_step == 5
+
+
 def test_a_lost_shard_event_is_recovered_from_disk(tmp_path: Path, clock: Clock) -> None:
     c = coordinator(tmp_path, clock)
     path = step_dir(tmp_path, 4)

@@ -20,7 +20,10 @@ Rules:
   before its shard is durable, after ``timeout`` seconds without commit, when
   the run fails, and when the run ends without its shards.
 * A commit writes the manifest, moves ``latest`` and applies retention
-  (`evtrain.checkpoint.storage`).
+  (`evtrain.checkpoint.storage`). Whatever event completes a checkpoint,
+  every complete one commits, oldest step first: the stages' events
+  interleave, and the shards of step n+1 can be reported before the last
+  one of step n, both already on disk; ``latest`` must not move back.
 """
 
 from __future__ import annotations
@@ -257,7 +260,7 @@ class Coordinator:
         if metric is not None:
             pending.metric = metric
         self._persist()
-        return self._try_commit(pending)
+        return self._commit_ready()
 
     def shard_saved(self, checkpoint_id: str, *, step: int, path: str) -> list[Verdict]:
         """A stage reports its shard of ``checkpoint_id`` durable in ``path``."""
@@ -283,7 +286,7 @@ class Coordinator:
         if pending.path is None:
             pending.path, pending.step = path, step
         self._persist()
-        return self._try_commit(pending)
+        return self._commit_ready()
 
     def shard_failed(self, checkpoint_id: str, stage: int, error: str) -> list[Verdict]:
         """A stage could not save its shard of ``checkpoint_id``."""
@@ -374,8 +377,9 @@ class Coordinator:
         return [p for p in self._pending.values() if not p.committed]
 
     def _commit_ready(self) -> list[Verdict]:
+        """Commit every checkpoint whose shards are all durable, oldest step first."""
         out: list[Verdict] = []
-        for pending in self._open_all():
+        for pending in sorted(self._open_all(), key=lambda p: -1 if p.step is None else p.step):
             if not pending.committed:
                 out.extend(self._try_commit(pending))
         return out
