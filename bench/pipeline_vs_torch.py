@@ -614,7 +614,8 @@ def run_events(
     """Launch evtrain's stage workers with a live bus; the events of ``topics`` they
     published (a subscriber in this process plays the hook)."""
     from evtrain.bus import Broker, BusAddress, Subscriber
-    from evtrain.stages.worker import WorkerConfig, worker_main
+    from evtrain.stages.actor import worker_main
+    from evtrain.stages.worker import WorkerConfig
 
     address = BusAddress.new_ipc()
     with Broker(address), _removing(address.location):
@@ -726,7 +727,7 @@ def _grid(text: str) -> list[tuple[int, int]]:
 
 def _bound(kind: str, P: int, M: int, sequential: float | None) -> float | None:
     """The bubble bound: P stages computing all the time but for the schedule's bubble."""
-    from evtrain.stages.schedules import bubble_fraction
+    from evtrain.stages.simulator import bubble_fraction
 
     if sequential is None:
         return None

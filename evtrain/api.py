@@ -68,7 +68,12 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, TextIO
 
+from evtrain.checkpoint import latest_committed
 from evtrain.errors import UsageError
+from evtrain.job import Job
+from evtrain.launcher import Launcher, LaunchOptions
+from evtrain.logs import configure_logging
+from evtrain.run_record import read_run_record
 
 if TYPE_CHECKING:
     from evtrain.job import Job
@@ -170,8 +175,6 @@ def launch(
     ``curve_dir``: secure the run's bus with the CURVE keys there, as
     ``evtrain launch --curve-dir`` does.
     """
-    from evtrain.launcher import Launcher, LaunchOptions
-
     options = LaunchOptions(
         **_source(spec),
         overrides=_override_strings(overrides),
@@ -208,8 +211,6 @@ def evaluate(
     ``EVAL_DIR/eval.json``; ``EVAL_DIR`` defaults to ``RUN_DIR/evals/RUN_ID``
     of the checkpoint's run). Raises `EvaluationFailed` when a stage fails.
     """
-    from evtrain.launcher import Launcher, LaunchOptions
-
     options = LaunchOptions(
         **_source(spec),
         overrides=_override_strings(overrides),
@@ -243,8 +244,6 @@ def evaluate(
 
 
 def _source(spec: str | os.PathLike[str] | Job) -> dict[str, Any]:
-    from evtrain.job import Job
-
     if getattr(_REBUILDING, "active", False):
         raise UsageError(
             "evtrain.launch() was called while a stage process rebuilt the Job from the "
@@ -265,8 +264,6 @@ def _source(spec: str | os.PathLike[str] | Job) -> dict[str, Any]:
 def _log_level(quiet: bool) -> str:
     """The processes' log level; this process logs at it too unless the caller set logging up."""
     import structlog
-
-    from evtrain.logs import configure_logging
 
     level = "warning" if quiet else "info"
     if not structlog.is_configured():
@@ -329,16 +326,12 @@ def _run_in_thread(launcher: Launcher) -> int:
 
 
 def _record(launcher: Launcher) -> dict[str, Any]:
-    from evtrain.run_record import read_run_record
-
     if launcher.run_dir is None:
         return {}
     return read_run_record(launcher.run_dir) or {}
 
 
 def _launch_result(launcher: Launcher, status: int) -> LaunchResult:
-    from evtrain.checkpoint import latest_committed
-
     assert launcher.run_dir is not None
     record = _record(launcher)
     latest = latest_committed(launcher.run_dir)

@@ -330,7 +330,9 @@ def run_agent(config: AgentConfig) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from evtrain.stages.worker import worker_main
+    # lazy: the agent imports torch and the stage runtime only once the fork
+    # server (`prestart_forkserver`) has started, so its workers fork from it.
+    from evtrain.stages.actor import worker_main
 
     if config.start_method == "forkserver":
         prestart_forkserver()  # no-op when main() started it already

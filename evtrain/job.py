@@ -2,8 +2,9 @@
 
 A job spec is a Python file that defines a module-level ``job`` (or a
 ``make_job()`` returning one); `evtrain.spec.load_job` loads it. Every stage
-process loads the spec itself, so nothing here is ever pickled, and
-everything heavy is a *factory* called where it is needed: each stage calls
+process loads the spec itself (`evtrain.api` pickles a job only to hand it
+to the launcher it starts), and everything heavy is a *factory* called where
+it is needed: each stage calls
 only its own layer factories, so the rest of the model is never allocated.
 
 Example::
@@ -40,24 +41,23 @@ import functools
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
 
-from evtrain.data import DataStream
 from evtrain.errors import SpecError, UsageError
-from evtrain.stages.schedules import Schedule, check_virtual_stages
+from evtrain.schedule_names import Schedule, check_virtual_stages
 
 __all__ = [
     "BALANCE_MODES",
     "DEVICES",
+    "LOADER_OPTIONS",
     "PRECISIONS",
     "SCHEDULES",
     "SPAN_MODES",
     "Job",
     "MetricFactory",
-    "TensorPair",
     "accuracy",
     "is_metric_object",
     "layer",
@@ -96,6 +96,21 @@ SPAN_MODES: tuple[str, ...] = ("all", "sampled", "off")
 
 DEVICES: tuple[str, ...] = ("cpu", "cuda")
 """Values of `Job.device`."""
+
+LOADER_OPTIONS: frozenset[str] = frozenset(
+    {
+        "num_workers",
+        "collate_fn",
+        "pin_memory",
+        "prefetch_factor",
+        "persistent_workers",
+        "multiprocessing_context",
+        "timeout",
+        "in_order",
+    }
+)
+"""`torch.utils.data.DataLoader` options a job may set (`Job.data_loader`); the batch
+order, batch size and shuffling are evtrain's."""
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -163,19 +178,6 @@ def named_eval_sets(value: object) -> bool:
     )
 
 
-class TensorPair(NamedTuple):
-    """A data set as stacked inputs and targets: tensors, or pytrees of tensors
-    (dicts by key, with `Job.input_keys`), every leaf with the same first dimension."""
-
-    inputs: Any
-    targets: Any
-
-    @property
-    def num_samples(self) -> int:
-        """Number of samples."""
-        return int(_leaves(self.inputs)[0].shape[0])
-
-
 def _is_int(value: object) -> bool:
     # bool is an int subclass; `stages=True` is a bug, not a count.
     return isinstance(value, int) and not isinstance(value, bool)
@@ -188,152 +190,14 @@ def _check_int(field: str, value: object, *, minimum: int, optional: bool = Fals
         raise SpecError(field, f"expected an integer >= {minimum}, got {value!r}")
 
 
-def _takes_total_steps(factory: Callable[..., Any]) -> bool:
-    import inspect
-
-    try:
-        params = inspect.signature(factory).parameters
-    except (TypeError, ValueError):  # a builtin without a signature
-        return False
-    return "total_steps" in params
-
-
-def _leaves(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, Mapping):
-        return [t for v in value.values() for t in _leaves(v)]
-    if isinstance(value, tuple | list):
-        return [t for v in value for t in _leaves(v)]
-    return []
-
-
-def _select(field: str, columns: Mapping[str, torch.Tensor], keys: str | Sequence[str]) -> Any:
-    """``columns[keys]`` for one key, ``{k: columns[k]}`` for a tuple of keys."""
-    for key in (keys,) if isinstance(keys, str) else keys:
-        if key not in columns:
-            raise SpecError(
-                field, f"the samples have no key {key!r}; they have {', '.join(sorted(columns))}"
-            )
-    if isinstance(keys, str):
-        return columns[keys]
-    return {k: columns[k] for k in keys}
-
-
-def _stack(field: str, items: list[Any], what: str) -> torch.Tensor:
-    try:
-        return torch.stack([torch.as_tensor(x) for x in items])
-    except Exception as exc:
-        raise SpecError(
-            field, f"stacking {what} failed (equal shapes needed): {type(exc).__name__}: {exc}"
-        ) from exc
-
-
-def _to_tensor_pair(
-    field: str,
-    value: Any,
-    input_keys: str | Sequence[str] | None,
-    target_keys: str | Sequence[str] | None,
-) -> TensorPair:
-    """Normalize a data source into stacked ``(inputs, targets)``."""
-    if callable(value) and not isinstance(value, tuple | list):
-        try:
-            value = value()
-        except Exception as exc:
-            raise SpecError(field, f"loading the data failed: {type(exc).__name__}: {exc}") from exc
-    if input_keys is not None:
-        assert target_keys is not None  # validate() requires both
-        keys = [*((input_keys,) if isinstance(input_keys, str) else input_keys)]
-        keys += [k for k in ((target_keys,) if isinstance(target_keys, str) else target_keys)]
-        if isinstance(value, Mapping):
-            columns = {k: v for k, v in value.items() if k in keys}
-            bad = [k for k, v in columns.items() if not isinstance(v, torch.Tensor)]
-            if bad:
-                raise SpecError(field, f"key {bad[0]!r} is not a tensor of stacked samples")
-        elif hasattr(value, "__len__") and hasattr(value, "__getitem__"):
-            n = len(value)
-            if n == 0:
-                raise SpecError(field, "the data set is empty")
-            samples = [value[i] for i in range(n)]
-            if not all(isinstance(x, Mapping) for x in samples):
-                raise SpecError(
-                    field, "input_keys is set, so every sample must be a dict of tensors"
-                )
-            columns = {
-                k: _stack(field, [x[k] for x in samples], f"key {k!r}")
-                for k in keys
-                if all(k in x for x in samples)
-            }
-        else:
-            raise SpecError(
-                field,
-                "with input_keys, expected a dict of stacked tensors, a map-style data set of "
-                f"dicts, or a callable returning one; got {type(value).__name__}",
-            )
-        inputs = _select(field, columns, input_keys)
-        targets = _select(field, columns, target_keys)
-    elif isinstance(value, Mapping):
-        raise SpecError(
-            field,
-            "the samples are dicts: set input_keys and target_keys to say which keys feed the "
-            f"model and which the loss (keys: {', '.join(map(str, value))})",
-        )
-    elif (
-        isinstance(value, tuple | list)
-        and len(value) == 2
-        and all(isinstance(t, torch.Tensor) for t in value)
-    ):
-        inputs, targets = value
-    elif isinstance(getattr(value, "tensors", None), tuple) and len(value.tensors) == 2:
-        # torch.utils.data.TensorDataset: already stacked.
-        inputs, targets = value.tensors
-    elif hasattr(value, "__len__") and hasattr(value, "__getitem__"):
-        n = len(value)
-        if n == 0:
-            raise SpecError(field, "the data set is empty")
-        pairs = [value[i] for i in range(n)]
-        if isinstance(pairs[0], Mapping):
-            raise SpecError(
-                field,
-                "the samples are dicts: set input_keys and target_keys to say which keys feed "
-                f"the model and which the loss (keys: {', '.join(map(str, pairs[0]))})",
-            )
-        inputs = _stack(field, [p[0] for p in pairs], "the inputs of (input, target) pairs")
-        targets = _stack(field, [p[1] for p in pairs], "the targets of (input, target) pairs")
-    else:
-        raise SpecError(
-            field,
-            "expected (inputs, targets) tensors, a map-style data set of (input, target) "
-            f"pairs, or a callable returning one; got {type(value).__name__}",
-        )
-    leaves = _leaves(inputs) + _leaves(targets)
-    if any(t.dim() == 0 for t in leaves):
-        raise SpecError(field, "inputs and targets need a first (sample) dimension")
-    sizes = {int(t.shape[0]) for t in leaves}
-    if len(sizes) > 1:
-        raise SpecError(
-            field, f"inputs and targets hold different numbers of samples {sorted(sizes)}"
-        )
-    if sizes == {0}:
-        raise SpecError(field, "the data set is empty")
-
-    # Stages slice microbatches out of these and send them point to point.
-    def contiguous(v: Any) -> Any:
-        if isinstance(v, Mapping):
-            return {k: contiguous(x) for k, x in v.items()}
-        return v.contiguous()
-
-    return TensorPair(contiguous(inputs), contiguous(targets))
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
 class Job:
     """One training job. Construct it in a spec file; it validates itself.
 
     Every instance is valid: construction and `with_overrides` run
     `validate`, which raises `evtrain.errors.SpecError` naming the bad field.
-    Data is loaded lazily (`train_tensors`, `eval_tensors`) and cached on the
-    instance.
+    A job describes its data; the stages that read it load it
+    (`evtrain.stages.job_data`).
     """
 
     name: str
@@ -394,7 +258,7 @@ class Job:
     data_loader: Mapping[str, Any] | None = None
     """Read `train_data` and `eval_data` as map-style data sets through a
     `torch.utils.data.DataLoader` with these options (``num_workers``,
-    ``collate_fn``, ``prefetch_factor``, ...; see `evtrain.loading`) instead of
+    ``collate_fn``, ``prefetch_factor``, ...; see `evtrain.stages.loading`) instead of
     stacking them in memory: only the stages that consume data read it, and
     randomness in ``dataset[i]`` (augmentation) is seeded per sample and epoch.
     ``{}`` uses the DataLoader's defaults (no workers)."""
@@ -540,10 +404,6 @@ class Job:
     compile: bool | Mapping[str, Any] = False
     """``torch.compile`` each stage's layers: ``True``, or a dict of its keyword arguments."""
 
-    _cache: dict[str, Any] = dataclasses.field(
-        default_factory=dict, init=False, repr=False, compare=False
-    )
-
     def __post_init__(self) -> None:
         # Normalize containers so later code sees one shape (frozen: bypass setattr).
         def put(name: str, value: Any) -> None:
@@ -595,8 +455,8 @@ class Job:
     def validate(self) -> None:
         """Check every field; raise `SpecError` naming the first bad one.
 
-        Cheap: does not load data (`train_tensors` checks the data and
-        `total_steps` checks `batch_size` against the data set size).
+        Cheap: does not load data (`evtrain.stages.job_data.JobData` checks the
+        data, and `batch_size` against the data set's size, when it loads it).
         """
         if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
             raise SpecError(
@@ -851,8 +711,6 @@ class Job:
             )
 
     def _validate_data_loader(self) -> None:
-        from evtrain.loading import LOADER_OPTIONS
-
         if self.data_loader is None:
             return
         if not isinstance(self.data_loader, dict):
@@ -992,14 +850,6 @@ class Job:
             return torch.device("cuda", local_rank)
         return torch.device("cpu")
 
-    def train_tensors(self) -> TensorPair:
-        """The training set as stacked ``(inputs, targets)`` (loaded once, then cached)."""
-        if "train" not in self._cache:
-            self._cache["train"] = _to_tensor_pair(
-                "train_data", self.train_data, self.input_keys, self.target_keys
-            )
-        return self._cache["train"]
-
     @property
     def eval_sets(self) -> tuple[str, ...]:
         """Names of the evaluation sets, in order: ``()`` without `eval_data`, ``("",)``
@@ -1016,7 +866,7 @@ class Job:
         names = ("loss", *self.metrics)
         return tuple(f"{s}/{n}" if s else n for s in self.eval_sets for n in names)
 
-    def _eval_source(self, name: str | None) -> tuple[str, Any]:
+    def eval_source(self, name: str | None) -> tuple[str, Any]:
         """The set ``name`` (None: the only one) and its data source."""
         sets = self.eval_sets
         if name is None:
@@ -1026,158 +876,3 @@ class Job:
         if name not in sets:
             raise ValueError(f"no eval set {name!r}; the job has {list(sets)}")
         return name, (self.eval_data[name] if name else self.eval_data)  # type: ignore[index]
-
-    def eval_tensors(self, name: str | None = None) -> TensorPair | None:
-        """The eval set ``name`` (None: the only one) as stacked ``(inputs, targets)``,
-        or None without `eval_data`."""
-        if self.eval_data is None:
-            return None
-        name, source = self._eval_source(name)
-        key = f"eval:{name}"
-        if key not in self._cache:
-            try:
-                self._cache[key] = _to_tensor_pair(
-                    "eval_data", source, self.input_keys, self.target_keys
-                )
-            except SpecError as exc:
-                if not name:
-                    raise
-                raise SpecError("eval_data", f"set {name!r}: {exc.message}") from exc
-        return self._cache[key]
-
-    def _dataset(self, field: str, name: str = "") -> Any:
-        key = f"{field}:{name}:dataset"
-        if key not in self._cache:
-            value = getattr(self, field)
-            where = ""
-            if name:
-                value, where = value[name], f"set {name!r}: "
-            # A factory (a class, a partial), not a data set instance.
-            if isinstance(value, type) or (callable(value) and not hasattr(value, "__getitem__")):
-                try:
-                    value = value()
-                except Exception as exc:
-                    raise SpecError(
-                        field, f"{where}loading the data failed: {type(exc).__name__}: {exc}"
-                    ) from exc
-            iterable = isinstance(value, torch.utils.data.IterableDataset)
-            if iterable and field != "train_data":
-                raise SpecError(
-                    field, f"{where}evaluation reads every sample once: give a map-style data set"
-                )
-            if not iterable and not (hasattr(value, "__len__") and hasattr(value, "__getitem__")):
-                raise SpecError(
-                    field,
-                    f"{where}with data_loader, expected a map-style (len() and [i]) or an "
-                    f"iterable data set, or a callable returning one; got {type(value).__name__}",
-                )
-            if not iterable and len(value) == 0:
-                raise SpecError(field, f"{where}the data set is empty")
-            self._cache[key] = value
-        return self._cache[key]
-
-    def train_dataset(self) -> Any:
-        """With `data_loader`: the training data set (built once, then cached; not read)."""
-        return self._dataset("train_data")
-
-    def eval_dataset(self, name: str | None = None) -> Any:
-        """With `data_loader`: the eval set ``name`` (None: the only one), or None without
-        `eval_data`."""
-        if self.eval_data is None:
-            return None
-        return self._dataset("eval_data", self._eval_source(name)[0])
-
-    def streams_train_data(self) -> bool:
-        """Whether the training data is an iterable data set (read in its own order)."""
-        return self.data_loader is not None and isinstance(
-            self.train_dataset(), torch.utils.data.IterableDataset
-        )
-
-    def num_train_samples(self) -> int:
-        """Size of the training set (a data set's ``len``, or the stacked tensors')."""
-        if self.data_loader is not None:
-            return len(self.train_dataset())
-        return self.train_tensors().num_samples
-
-    def num_eval_samples(self, name: str | None = None) -> int:
-        """Size of the eval set ``name`` (None: the only one; 0 without `eval_data`)."""
-        if self.eval_data is None:
-            return 0
-        if self.data_loader is not None:
-            return len(self.eval_dataset(name))
-        evaluation = self.eval_tensors(name)
-        assert evaluation is not None
-        return evaluation.num_samples
-
-    def example_batch(self, n: int) -> tuple[Any, Any]:
-        """The first ``n`` training samples as stacked (inputs, targets): shapes and dtypes."""
-        if self.streams_train_data():
-            from evtrain.loading import first_streamed
-
-            return first_streamed(self, n)
-        if self.data_loader is not None:
-            from evtrain.loading import first_samples
-
-            return first_samples(
-                self.train_dataset(),
-                n,
-                self.seed,
-                self.data_loader.get("collate_fn"),
-                self.input_keys,
-                self.target_keys,
-            )
-        from evtrain.stages.boundary import map_tensors
-
-        train = self.train_tensors()
-        return (
-            map_tensors(lambda t: t[:n], train.inputs),
-            map_tensors(lambda t: t[:n], train.targets),
-        )
-
-    def build_scheduler(
-        self, optimizer: torch.optim.Optimizer
-    ) -> torch.optim.lr_scheduler.LRScheduler | None:
-        """The LR scheduler of `lr_scheduler`, given ``total_steps`` when it takes them."""
-        if self.lr_scheduler is None:
-            return None
-        if _takes_total_steps(self.lr_scheduler):
-            factory: Any = self.lr_scheduler
-            return factory(optimizer, total_steps=self.total_steps())
-        return self.lr_scheduler(optimizer)
-
-    def train_stream(self) -> DataStream:
-        """The deterministic batch order for training (shuffled per epoch, last batch dropped).
-
-        Loads the training set to learn its size; raises `SpecError`
-        (``batch_size``) when a batch is larger than the data set.
-        """
-        if self.streams_train_data():
-            return DataStream.unbounded(self.batch_size, self.seed, grad_accum=self.grad_accum)
-        n = self.num_train_samples()
-        if self.batch_size > n:
-            raise SpecError(
-                "batch_size", f"{self.batch_size} is larger than the training set ({n} samples)"
-            )
-        return DataStream(n, self.batch_size, self.seed, grad_accum=self.grad_accum)
-
-    def total_steps(self) -> int:
-        """Optimizer steps the run takes: `max_steps`, capped by `epochs` when set.
-
-        Loads the training set when `epochs` is set. Raises `SpecError`
-        (``epochs``) when the epochs hold less than one whole step.
-        """
-        if self.epochs is None:
-            assert self.max_steps is not None  # validate() guarantees one of them
-            return self.max_steps
-        if self.streams_train_data():
-            raise SpecError(
-                "epochs", "an iterable data set has no length to count epochs in: set max_steps"
-            )
-        steps = self.train_stream().steps_for_epochs(self.epochs)
-        if steps < 1:
-            raise SpecError(
-                "epochs",
-                f"{self.epochs} epoch(s) hold less than one step of "
-                f"{self.samples_per_step} samples",
-            )
-        return steps if self.max_steps is None else min(steps, self.max_steps)

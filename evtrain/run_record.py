@@ -44,6 +44,8 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from evtrain.events import DecodeError, RunStarted, from_builtins
+
 if TYPE_CHECKING:
     from evtrain.events import Message
 
@@ -265,8 +267,6 @@ def without_redone(
     after K are dropped; everything else (failures, checkpoints, the runs'
     starts and ends) stays.
     """
-    from evtrain.events import RunStarted
-
     cutoffs = _redo_cutoffs(Path(events_file))
     seen: set[tuple[object, ...]] = set()
     launch = -1
@@ -287,8 +287,6 @@ def without_redone(
 
 def _redo_cutoffs(path: Path) -> list[float]:
     """Per launch in the recording: the step after which a later launch redid its steps."""
-    from evtrain.events import DecodeError, RunStarted, from_builtins
-
     starts: list[int] = []
     # A restarted recorder records the run's state again: the same RunStarted
     # (same envelope) is one launch, not two.

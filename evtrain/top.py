@@ -79,7 +79,8 @@ from evtrain.hooks.step_merge import MergedStep, Place, StepMerger, StepWindow, 
 from evtrain.hooks.timer import StageTimes
 from evtrain.logs import LOG_STREAM
 from evtrain.run_state import MAX_PLACES
-from evtrain.stages.schedules import Schedule, bubble_fraction, parse_schedule
+from evtrain.schedule_names import Schedule, parse_schedule
+from evtrain.stages.simulator import bubble_fraction
 
 __all__ = ["TopModel", "TopView", "render", "watch"]
 

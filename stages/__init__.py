@@ -1,25 +1,22 @@
 """evtrain.stages: schedules as data, partitioning, and the stage runtime.
 
-Pure, cheap parts are imported eagerly: the instructions, `build_schedule`
-and the `simulate` checker. The rest loads on first use (PEP 562), because
-`evtrain.job` imports `evtrain.stages.schedules`, and the partitioning and
-runtime modules import `evtrain.job` back.
+The package exports the torch-free part, schedules as data:
+`build_schedule(schedule, stage, P, M, forward_only=False)`, `Schedule`,
+`parse_schedule`, `bubble_fraction`, `max_in_flight`, `format_instructions`,
+the instruction classes; `simulate` and `simulate_programs` run them without
+processes. The rest is imported from its module, so that reading a schedule
+does not load torch:
 
-* schedules: `build_schedule(schedule, stage, P, M, forward_only=False)`,
-  `Schedule`, `parse_schedule`, `bubble_fraction`, `max_in_flight`,
-  `format_instructions`, the instruction classes; `simulate` and
-  `simulate_programs` run them without processes.
-* partitioning: `partition`, `build_stage_module`, `build_full_model`,
-  `StageModule`.
-* runtime: `WorkerConfig` and `worker_main` (the elastic entrypoint the
-  launcher starts once per stage), `StageActor`, `StageExecutor`.
+* partitioning: `evtrain.stages.partition` (`partition`,
+  `build_stage_module`, `build_full_model`, `StageModule`);
+* runtime: `evtrain.stages.worker` (`WorkerConfig`, `worker_main`: the
+  elastic entrypoint the launcher starts once per stage),
+  `evtrain.stages.actor`, `evtrain.stages.executor`.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
-
+from evtrain.schedule_names import Schedule, parse_schedule
 from evtrain.stages.instructions import (
     Backward,
     Forward,
@@ -33,42 +30,15 @@ from evtrain.stages.instructions import (
     SendGrad,
     format_instructions,
 )
-from evtrain.stages.schedules import (
-    Schedule,
-    bubble_fraction,
-    build_schedule,
-    max_in_flight,
-    parse_schedule,
-)
+from evtrain.stages.schedules import build_schedule, max_in_flight
 from evtrain.stages.simulator import (
     DeadlockError,
     ScheduleError,
     SimulationResult,
+    bubble_fraction,
     simulate,
     simulate_programs,
 )
-
-if TYPE_CHECKING:
-    from evtrain.stages.actor import StageActor
-    from evtrain.stages.executor import StageExecutor
-    from evtrain.stages.partition import (
-        StageModule,
-        build_full_model,
-        build_stage_module,
-        partition,
-    )
-    from evtrain.stages.worker import WorkerConfig, worker_main
-
-_LAZY = {
-    "StageModule": "evtrain.stages.partition",
-    "build_full_model": "evtrain.stages.partition",
-    "build_stage_module": "evtrain.stages.partition",
-    "partition": "evtrain.stages.partition",
-    "WorkerConfig": "evtrain.stages.worker",
-    "worker_main": "evtrain.stages.worker",
-    "StageActor": "evtrain.stages.actor",
-    "StageExecutor": "evtrain.stages.executor",
-}
 
 __all__ = [
     "Backward",
@@ -85,28 +55,11 @@ __all__ = [
     "SendActivation",
     "SendGrad",
     "SimulationResult",
-    "StageActor",
-    "StageExecutor",
-    "StageModule",
-    "WorkerConfig",
     "bubble_fraction",
-    "build_full_model",
     "build_schedule",
-    "build_stage_module",
     "format_instructions",
     "max_in_flight",
     "parse_schedule",
-    "partition",
     "simulate",
     "simulate_programs",
-    "worker_main",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'evtrain.stages' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value

@@ -1,6 +1,6 @@
 """The stage actor: one pipeline stage as an async process (anyio on asyncio).
 
-`run_worker` is what `evtrain.stages.worker.worker_main` runs in every stage
+`worker_main` (the elastic entrypoint) runs `run_worker` in every stage
 process. The actor's event loop owns everything that talks to the bus —
 events, heartbeats, signals — and hands each blocking unit of work (process
 group setup, a training step, an evaluation pass) to one worker thread, so the
@@ -125,11 +125,13 @@ communication error) before `StageFailed` is published.
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
 import resource
 import signal
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -141,6 +143,7 @@ import anyio
 import anyio.to_thread
 import structlog
 import torch
+import zmq
 
 from evtrain.bus.address import BusAddress
 from evtrain.bus.commands import CommandLedger, CommandReceiver
@@ -176,10 +179,12 @@ from evtrain.events import (
 )
 from evtrain.failures import frame_location, is_communication_error, user_frames
 from evtrain.job import Job
+from evtrain.logs import configure_logging
 from evtrain.reporting import Reporter, reporting
 from evtrain.spec import apply_overrides, load_job
 from evtrain.stages.control import ControlResult
 from evtrain.stages.executor import Span, StepStats
+from evtrain.stages.job_data import job_data
 from evtrain.stages.mesh import Place
 from evtrain.stages.partition import (
     stage_units,
@@ -193,7 +198,7 @@ from evtrain.stages.setup import (
 )
 from evtrain.stages.worker import ReportStatus, StageReport, WorkerConfig
 
-__all__ = ["RankInfo", "StageActor", "run_worker", "spans_enabled"]
+__all__ = ["RankInfo", "StageActor", "run_worker", "spans_enabled", "worker_main"]
 
 log = structlog.get_logger("evtrain.stages.actor")
 
@@ -233,14 +238,38 @@ def spans_enabled(mode: str, step: int) -> bool:
 
 def run_worker(config: WorkerConfig) -> None:
     """Run one stage to the end (see the module docstring); raises if the stage failed."""
-    from evtrain.logs import configure_logging
-
     configure_logging(
         os.environ.get("EVTRAIN_LOG_FORMAT", "console"),  # type: ignore[arg-type]
         os.environ.get("EVTRAIN_LOG_LEVEL", "info"),
     )
     actor = StageActor(config, RankInfo.from_env())
     anyio.run(actor.run, backend="asyncio")
+
+
+def worker_main(config_json: str) -> None:
+    """Run one pipeline stage to the end: the elastic entrypoint, module-level so
+    elastic can import it in the child process (`evtrain.stages.worker`).
+
+    Tearing down an interpreter that imported torch (and, through the
+    optimizers, torch._dynamo) takes 1-3 s on a small machine: a worker that
+    elastic started (``TORCHELASTIC_RUN_ID`` set) and that ended cleanly ends
+    its process with ``os._exit(0)`` at interpreter exit instead, after
+    elastic collected its return value and every bus message was flushed.
+    """
+    run_worker(WorkerConfig.decode(config_json))
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        atexit.register(_fast_exit)
+
+
+def _fast_exit() -> None:
+    # atexit runs handlers last-in first-out: this one runs first, once
+    # elastic's wrapper has handed over the return value and returned.
+    # Our sockets are closed (with linger); term() waits until their last
+    # messages are sent.
+    zmq.Context.instance().term()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 class StageActor:
@@ -843,10 +872,11 @@ def _eval_batches(job: Job | None) -> int:
     """Batches of one evaluation: every eval set's."""
     if job is None:
         return 0
+    data = job_data(job)
     return sum(
         len(
             eval_microbatches(
-                job.num_eval_samples(name), job.effective_eval_batch_size, job.num_microbatches
+                data.num_eval_samples(name), job.effective_eval_batch_size, job.num_microbatches
             )
         )
         for name in job.eval_sets

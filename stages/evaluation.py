@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from evtrain.job import Job, MetricFactory, is_metric_object
-from evtrain.loading import Reader
+from evtrain.stages.loading import Reader
 
 __all__ = ["EvalSet", "EvalStats", "EvalTally", "MetricObjects"]
 

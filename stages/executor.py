@@ -66,7 +66,7 @@ from torch import nn
 
 from evtrain.data import DataStream, eval_microbatches
 from evtrain.job import Job
-from evtrain.loading import Reader
+from evtrain.schedule_names import Schedule, parse_schedule
 from evtrain.stages.backward import SplitBackward
 from evtrain.stages.boundary import BoundarySpec, call, flatten, split
 from evtrain.stages.control import ControlResult, StepControl
@@ -86,16 +86,11 @@ from evtrain.stages.instructions import (
     SendActivation,
     SendGrad,
 )
+from evtrain.stages.loading import Reader
 from evtrain.stages.mesh import Place
 from evtrain.stages.p2p import Mailbox, PendingRecv
 from evtrain.stages.precision import LossScaler, autocast
-from evtrain.stages.schedules import (
-    Schedule,
-    build_schedule,
-    chunk_place,
-    model_chunk,
-    parse_schedule,
-)
+from evtrain.stages.schedules import build_schedule, chunk_place, model_chunk
 from evtrain.stages.shapes import ShapeTable
 from evtrain.stages.tied import TiedWeights
 
@@ -184,8 +179,9 @@ class StageExecutor:
     modules (interleaved and zbv; default: ``module`` is the only chunk),
     ``module`` holds them all.
     ``train``/``evaluation`` read the first stage's inputs and the last
-    stage's targets (`evtrain.loading`); other stages have None. ``lookahead`` applies to 1F1B (see
-    `DEFAULT_LOOKAHEAD`); ``recv_window`` bounds the receives posted ahead
+    stage's targets (`evtrain.stages.loading`); other stages have None.
+    ``lookahead`` applies to 1F1B (see `DEFAULT_LOOKAHEAD`); ``recv_window``
+    bounds the receives posted ahead
     (default: all of a pass).
     """
 

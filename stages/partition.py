@@ -55,10 +55,12 @@ import structlog
 import torch
 from torch import nn
 
+from evtrain.checkpoint.state_tree import set_stage_aliases
 from evtrain.data import derive_seed
 from evtrain.errors import SpecError
 from evtrain.job import Job, LayerFactory
 from evtrain.stages.boundary import call, map_tensors, spec_of
+from evtrain.stages.job_data import job_data
 from evtrain.stages.schedules import chunk_place
 from evtrain.stages.standins import (
     Absent,
@@ -70,6 +72,7 @@ from evtrain.stages.standins import (
     replace_unit,
     trace_forward,
 )
+from evtrain.stages.survey import SurveyUnavailable, imbalance, survey
 from evtrain.stages.tied import TiedGroup, resolve_ties
 
 __all__ = [
@@ -86,7 +89,6 @@ __all__ = [
     "meta_units",
     "partition",
     "plan_split",
-    "stage_aliases",
     "stage_unit_modules",
     "stage_units",
     "tied_groups",
@@ -393,7 +395,7 @@ def partition(
 
 def example_microbatch(job: Job) -> Any:
     """The first training microbatch's inputs, as stage 0 receives them."""
-    return job.example_batch(job.microbatch_size)[0]
+    return job_data(job).example_batch(job.microbatch_size)[0]
 
 
 def unit_costs(job: Job) -> list[float]:
@@ -407,8 +409,6 @@ def unit_costs(job: Job) -> list[float]:
     (Hugging Face's mask code) is counted on a model built on the CPU. Falls
     back to parameter counts, with a warning, when nothing can run it.
     """
-    from evtrain.stages.survey import SurveyUnavailable, survey
-
     try:
         if job.model is not None:
             try:
@@ -428,8 +428,6 @@ def _meta_example(job: Job) -> Any:
 
 
 def _on_meta_run(what: str, fn: Any) -> Any:
-    from evtrain.stages.survey import SurveyUnavailable
-
     try:
         with torch.device("meta"), torch.no_grad():
             return fn()
@@ -471,8 +469,6 @@ def _model_costs(job: Job, model: nn.Module | None = None) -> list[float]:
 
         _on_meta_run("the model", run)
     else:
-        from evtrain.stages.survey import SurveyUnavailable
-
         try:
             with _buffers_kept(model), torch.no_grad(), counter:
                 call(model, example_microbatch(job))
@@ -569,8 +565,6 @@ class SplitPlan:
         """Largest stage cost over the mean (1.0 is even), by estimated compute."""
         if self.costs is None:
             return None
-        from evtrain.stages.survey import imbalance
-
         return imbalance(self.costs, self.sizes)
 
     def describe(self) -> str:
@@ -595,8 +589,6 @@ def plan_split(job: Job) -> SplitPlan:
     that is no parameter is a `SpecError` here. A model that cannot run on
     meta is checked by the stages' own first forward instead.
     """
-    from evtrain.stages.survey import SurveyUnavailable, survey
-
     # Split points and ties first: their errors do not need the model to run.
     ranges = None if job.balance == "compute" else partition(job)
     if ranges is not None:
@@ -772,11 +764,13 @@ def build_stage_chunks(
                 install(view, names, r, plans[ranges.index(r)])
             else:
                 _prune(view, names, r)
-            vars(view).update(layer_range=r, tied_aliases={})
+            vars(view)["layer_range"] = r
+            set_stage_aliases(view, {})
             views.append(view)
         vars(module)["chunks"] = views
     aliases = _tie_locally(module, tied_groups(job))
-    vars(module).update(chunk_ranges=list(unit_ranges), layer_range=None, tied_aliases=aliases)
+    vars(module).update(chunk_ranges=list(unit_ranges), layer_range=None)
+    set_stage_aliases(module, aliases)
     return module
 
 
@@ -869,9 +863,10 @@ def build_stage_module(
 
     For `Job.layers` the other factories are not called (see `build_layer`);
     for `Job.model` the whole model is built once on the CPU and pruned.
-    The module's ``layer_range`` is ``unit_range`` and its ``tied_aliases``
-    maps each local name of a tied weight other than the canonical one to
-    the canonical name (see `tied_groups`).
+    The module's ``layer_range`` is ``unit_range``, and its aliases
+    (`evtrain.checkpoint.state_tree.stage_aliases`) map each local name of a
+    tied weight other than the canonical one to the canonical name (see
+    `tied_groups`).
     """
     names = unit_names(job)
     if not len(unit_range) or unit_range.step != 1:
@@ -890,8 +885,8 @@ def build_stage_module(
             install(module, names, unit_range, plans[ranges.index(unit_range)])
         else:
             _prune(module, names, unit_range)
-    # Plain attributes, read back by `stage_units` and `stage_aliases`.
-    vars(module).update(layer_range=unit_range, tied_aliases=_tie_locally(module, tied_groups(job)))
+    vars(module)["layer_range"] = unit_range  # read back by `stage_units`
+    set_stage_aliases(module, _tie_locally(module, tied_groups(job)))
     return module.to(device)
 
 
@@ -912,11 +907,6 @@ def stage_unit_modules(job: Job, module: nn.Module) -> list[nn.Module]:
         return list(module)
     names = unit_names(job)
     return [module.get_submodule(names[i]) for i in stage_units(module)]
-
-
-def stage_aliases(module: nn.Module) -> dict[str, str]:
-    """A stage module's local alias -> canonical names of tied weights."""
-    return dict(vars(module).get("tied_aliases", {}))
 
 
 def build_full_model(job: Job, device: torch.device | str = "cpu") -> nn.Module:

@@ -82,9 +82,15 @@ deadlocks — an executor must then pair a send with the following receive
 from __future__ import annotations
 
 from collections.abc import Callable
-from enum import StrEnum
 
 from evtrain.errors import UsageError
+from evtrain.schedule_names import (
+    Schedule,
+    check_positive,
+    check_virtual_stages,
+    interleaved_rounds,
+    parse_schedule,
+)
 from evtrain.stages.instructions import (
     Backward,
     BackwardInput,
@@ -101,52 +107,18 @@ from evtrain.stages.instructions import (
 )
 
 __all__ = [
-    "Schedule",
     "backward_block",
-    "bubble_fraction",
     "build_schedule",
-    "check_virtual_stages",
     "chunk_place",
     "forward_block",
     "max_in_flight",
     "model_chunk",
-    "parse_schedule",
 ]
 
 
-class Schedule(StrEnum):
-    """The pipeline schedules evtrain knows; the value is the spec/CLI name."""
-
-    GPIPE = "gpipe"
-    ONE_F_ONE_B = "1f1b"
-    ZERO_BUBBLE = "zb"
-    INTERLEAVED = "interleaved"
-    ZBV = "zbv"
-
-    @property
-    def splits_backward(self) -> bool:
-        """Whether the backward runs as `BackwardInput` + `BackwardWeight`."""
-        return self in (Schedule.ZERO_BUBBLE, Schedule.ZBV)
-
-
-def parse_schedule(schedule: str | Schedule) -> Schedule:
-    """Turn a name (case-insensitive) into a `Schedule`; `UsageError` if unknown."""
-    try:
-        return Schedule(str(schedule).lower())
-    except ValueError:
-        names = ", ".join(s.value for s in Schedule)
-        raise UsageError(f"unknown schedule {schedule!r}; choose one of: {names}") from None
-
-
-def _check_positive(name: str, value: int) -> None:
-    # bool is an int subclass; True stages would be a bug, not a count.
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise UsageError(f"{name} must be an integer >= 1, got {value!r}")
-
-
 def _check_shape(stage: int, num_stages: int, num_microbatches: int) -> None:
-    _check_positive("num_stages", num_stages)
-    _check_positive("num_microbatches", num_microbatches)
+    check_positive("num_stages", num_stages)
+    check_positive("num_microbatches", num_microbatches)
     if not isinstance(stage, int) or isinstance(stage, bool) or not 0 <= stage < num_stages:
         raise UsageError(f"stage must be in 0..{num_stages - 1}, got {stage!r}")
 
@@ -324,48 +296,6 @@ def build_schedule(
     return program
 
 
-def check_virtual_stages(
-    schedule: str | Schedule, num_stages: int, num_microbatches: int, virtual_stages: int
-) -> None:
-    """`UsageError` unless ``virtual_stages`` fits the schedule and shape.
-
-    Interleaved needs V >= 2 chunks per stage and P >= 2 stages, and M a
-    multiple of its rounds, ``max(1, M // P)`` (as torch's
-    ScheduleInterleaved1F1B); zbv exactly V = 2 and P >= 2 (any M); the other
-    schedules hold one chunk per stage.
-    """
-    kind = parse_schedule(schedule)
-    _check_positive("virtual_stages", virtual_stages)
-    if kind is Schedule.ZBV:
-        if virtual_stages != 2 or num_stages < 2:
-            raise UsageError(
-                "the zbv schedule places two model chunks on each of at least 2 stages: it "
-                f"needs virtual_stages=2 and stages >= 2, got virtual_stages={virtual_stages} "
-                f"and stages={num_stages}"
-            )
-        return
-    if kind is not Schedule.INTERLEAVED:
-        if virtual_stages != 1:
-            raise UsageError(
-                f"virtual_stages={virtual_stages} needs schedule 'interleaved' or 'zbv' "
-                f"({kind.value} holds one model chunk per stage)"
-            )
-        return
-    if virtual_stages < 2 or num_stages < 2:
-        raise UsageError(
-            "the interleaved schedule needs virtual_stages >= 2 and stages >= 2, got "
-            f"virtual_stages={virtual_stages} and stages={num_stages} (with one chunk "
-            "per stage, use 1f1b)"
-        )
-    rounds = _rounds(num_stages, num_microbatches)
-    if num_microbatches % rounds:
-        raise UsageError(
-            f"the interleaved schedule runs microbatches in rounds of "
-            f"{num_microbatches // rounds}: num_microbatches ({num_microbatches}) must be a "
-            f"multiple of {rounds}, e.g. a multiple of the {num_stages} stages"
-        )
-
-
 def _interleaved(
     stage: int,
     P: int,
@@ -376,7 +306,7 @@ def _interleaved(
     bwd: Callable[[int, int], list[Instruction]],
 ) -> list[Instruction]:
     """Interleaved 1F1B's order for ``stage`` (see the module docstring)."""
-    per_round = M // _rounds(P, M)
+    per_round = M // interleaved_rounds(P, M)
     total = M * V
     warmup = _interleaved_warmup(stage, P, M, V, lookahead)
     forwards, backwards = [0] * V, [0] * V
@@ -467,14 +397,9 @@ def _zbv(
     return program
 
 
-def _rounds(P: int, M: int) -> int:
-    """Interleaved 1F1B's rounds of microbatches: ``max(1, M // P)``."""
-    return max(1, M // P)
-
-
 def _interleaved_warmup(stage: int, P: int, M: int, V: int, lookahead: int) -> int:
     extra = lookahead if stage < P - 1 else 0
-    return min((V - 1) * (M // _rounds(P, M)) + 2 * (P - 1 - stage) + extra, M * V)
+    return min((V - 1) * (M // interleaved_rounds(P, M)) + 2 * (P - 1 - stage) + extra, M * V)
 
 
 def max_in_flight(
@@ -510,36 +435,3 @@ def max_in_flight(
     extra = lookahead if stage < num_stages - 1 else 0
     held = num_stages if kind is Schedule.ZERO_BUBBLE else num_stages - stage
     return min(held + extra, num_microbatches)
-
-
-def bubble_fraction(
-    num_stages: int,
-    num_microbatches: int,
-    schedule: str | Schedule = Schedule.ONE_F_ONE_B,
-    virtual_stages: int = 1,
-) -> float:
-    """Idle share of a step with equal per-stage costs: ``(P - 1) / (M + P - 1)``
-    for GPipe and 1F1B; for zero bubble at M >= P, with I = W = half a
-    backward and a backward twice a forward, ``(P - 1) / (3M + P - 1)``: a
-    third of 1F1B's idle time per stage, over a step that much shorter; for
-    interleaved with V chunks per stage and M a multiple of P,
-    ``(P - 1) / (V·M + P - 1)``: 1F1B's idle time divided by V; for zbv at
-    M >= 2P - 1 (same costs), ``(P - 1) / (6M + P - 1)``; below that the
-    order has no closed form and the figure is simulated
-    (`evtrain.stages.simulator`)."""
-    kind = parse_schedule(schedule)
-    _check_positive("num_stages", num_stages)
-    _check_positive("num_microbatches", num_microbatches)
-    P, M = num_stages, num_microbatches
-    if kind is Schedule.ZBV:
-        if M >= 2 * P - 1:
-            return (P - 1) / (6 * M + P - 1)
-        from evtrain.stages.simulator import simulate  # it builds on this module
-
-        return simulate(kind, P, M, 0.5, 1.0, virtual_stages=2).bubble_fraction
-    if kind is Schedule.ZERO_BUBBLE:
-        return (P - 1) / (3 * M + P - 1)
-    if kind is Schedule.INTERLEAVED:
-        check_virtual_stages(kind, P, M, virtual_stages)
-        return (P - 1) / (virtual_stages * M + P - 1)
-    return (P - 1) / (M + P - 1)

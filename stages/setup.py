@@ -33,17 +33,19 @@ from torch import nn
 from evtrain.bus.commands import CommandReceiver
 from evtrain.checkpoint import CheckpointError
 from evtrain.checkpoint.loader import agree_on_resume, load_stage_shard, load_weights
+from evtrain.checkpoint.state_tree import stage_aliases
 from evtrain.checkpoint.writer import ShardWriter
 from evtrain.data import derive_seed, eval_microbatches
 from evtrain.events import Event
 from evtrain.job import Job
-from evtrain.loading import make_reader
 from evtrain.stages.boundary import BoundarySpec
 from evtrain.stages.checkpointing import StageCheckpointing
 from evtrain.stages.control import StepControl
 from evtrain.stages.data_parallel import Replicas
 from evtrain.stages.evaluation import EvalSet
 from evtrain.stages.executor import StageExecutor
+from evtrain.stages.job_data import job_data
+from evtrain.stages.loading import make_reader
 from evtrain.stages.mesh import Place, build_groups
 from evtrain.stages.orders import Orders
 from evtrain.stages.p2p import Mailbox, exchange_shapes, infer_output_spec
@@ -51,7 +53,6 @@ from evtrain.stages.partition import (
     build_stage_chunks,
     build_stage_module,
     partition,
-    stage_aliases,
     stage_unit_modules,
     stage_units,
     tied_groups,
@@ -195,19 +196,20 @@ def prepare_stage(
     ids = [model_chunk(job.schedule, place.stage, P, v) for v in range(V)]
     # This stage reads the inputs (it holds the model's first chunk), the targets (its last).
     first, last = 0 in ids, P * V - 1 in ids
-    stream = job.train_stream()
-    total = job.total_steps()
+    data = job_data(job)
+    stream = data.train_stream()
+    total = data.total_steps()
     eval_sizes: set[int] = set()
     evaluations: list[EvalSet] = []
     for name in job.eval_sets:
-        num = job.num_eval_samples(name)
+        num = data.num_eval_samples(name)
         plan = eval_microbatches(num, job.effective_eval_batch_size, job.num_microbatches)
         eval_sizes.update(len(r) for batch in plan for r in batch)
-        reader = make_reader(job, "eval", first, last, device, eval_plan=plan, eval_set=name)
+        reader = make_reader(data, "eval", first, last, device, eval_plan=plan, eval_set=name)
         evaluations.append(EvalSet(name, reader, num))
     sizes = sorted({job.microbatch_size, *eval_sizes})
     train_reader = make_reader(
-        job, "train", first, last, device, stream=stream, replica=place.replica
+        data, "train", first, last, device, stream=stream, replica=place.replica
     )
     shapes = ShapeTable(
         functools.partial(_agree, job, parts, ids),
@@ -216,11 +218,11 @@ def prepare_stage(
         group=parts.shapes_group,
         src=place.rank_of(chunk_place(job.schedule, P, 0)[0]),
     )
-    shapes.setup(sizes, job.example_batch(1)[0] if first else None)
+    shapes.setup(sizes, data.example_batch(1)[0] if first else None)
 
     params = [p for p in module.parameters() if p.requires_grad]
     optimizer = job.optimizer(params) if params else None
-    scheduler = job.build_scheduler(optimizer) if optimizer is not None else None
+    scheduler = data.build_scheduler(optimizer) if optimizer is not None else None
     executor = StageExecutor(
         job=job,
         stage=place.stage,

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 from evtrain.errors import UsageError
+from evtrain.schedule_names import Schedule, check_positive, check_virtual_stages, parse_schedule
 from evtrain.stages.instructions import (
     Backward,
     BackwardInput,
@@ -61,19 +62,14 @@ from evtrain.stages.instructions import (
     SendActivation,
     SendGrad,
 )
-from evtrain.stages.schedules import (
-    Schedule,
-    build_schedule,
-    chunk_place,
-    model_chunk,
-    parse_schedule,
-)
+from evtrain.stages.schedules import build_schedule, chunk_place, model_chunk
 
 __all__ = [
     "DeadlockError",
     "ScheduleError",
     "SimulationResult",
     "Span",
+    "bubble_fraction",
     "simulate",
     "simulate_programs",
 ]
@@ -480,3 +476,33 @@ def _check_cross_stage_order(stages: list[_Stage], V: int, schedule: Schedule) -
 
 def _where(chunk: int, P: int, V: int, kind: Schedule) -> str:
     return f"stage {chunk}" if V == 1 else f"stage {chunk_place(kind, P, chunk)[0]} (chunk {chunk})"
+
+
+def bubble_fraction(
+    num_stages: int,
+    num_microbatches: int,
+    schedule: str | Schedule = Schedule.ONE_F_ONE_B,
+    virtual_stages: int = 1,
+) -> float:
+    """Idle share of a step with equal per-stage costs: ``(P - 1) / (M + P - 1)``
+    for GPipe and 1F1B; for zero bubble at M >= P, with I = W = half a
+    backward and a backward twice a forward, ``(P - 1) / (3M + P - 1)``: a
+    third of 1F1B's idle time per stage, over a step that much shorter; for
+    interleaved with V chunks per stage and M a multiple of P,
+    ``(P - 1) / (V·M + P - 1)``: 1F1B's idle time divided by V; for zbv at
+    M >= 2P - 1 (same costs), ``(P - 1) / (6M + P - 1)``; below that the
+    order has no closed form and the figure is simulated."""
+    kind = parse_schedule(schedule)
+    check_positive("num_stages", num_stages)
+    check_positive("num_microbatches", num_microbatches)
+    P, M = num_stages, num_microbatches
+    if kind is Schedule.ZBV:
+        if M >= 2 * P - 1:
+            return (P - 1) / (6 * M + P - 1)
+        return simulate(kind, P, M, 0.5, 1.0, virtual_stages=2).bubble_fraction
+    if kind is Schedule.ZERO_BUBBLE:
+        return (P - 1) / (3 * M + P - 1)
+    if kind is Schedule.INTERLEAVED:
+        check_virtual_stages(kind, P, M, virtual_stages)
+        return (P - 1) / (virtual_stages * M + P - 1)
+    return (P - 1) / (M + P - 1)

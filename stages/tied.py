@@ -12,9 +12,10 @@ because they start equal and take equal steps:
   (`TiedWeights.reduce_grads`);
 * the global gradient norm counts the weight once, on the stage that holds
   the canonical name (`TiedWeights.norm_excluded`);
-* checkpoints and exports keep it once, under the canonical name (the
-  stage module's ``tied_aliases``); a stage holding only an alias restores
-  it from the canonical name's tensor and optimizer state, which equal its own.
+* checkpoints and exports keep it once, under the canonical name (the stage
+  module's aliases, `evtrain.checkpoint.state_tree.stage_aliases`); a stage
+  holding only an alias restores it from the canonical name's tensor and
+  optimizer state, which equal its own.
 
 Names inside one stage are made one `nn.Parameter` (`evtrain.stages.partition`).
 """

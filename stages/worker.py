@@ -1,17 +1,16 @@
-"""The stage worker entrypoint: what `torch.distributed.elastic` starts once per stage.
-
-The contract with the launcher (``evtrain launch``) is three names:
+"""The contract between the launcher and the stage workers it starts (one per stage).
 
 * `WorkerConfig` — everything a worker needs besides the environment,
   JSON-encoded into one string (`WorkerConfig.encode`) so it passes through
   ``elastic_launch(config, worker_main)(cfg.encode())`` without pickling any
-  object of ours.
-* `worker_main(config_json)` — module-level, so elastic can import it in the
-  child process. It reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-  ``MASTER_ADDR`` and ``MASTER_PORT`` from the environment as torchrun /
-  elastic set them; rank r runs pipeline stage ``r // D`` of replica ``r % D``
-  (world size PxD, `evtrain.stages.mesh`).
-
+  object of ours. The entrypoint, `evtrain.stages.actor.worker_main`, reads
+  ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and
+  ``MASTER_PORT`` from the environment as torchrun / elastic set them; rank r
+  runs pipeline stage ``r // D`` of replica ``r % D`` (world size PxD,
+  `evtrain.stages.mesh`). It returns None when the run completed or was
+  stopped (StopRun, SIGTERM/SIGINT) and raises when the stage failed, after
+  reporting and publishing `StageFailed` — so elastic sees a non-zero exit
+  and tears the others down.
 * `StageReport` — what a worker tells the launcher without the bus: the
   actor keeps ``WorkerConfig.report_dir/attempt-{a}/rank-{r}.json`` up to date (at
   start, about once a second while training, at the end, and when it fails,
@@ -20,30 +19,19 @@ The contract with the launcher (``evtrain launch``) is three names:
   leaves its last report behind; its exit status comes from the elastic agent
   (`evtrain.elastic_agent`).
 
-`worker_main` returns None when the run completed or was stopped (StopRun,
-SIGTERM/SIGINT) and raises when the stage failed, after reporting and
-publishing `StageFailed` — so elastic sees a non-zero exit and tears the
-others down.
-
-Fast exit: tearing down an interpreter that imported torch (and, through the
-optimizers, torch._dynamo) takes 1-3 s on a small machine. When a worker
-started by elastic (``TORCHELASTIC_RUN_ID`` set) ended cleanly, it ends its
-process with ``os._exit(0)`` at interpreter exit instead — after elastic
-collected its return value and after every bus message was flushed.
+The module is torch-free: the launcher reads it without the stage runtime.
 """
 
 from __future__ import annotations
 
-import atexit
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Literal
 
 import msgspec
 
-__all__ = ["StageReport", "WorkerConfig", "read_stage_reports", "worker_main"]
+__all__ = ["ReportStatus", "StageReport", "WorkerConfig", "read_stage_reports"]
 
 ReportStatus = Literal["starting", "running", "completed", "stopped", "failed"]
 
@@ -170,25 +158,3 @@ def read_stage_reports(directory: str | os.PathLike[str], attempt: int) -> dict[
             continue
         reports[report.rank] = report
     return reports
-
-
-def worker_main(config_json: str) -> None:
-    """Run one pipeline stage to the end; the elastic entrypoint (see module docstring)."""
-    from evtrain.stages.actor import run_worker
-
-    run_worker(WorkerConfig.decode(config_json))
-    if os.environ.get("TORCHELASTIC_RUN_ID"):
-        atexit.register(_fast_exit)
-
-
-def _fast_exit() -> None:
-    # atexit runs handlers last-in first-out: this one runs first, once
-    # elastic's wrapper has handed over the return value and returned.
-    import zmq
-
-    # Our sockets are closed (with linger); term() waits until their last
-    # messages are sent.
-    zmq.Context.instance().term()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)

@@ -31,6 +31,7 @@ from evtrain.errors import UsageError
 from evtrain.hooks.checkpoint import CheckpointHook
 from evtrain.hooks.loader import build_hook_from_spec as build_hook
 from evtrain.spec import load_job
+from evtrain.stages.job_data import job_data
 from evtrain.stages.partition import build_full_model
 
 pytestmark = pytest.mark.slow
@@ -57,7 +58,7 @@ def reevaluate(spec: Path, ckpt: Path) -> dict[str, float]:
     state = read_model_tensors(ckpt)
     model.load_state_dict({k: state[k] for k in model.state_dict()})
     model.eval()
-    data = job.eval_tensors()
+    data = job_data(job).eval_tensors()
     assert data is not None
     sums: dict[str, torch.Tensor] = {}
     with torch.no_grad():

@@ -25,6 +25,7 @@ from safetensors.torch import load_file
 
 from evtrain.checkpoint import latest_committed, list_checkpoints
 from evtrain.spec import apply_overrides, load_job
+from evtrain.stages.job_data import job_data
 from evtrain.stages.partition import build_full_model
 
 pytestmark = pytest.mark.slow
@@ -67,8 +68,8 @@ def reference(spec: Path, grad_clip: float | None) -> tuple[list[float], dict[st
     job = apply_overrides(load_job(spec), {"stages": "1"})
     model = build_full_model(job)
     optimizer = job.optimizer(model.parameters())
-    inputs, targets = job.train_tensors()
-    stream = job.train_stream()
+    inputs, targets = job_data(job).train_tensors()
+    stream = job_data(job).train_stream()
     losses = []
     for step in range(1, STEPS + 1):
         optimizer.zero_grad()
@@ -201,7 +202,7 @@ class Stream(torch.utils.data.IterableDataset[dict[str, torch.Tensor]]):
 @pytest.mark.parametrize("kind", ["memory", "map-style", "iterable"])
 def test_replicas_read_disjoint_shares_that_make_up_the_batch(kind: str) -> None:
     from evtrain.data import DataStream
-    from evtrain.loading import LoaderReader, MemoryReader, Reader, StreamReader
+    from evtrain.stages.loading import LoaderReader, MemoryReader, Reader, StreamReader
 
     stream = DataStream(64, 16, seed=3)
     cpu = torch.device("cpu")

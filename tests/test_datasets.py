@@ -16,6 +16,7 @@ import torch
 
 from evtrain.datasets import TokenFile, token_dtype, write_tokens
 from evtrain.spec import load_job
+from evtrain.stages.job_data import job_data
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -167,7 +168,7 @@ def test_the_streaming_example_writes_its_token_files_once_and_reads_them(
     job = load_job(EXAMPLES / "lm_stream.py")
     assert job.data_loader == {"num_workers": 2}
     assert (job.input_keys, job.target_keys) == ("input_ids", "labels")
-    train, evaluation = job.train_dataset(), job.eval_dataset()
+    train, evaluation = job_data(job).train_dataset(), job_data(job).eval_dataset()
     assert isinstance(train, TokenFile) and isinstance(evaluation, TokenFile)
     assert train.path.parent.parent == tmp_path
     example = _example("lm_stream")
@@ -179,6 +180,7 @@ def test_the_streaming_example_writes_its_token_files_once_and_reads_them(
     assert example.decode(train[1]["labels"]) == text[seq + 1 : 2 * seq + 1]
     assert example.decode(evaluation[0]["input_ids"]) == text[cut : cut + seq]
     written = train.path.stat().st_mtime_ns
-    assert load_job(EXAMPLES / "lm_stream.py").train_dataset().path.stat().st_mtime_ns == written
-    inputs, targets = job.example_batch(2)
+    again = job_data(load_job(EXAMPLES / "lm_stream.py")).train_dataset()
+    assert again.path.stat().st_mtime_ns == written
+    inputs, targets = job_data(job).example_batch(2)
     assert inputs.shape == targets.shape == (2, seq)

@@ -30,6 +30,7 @@ from evtrain.errors import UsageError
 from evtrain.hooks.loader import build_hook_from_spec
 from evtrain.job import Job
 from evtrain.spec import load_job
+from evtrain.stages.job_data import job_data
 from evtrain.stages.partition import build_full_model, partition
 
 MIN_ACCURACY = 0.95
@@ -42,10 +43,10 @@ def train_single_process(job: Job) -> float:
     model = build_full_model(job)
     optimizer = job.optimizer(model.parameters())
     scheduler = job.lr_scheduler(optimizer) if job.lr_scheduler else None
-    inputs, targets = job.train_tensors()
-    stream = job.train_stream()
+    inputs, targets = job_data(job).train_tensors()
+    stream = job_data(job).train_stream()
     m = job.num_microbatches
-    for step in range(job.total_steps()):
+    for step in range(job_data(job).total_steps()):
         indices = stream.indices(step)
         optimizer.zero_grad()
         for x, y in zip(
@@ -55,7 +56,7 @@ def train_single_process(job: Job) -> float:
         optimizer.step()
         if scheduler is not None:
             scheduler.step()
-    eval_set = job.eval_tensors()
+    eval_set = job_data(job).eval_tensors()
     assert eval_set is not None
     model.eval()
     with torch.no_grad():

@@ -54,6 +54,7 @@ from evtrain.job import Job, accuracy, layer, metric
 from evtrain.launcher import check_monitored_metric
 from evtrain.progress import RunConsole
 from evtrain.spec import load_job
+from evtrain.stages.job_data import job_data
 from evtrain.stages.partition import build_full_model
 
 torchmetrics = pytest.importorskip("torchmetrics")
@@ -230,7 +231,7 @@ def predictions(spec: Path, ckpt: Path) -> dict[str, tuple[torch.Tensor, torch.T
     out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     with torch.no_grad():
         for name in job.eval_sets:
-            data = job.eval_tensors(name)
+            data = job_data(job).eval_tensors(name)
             assert data is not None
             plan = eval_microbatches(data.num_samples, EVAL_BATCH, M)
             logits = [model(data.inputs[r.start : r.stop]) for b in plan for r in b]
@@ -409,7 +410,7 @@ def test_a_token_level_loss_is_weighted_by_tokens(tmp_path: Path) -> None:
     (record,) = [r for r in lines(tmp_path / "run" / "metrics.jsonl") if r["type"] == "eval"]
     job = load_job(spec)
     model = build_full_model(job).eval()
-    data = job.eval_tensors()
+    data = job_data(job).eval_tensors()
     assert data is not None
     with torch.no_grad():
         logits = model(data.inputs)
@@ -478,32 +479,34 @@ def test_metric_kinds_and_eval_set_names() -> None:
     )
     assert job.eval_sets == ("val", "test")
     assert job.eval_metric_names()[:4] == ("val/loss", "val/accuracy", "val/f1", "val/auroc")
-    assert job.num_eval_samples("test") == 6 and job.eval_tensors("val").num_samples == 10
+    data = job_data(job)
+    assert data.num_eval_samples("test") == 6 and data.eval_tensors("val").num_samples == 10
     with pytest.raises(ValueError, match="several eval sets"):
-        job.eval_tensors()
+        job_data(job).eval_tensors()
     assert make_job(eval_data=(x, y)).eval_sets == ("",)
     assert make_job().eval_sets == ()
     # Stacked tensors by key are one set, not sets named after the keys.
     keyed = make_job(eval_data={"x": x, "y": y}, input_keys="x", target_keys="y")
-    assert keyed.eval_sets == ("",) and keyed.num_eval_samples() == 10
+    assert keyed.eval_sets == ("",) and job_data(keyed).num_eval_samples() == 10
     for bad, message in [({}, "names no evaluation set"), ({"a/b": (x, y)}, "set names")]:
         with pytest.raises(SpecError, match=message):
             make_job(eval_data=bad)
     with pytest.raises(SpecError, match="set 'val': "):
-        make_job(eval_data={"val": "data.csv"}).eval_tensors("val")
+        job_data(make_job(eval_data={"val": "data.csv"})).eval_tensors("val")
 
 
 def test_each_named_set_has_its_own_reader_in_memory_and_through_a_data_loader() -> None:
-    from evtrain.loading import make_reader
+    from evtrain.stages.loading import make_reader
 
     x, y = torch.randn(10, 4), torch.randint(0, 3, (10,))
     sets = {"val": (x, y), "test": (x[6:], y[6:])}
     pairs = {name: [(a[i], b[i]) for i in range(len(a))] for name, (a, b) in sets.items()}
     cpu = torch.device("cpu")
     for job in (make_job(eval_data=sets), make_job(eval_data=pairs, data_loader={})):
-        plan = eval_microbatches(job.num_eval_samples("test"), 4, 2)
+        data = job_data(job)
+        plan = eval_microbatches(data.num_eval_samples("test"), 4, 2)
         assert [len(r) for b in plan for r in b] == [2, 2]
-        reader = make_reader(job, "eval", True, True, cpu, eval_plan=plan, eval_set="test")
+        reader = make_reader(data, "eval", True, True, cpu, eval_plan=plan, eval_set="test")
         assert reader is not None
         for r in (range(0, 2), range(2, 4)):  # in order, as an evaluation reads them
             inputs, targets = reader.rows(r)

@@ -24,6 +24,7 @@ from evtrain.events import CommandAcked, StopRun
 from evtrain.hooks.loader import build_hook, build_hook_from_spec
 from evtrain.job import Job
 from evtrain.spec import load_job
+from evtrain.stages.job_data import job_data
 from evtrain.stages.partition import build_full_model, partition
 
 if TYPE_CHECKING:
@@ -39,8 +40,8 @@ def train_steps(job: Job, steps: int) -> list[float]:
     torch.set_num_threads(1)
     model = build_full_model(job)
     optimizer = job.optimizer(model.parameters())
-    inputs, targets = job.train_tensors()
-    stream = job.train_stream()
+    inputs, targets = job_data(job).train_tensors()
+    stream = job_data(job).train_stream()
     m = job.num_microbatches
     losses = []
     for step in range(steps):
@@ -82,7 +83,7 @@ def test_transformer_is_embedding_blocks_head_on_four_stages() -> None:
         ["Block"],
         ["Block", "Head"],
     ]
-    inputs, targets = job.train_tensors()
+    inputs, targets = job_data(job).train_tensors()
     assert inputs.dtype == torch.int64 and inputs.shape[1:] == targets.shape[1:]
     assert torch.equal(inputs[:, 1:], targets[:, :-1])  # targets are the next characters
     logits = model(inputs[:2])

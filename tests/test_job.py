@@ -20,6 +20,7 @@ from evtrain.data import DataStream, derive_seed, eval_microbatches, microbatche
 from evtrain.errors import SpecError, UsageError
 from evtrain.job import Job, accuracy, layer
 from evtrain.spec import add_override_arguments, apply_overrides, load_job, overrides_from_args
+from evtrain.stages.job_data import job_data
 from evtrain.stages.partition import (
     StageModule,
     build_full_model,
@@ -157,16 +158,16 @@ def test_cuda_without_cuda_is_a_spec_error() -> None:
 
 def test_data_forms_normalize_to_stacked_tensors() -> None:
     x, y = torch.randn(12, 3), torch.arange(12)
-    as_tuple = make_job(train_data=(x, y), batch_size=4).train_tensors()
-    as_callable = make_job(
-        train_data=lambda: torch.utils.data.TensorDataset(x, y), batch_size=4
+    as_tuple = job_data(make_job(train_data=(x, y), batch_size=4)).train_tensors()
+    as_callable = job_data(
+        make_job(train_data=lambda: torch.utils.data.TensorDataset(x, y), batch_size=4)
     ).train_tensors()
     as_pairs = make_job(train_data=lambda: [(x[i], int(y[i])) for i in range(12)], batch_size=4)
-    for pair in (as_tuple, as_callable, as_pairs.train_tensors()):
+    for pair in (as_tuple, as_callable, job_data(as_pairs).train_tensors()):
         assert torch.equal(pair.inputs, x) and torch.equal(pair.targets, y)
         assert pair.num_samples == 12
     # Loaded once, then cached.
-    assert as_pairs.train_tensors() is as_pairs.train_tensors()
+    assert job_data(as_pairs).train_tensors() is job_data(as_pairs).train_tensors()
 
 
 @pytest.mark.parametrize(
@@ -181,21 +182,21 @@ def test_data_forms_normalize_to_stacked_tensors() -> None:
 def test_bad_data_names_the_field(data: Any) -> None:
     job = make_job(train_data=data, eval_data=data)
     with pytest.raises(SpecError, match="'train_data'"):
-        job.train_tensors()
+        job_data(job).train_tensors()
     with pytest.raises(SpecError, match="'eval_data'"):
-        job.eval_tensors()
+        job_data(job).eval_tensors()
 
 
 def test_total_steps_from_epochs() -> None:
     # 40 samples, batch 8 -> 5 batches per epoch.
-    assert make_job(max_steps=None, epochs=3).total_steps() == 15
-    assert make_job(max_steps=7, epochs=3).total_steps() == 7
-    assert make_job(max_steps=None, epochs=3, grad_accum=2).total_steps() == 7
-    assert make_job(max_steps=100).total_steps() == 100
+    assert job_data(make_job(max_steps=None, epochs=3)).total_steps() == 15
+    assert job_data(make_job(max_steps=7, epochs=3)).total_steps() == 7
+    assert job_data(make_job(max_steps=None, epochs=3, grad_accum=2)).total_steps() == 7
+    assert job_data(make_job(max_steps=100)).total_steps() == 100
     with pytest.raises(SpecError, match="'batch_size'"):
-        make_job(max_steps=None, epochs=1, batch_size=48).total_steps()
+        job_data(make_job(max_steps=None, epochs=1, batch_size=48)).total_steps()
     with pytest.raises(SpecError, match="'epochs'"):
-        make_job(max_steps=None, epochs=1, grad_accum=6).total_steps()
+        job_data(make_job(max_steps=None, epochs=1, grad_accum=6)).total_steps()
 
 
 def test_data_stream_is_deterministic_and_resumable() -> None:
@@ -429,11 +430,11 @@ def write(tmp_path: Path, name: str, text: str) -> Path:
 
 def test_load_good_spec_and_example(tmp_path: Path) -> None:
     job = load_job(write(tmp_path, "good.py", GOOD_SPEC))
-    assert job.name == "tmp" and job.total_steps() == 4
+    assert job.name == "tmp" and job_data(job).total_steps() == 4
     example = load_job(EXAMPLE)
     assert example.name == "mlp" and example.stages == 2
-    example.train_tensors()
-    assert example.eval_tensors() is not None
+    job_data(example).train_tensors()
+    assert job_data(example).eval_tensors() is not None
 
 
 def test_load_make_job_and_sibling_import(tmp_path: Path) -> None:
@@ -584,8 +585,8 @@ def test_example_spec_trains_single_process() -> None:
     job = load_job(EXAMPLE)
     model = build_full_model(job)
     opt = job.optimizer(model.parameters())
-    data = job.train_tensors()
-    stream = job.train_stream()
+    data = job_data(job).train_tensors()
+    stream = job_data(job).train_stream()
     losses = []
     for step in range(60):
         idx = stream.indices(step)
@@ -604,11 +605,12 @@ def test_another_process_builds_the_same_weights_and_data(tmp_path: Path) -> Non
         f"""
         import torch
         from evtrain.spec import load_job
+        from evtrain.stages.job_data import job_data
         from evtrain.stages.partition import build_stage_module, partition
         job = load_job({str(EXAMPLE)!r})
         stage = build_stage_module(job, partition(job)[1])
-        torch.save({{"sd": stage.state_dict(), "idx": job.train_stream().indices(17),
-                    "x": job.train_tensors().inputs}}, {str(out)!r})
+        torch.save({{"sd": stage.state_dict(), "idx": job_data(job).train_stream().indices(17),
+                    "x": job_data(job).train_tensors().inputs}}, {str(out)!r})
         """
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
@@ -617,8 +619,8 @@ def test_another_process_builds_the_same_weights_and_data(tmp_path: Path) -> Non
     ours = build_full_model(job).state_dict()
     assert theirs["sd"].keys() <= ours.keys() and len(theirs["sd"]) == 4
     assert all(torch.equal(v, ours[k]) for k, v in theirs["sd"].items())
-    assert torch.equal(theirs["idx"], job.train_stream().indices(17))
-    assert torch.equal(theirs["x"], job.train_tensors().inputs)
+    assert torch.equal(theirs["idx"], job_data(job).train_stream().indices(17))
+    assert torch.equal(theirs["x"], job_data(job).train_tensors().inputs)
 
 
 def test_model_options_are_checked() -> None:
@@ -674,7 +676,7 @@ def test_scheduler_is_told_the_run_length_after_overrides() -> None:
         run = apply_overrides(job, overrides)
         model = nn.Linear(2, 2)
         optimizer = run.optimizer(model.parameters())
-        scheduler = run.build_scheduler(optimizer)
+        scheduler = job_data(run).build_scheduler(optimizer)
         assert scheduler is not None
         used = []
         for _ in range(steps):
@@ -686,7 +688,7 @@ def test_scheduler_is_told_the_run_length_after_overrides() -> None:
         lr_scheduler=functools.partial(torch.optim.lr_scheduler.StepLR, step_size=1)
     )
     optimizer = plain.optimizer(nn.Linear(2, 2).parameters())
-    assert isinstance(plain.build_scheduler(optimizer), torch.optim.lr_scheduler.StepLR)
+    assert isinstance(job_data(plain).build_scheduler(optimizer), torch.optim.lr_scheduler.StepLR)
 
 
 class Chain(nn.Module):

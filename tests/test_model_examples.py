@@ -26,6 +26,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from evtrain.job import Job
 from evtrain.stages.boundary import call
+from evtrain.stages.job_data import job_data
 from evtrain.stages.partition import (
     KeptItems,
     build_full_model,
@@ -423,10 +424,10 @@ def test_resnet_augments_by_random_crops_and_flips_drawn_from_the_seed(
 def test_resnet_job_reads_augmented_digits_through_the_data_loader(resnet: ModuleType) -> None:
     job = resnet.make_job()
     assert job.data_loader is not None and job.data_loader["num_workers"] == 2
-    train, evaluation = job.train_dataset(), job.eval_dataset()
+    train, evaluation = job_data(job).train_dataset(), job_data(job).eval_dataset()
     assert isinstance(train, resnet.Digits) and train.augment
     assert isinstance(evaluation, resnet.Digits) and not evaluation.augment
-    inputs, targets = job.example_batch(4)
+    inputs, targets = job_data(job).example_batch(4)
     assert inputs.shape == (4, 1, resnet.IMAGE_SIZE, resnet.IMAGE_SIZE)
     assert targets.shape == (4,) and targets.dtype == torch.int64
 

@@ -24,6 +24,7 @@ from launch_helpers import kill_marked, new_marker, run_launch, write_spec
 from safetensors.torch import load_file
 
 from evtrain.spec import apply_overrides, load_job
+from evtrain.stages.job_data import job_data
 from evtrain.stages.partition import build_full_model
 
 pytestmark = pytest.mark.slow
@@ -56,8 +57,8 @@ def reference(spec: Path) -> tuple[list[float], dict[str, torch.Tensor]]:
     job = apply_overrides(load_job(spec), {"stages": "1"})
     model = build_full_model(job)
     optimizer = job.optimizer(model.parameters())
-    inputs, targets = job.train_tensors()
-    stream = job.train_stream()
+    inputs, targets = job_data(job).train_tensors()
+    stream = job_data(job).train_stream()
     losses = []
     for step in range(1, job.max_steps + 1):
         index = stream.indices(step - 1)  # step k reads the batch of index k - 1

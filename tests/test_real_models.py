@@ -24,6 +24,7 @@ from evtrain.errors import SpecError
 from evtrain.job import Job
 from evtrain.spec import load_job
 from evtrain.stages.boundary import call, split, take
+from evtrain.stages.job_data import job_data
 from evtrain.stages.partition import build_full_model, partition, plan_split
 from evtrain.stages.precision import LossScaler, autocast
 
@@ -54,7 +55,7 @@ def reference(job: Job, steps: int) -> tuple[dict[str, torch.Tensor], list[bool]
     """
     model = build_full_model(job)
     optimizer = job.optimizer(model.parameters())
-    data = job.train_tensors()
+    data = job_data(job).train_tensors()
     stream = DataStream(data.num_samples, job.batch_size, job.seed)
     device = torch.device("cpu")
     scaler = LossScaler() if job.precision == "fp16" else None

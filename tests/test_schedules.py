@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from evtrain.errors import UsageError
+from evtrain.schedule_names import Schedule
 from evtrain.stages.instructions import (
     Backward,
     BackwardInput,
@@ -27,8 +28,6 @@ from evtrain.stages.instructions import (
     format_instructions,
 )
 from evtrain.stages.schedules import (
-    Schedule,
-    bubble_fraction,
     build_schedule,
     chunk_place,
     max_in_flight,
@@ -37,6 +36,7 @@ from evtrain.stages.schedules import (
 from evtrain.stages.simulator import (
     DeadlockError,
     ScheduleError,
+    bubble_fraction,
     simulate,
     simulate_programs,
 )

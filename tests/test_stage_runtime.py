@@ -54,6 +54,7 @@ from evtrain.events import (
     StopRun,
 )
 from evtrain.spec import apply_overrides, load_job
+from evtrain.stages.job_data import job_data
 from evtrain.stages.partition import build_full_model
 from evtrain.stages.worker import WorkerConfig
 
@@ -138,7 +139,7 @@ DRIVER = """
 import json, multiprocessing, sys, uuid
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from evtrain.bus.address import free_port_block
-from evtrain.stages.worker import worker_main
+from evtrain.stages.actor import worker_main
 
 if __name__ == "__main__":
     multiprocessing.set_forkserver_preload(["torch", "torch._dynamo", "evtrain.stages.actor"])
@@ -262,12 +263,12 @@ def reference_run(spec: Path, overrides: dict[str, str]) -> tuple[list[float], d
     model = build_full_model(job)
     optimizer = job.optimizer(model.parameters())
     scheduler = job.lr_scheduler(optimizer) if job.lr_scheduler else None
-    data = job.train_tensors()
-    stream = job.train_stream()
-    evaluation = job.eval_tensors()
+    data = job_data(job).train_tensors()
+    stream = job_data(job).train_stream()
+    evaluation = job_data(job).eval_tensors()
     losses: list[float] = []
     evals: dict[int, dict[str, float]] = {}
-    for step in range(1, job.total_steps() + 1):
+    for step in range(1, job_data(job).total_steps() + 1):
         total = 0.0
         for accum in range(job.grad_accum):
             idx = stream.indices(step - 1, accum)

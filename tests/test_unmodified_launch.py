@@ -18,9 +18,9 @@ from unmodified_models import Sentences, pad_batch
 from evtrain.checkpoint import latest_committed
 from evtrain.data import DataStream, eval_microbatches
 from evtrain.job import Job
-from evtrain.loading import split_sample
 from evtrain.spec import load_job
 from evtrain.stages.boundary import call, split
+from evtrain.stages.loading import split_sample
 from evtrain.stages.partition import build_full_model
 
 pytest.importorskip("transformers")

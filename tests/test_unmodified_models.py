@@ -23,6 +23,7 @@ from evtrain.errors import SpecError
 from evtrain.job import Job
 from evtrain.spec import load_job
 from evtrain.stages.boundary import StandInUsed, call, flatten, stand_in, unflatten
+from evtrain.stages.job_data import job_data
 from evtrain.stages.partition import (
     _model_costs,
     build_full_model,
@@ -49,7 +50,7 @@ def job_of(name: str, stages: int, **fields: Any) -> Job:
 
 
 def first_microbatch(job: Job) -> tuple[Any, Any]:
-    x, y = job.example_batch(job.microbatch_size)
+    x, y = job_data(job).example_batch(job.microbatch_size)
     return x, y
 
 

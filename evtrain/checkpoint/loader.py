@@ -35,6 +35,7 @@ from evtrain.checkpoint.state_tree import (
     _param_names,
     _restore_rng,
     _tensor_keys,
+    stage_aliases,
 )
 from evtrain.checkpoint.storage import (
     SHARD_RECORD_FILE,
@@ -269,8 +270,6 @@ def load_stage_shard(  # noqa: C901
     # A tied weight held here only under an alias loads from its canonical name.
     sources = {k: k for k in module.state_dict()}
     local = {name for name, _ in module.named_parameters(remove_duplicate=False)}
-    from evtrain.stages.partition import stage_aliases
-
     for alias, canonical in stage_aliases(module).items():
         if canonical not in local:
             sources[alias] = canonical

@@ -163,13 +163,28 @@ def _restore_rng(
         )
 
 
+# ------------------------------------------------------------------- tied weights
+
+_TIED_ALIASES = "tied_aliases"
+
+
+def set_stage_aliases(module: nn.Module, aliases: Mapping[str, str]) -> None:
+    """Record on a stage module which of its parameter names are aliases of a tied
+    weight (alias -> canonical name): checkpoints store a tied weight once, under
+    its canonical name."""
+    vars(module)[_TIED_ALIASES] = dict(aliases)
+
+
+def stage_aliases(module: nn.Module) -> dict[str, str]:
+    """A stage module's alias -> canonical names of tied weights (`set_stage_aliases`)."""
+    return dict(vars(module).get(_TIED_ALIASES, {}))
+
+
 # ------------------------------------------------------------------- the capture
 
 
 def _param_names(module: nn.Module) -> dict[int, str]:
     """Checkpoint name of each parameter: a tied weight has its canonical name."""
-    from evtrain.stages.partition import stage_aliases
-
     aliases = stage_aliases(module)
     return {
         id(p): aliases.get(name, name)
@@ -182,8 +197,6 @@ def _held_elsewhere(module: nn.Module) -> set[str]:
 
     Another stage saves their tensors and optimizer state, which equal ours.
     """
-    from evtrain.stages.partition import stage_aliases
-
     local = {name for name, _ in module.named_parameters(remove_duplicate=False)}
     return {c for c in stage_aliases(module).values() if c not in local}
 

@@ -197,6 +197,7 @@ def run_export(args: argparse.Namespace) -> int:
     # torch only now: mistakes above are reported without the import cost.
     from safetensors.torch import save_file
 
+    # lazy: torch loads when the command runs, not when the CLI is built
     from evtrain.checkpoint.loader import read_model_tensors
 
     tensors = read_model_tensors(path)
@@ -230,6 +231,7 @@ def _spec_of(ckpt: Path, given: str | None) -> Path | None:
         if not spec.is_file():
             raise UsageError(f"--spec: {spec} is not a file")
         return spec
+    # lazy: torch loads when the command runs, not when the CLI is built
     from evtrain.run_record import read_run_record
 
     for directory in ckpt.parents:
@@ -244,6 +246,7 @@ def _write_config(spec: Path | None, directory: Path) -> str:
     """Write the config.json of the spec's model, if it has one; what was done, in a line."""
     if spec is None:
         return "no config.json: the run's job spec is not found (give --spec FILE)"
+    # lazy: torch loads when the command runs, not when the CLI is built
     from evtrain.spec import load_job
     from evtrain.stages.partition import meta_model
 

@@ -60,11 +60,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Evaluate; returns the exit status."""
+    # lazy: torch loads when the command runs, not when the CLI is built
     from evtrain.launcher import Launcher, LaunchOptions
     from evtrain.spec import overrides_from_args
 
     spec = args.spec
     if spec is None:
+        # lazy: torch loads when the command runs, not when the CLI is built
         from evtrain.demo import SPEC_PATH
 
         spec = SPEC_PATH

@@ -20,6 +20,7 @@ class _LaunchParser(argparse.ArgumentParser):
 
     def _add_overrides(self) -> None:
         if not self._overrides_added:
+            # lazy: torch loads when the command runs, not when the CLI is built
             from evtrain.spec import add_override_arguments
 
             self._overrides_added = True
@@ -189,11 +190,13 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Launch the job; returns the exit status."""
+    # lazy: torch loads when the command runs, not when the CLI is built
     from evtrain.launcher import Launcher, LaunchOptions
     from evtrain.spec import overrides_from_args
 
     spec = getattr(args, "spec", None)
     if spec is None:
+        # lazy: torch loads when the command runs, not when the CLI is built
         from evtrain.demo import SPEC_PATH
 
         spec = SPEC_PATH

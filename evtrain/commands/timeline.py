@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from evtrain.errors import UsageError
+
 PNG_DEFAULT_STEPS = 3
 """Steps drawn by ``--png`` when ``--steps`` is not given (the last ones recorded)."""
 
@@ -43,7 +45,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Write the trace (and the PNG); print what was written and each stage's time shares."""
-    from evtrain.errors import UsageError
+    # lazy: torch loads when the command runs, not when the CLI is built
     from evtrain.timeline import (
         StepRange,
         filter_steps,

@@ -77,6 +77,7 @@ def bus_of_run_dir(run_dir: str) -> tuple[str, str | None]:
 
 def run(args: argparse.Namespace) -> int:
     """Resolve the bus, check it answers, show the dashboard until told to stop."""
+    # lazy: the console watcher loads when the command runs, not when the CLI is built
     from evtrain.top import MIN_INTERVAL_S, watch
 
     if not args.interval >= MIN_INTERVAL_S:

@@ -64,6 +64,7 @@ from evtrain.launcher.plan import LaunchPlan
 from evtrain.launcher.stop import ELASTIC_SHUTDOWN_S
 from evtrain.progress import RunConsole
 from evtrain.run_record import RUN_RECORD
+from evtrain.stages.worker import WorkerConfig
 
 __all__ = [
     "WORKER_FAILURE_GRACE_S",
@@ -196,8 +197,6 @@ def agent_config(
     bus: str,
 ) -> AgentConfig:
     """The elastic configuration of this node's worker group."""
-    from evtrain.stages.worker import WorkerConfig
-
     opts, job = options, plan.job
     overrides = {**opts.overrides, **plan.stage_overrides, **plan.purpose.worker_overrides(run_dir)}
     worker = WorkerConfig(

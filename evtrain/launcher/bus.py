@@ -50,6 +50,7 @@ from evtrain.bus.security import (
     load_client,
     load_server,
 )
+from evtrain.bus.state_service import ping_broker
 from evtrain.bus.subscriber import Subscriber
 from evtrain.errors import UsageError
 from evtrain.events import Heartbeat, Message, StopRun
@@ -131,8 +132,6 @@ class RunBus:
     def wait_for_broker(self) -> None:
         """Block until the external (or node 0's) broker answers; `UsageError` after
         ``bus_wait_s``."""
-        from evtrain.bus.state_service import ping_broker
-
         assert self.address is not None
         opts = self.options
         # One request: ZeroMQ keeps reconnecting until the broker is up, so a
@@ -226,8 +225,6 @@ class RunBus:
 
     async def answers(self) -> bool:
         """Whether the broker is alive (ours: its threads; another: it answers a ping)."""
-        from evtrain.bus.state_service import ping_broker
-
         if self.broker is not None:
             # Ours: nothing a client sends can stop it; only a dead proxy thread would.
             try:

@@ -29,7 +29,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from evtrain.checkpoint import (
+    CHECKPOINTS_DIR,
+    CheckpointError,
+    find_resume,
+    list_checkpoints,
+    read_manifest,
+)
 from evtrain.errors import SpecError, UsageError
+from evtrain.hooks.checkpoint import CheckpointHook
+from evtrain.hooks.early_stopping import EarlyStopping
+from evtrain.hooks.loader import build_hook_from_spec
 from evtrain.launcher.options import (
     EVAL_FILE,
     EXIT_OK,
@@ -41,6 +51,8 @@ from evtrain.launcher.options import (
     is_bus_owner,
 )
 from evtrain.run_record import EVALS_DIR, describe_run
+from evtrain.spec import apply_overrides, load_job
+from evtrain.stages.partition import plan_split
 
 if TYPE_CHECKING:
     from evtrain.stages.partition import SplitPlan
@@ -133,8 +145,6 @@ class Training(Purpose):
         return options.hooks and is_bus_owner(options)
 
     def checkpoint_to_load(self, options: LaunchOptions, job: Any) -> tuple[str | Path | None, str]:
-        from evtrain.checkpoint import list_checkpoints
-
         if options.resume == RESUME_AUTO:
             run_dir = Path(job.run_dir).expanduser()
             # Only a run directory without any committed (or damaged) checkpoint
@@ -218,8 +228,6 @@ class Evaluation(Purpose):
         return self.checkpoint, "--checkpoint"
 
     def own_dir(self, plan: LaunchPlan, run_id: str) -> Path:
-        from evtrain.checkpoint import CHECKPOINTS_DIR
-
         if self.eval_dir is not None:
             return Path(self.eval_dir)
         assert plan.resume_path is not None
@@ -289,9 +297,6 @@ def check_monitored_metric(job: Any, hook: Any) -> None:
     never arrive (a checkpoint hook would save no best checkpoint, early
     stopping would never stop), so it is a mistake in the spec.
     """
-    from evtrain.hooks.checkpoint import CheckpointHook
-    from evtrain.hooks.early_stopping import EarlyStopping
-
     if isinstance(hook, CheckpointHook):
         option, name = "best_metric", hook.best_metric
     elif isinstance(hook, EarlyStopping):
@@ -310,10 +315,6 @@ def check_monitored_metric(job: Any, hook: Any) -> None:
 
 def make_plan(options: LaunchOptions, purpose: Purpose) -> LaunchPlan:
     """Load and validate everything; `UsageError` / `SpecError` before anything starts."""
-    from evtrain.hooks.checkpoint import CheckpointHook
-    from evtrain.hooks.loader import build_hook_from_spec
-    from evtrain.spec import apply_overrides, load_job
-
     opts = options
     local_addr = check_options(opts)
     if opts.job is not None and opts.job_source is None:
@@ -328,8 +329,6 @@ def make_plan(options: LaunchOptions, purpose: Purpose) -> LaunchPlan:
     if job.device == "cuda":
         # SpecError when this node has fewer GPUs than workers (one per local rank).
         job.stage_device(job.world_size // opts.nnodes - 1)
-    from evtrain.stages.partition import plan_split
-
     plan = LaunchPlan(
         purpose=purpose,
         job=job,
@@ -351,8 +350,6 @@ def make_plan(options: LaunchOptions, purpose: Purpose) -> LaunchPlan:
 
 def _resolve_paths(plan: LaunchPlan, options: LaunchOptions) -> None:
     """The checkpoint and the weights the stages will load, or `UsageError`."""
-    from evtrain.checkpoint import CheckpointError, find_resume, read_manifest
-
     target, flag = plan.purpose.checkpoint_to_load(options, plan.job)
     if target is not None:
         try:

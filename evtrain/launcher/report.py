@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Literal, TextIO
 
 import structlog
 
+from evtrain.checkpoint import read_manifest
 from evtrain.events import RunEnded
 from evtrain.failures import RootCause
 from evtrain.launcher.bus import RunBus, curve_dir
@@ -206,8 +207,6 @@ class Report:
         They come from the last stage's report, not from the bus: exactly the
         floats the stage computed.
         """
-        from evtrain.checkpoint import read_manifest
-
         job, plan, say = self.plan.job, self.plan, self.console.say
         assert plan.resume_path is not None
         # Replica 0 of the last stage evaluates (stage reports are by global rank).

@@ -48,6 +48,7 @@ from typing import Any
 
 import anyio
 
+from evtrain.checkpoint import latest_committed
 from evtrain.elastic_agent import AgentReport, AttemptReport
 from evtrain.events import RunEnded, StageFailed
 from evtrain.failures import (
@@ -359,8 +360,6 @@ class BusWatch:
         back = f" (back at step {loss.back_at_step})" if loss.back_at_step is not None else ""
         line = f"the bus was lost at step {loss.step}{back}: hooks got no events after it"
         if checkpointing:
-            from evtrain.checkpoint import latest_committed
-
             assert run_dir is not None
             latest = latest_committed(run_dir)
             committed = f"latest committed: step {latest.step}" if latest else "none committed"

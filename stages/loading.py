@@ -5,7 +5,7 @@ last stage the targets; the others never open the data set (they learn its
 size only). Both readers give the same batches for the same indices:
 
 * `MemoryReader` — the simple case: the data set stacked in memory
-  (`evtrain.job.TensorPair`), rows gathered by index.
+  (`evtrain.stages.job_data.TensorPair`), rows gathered by index.
 * `LoaderReader` — a map-style data set read by a `torch.utils.data.DataLoader`
   (worker processes, a collate function, prefetching) whose batch sampler
   yields exactly `evtrain.data.DataStream`'s batches from a given batch on.
@@ -29,17 +29,20 @@ from __future__ import annotations
 import itertools
 import random
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, default_collate
 
 from evtrain.data import DataStream, derive_seed
 from evtrain.errors import SpecError
+from evtrain.stages.boundary import map_tensors, take
+
+if TYPE_CHECKING:
+    from evtrain.stages.job_data import JobData
 
 __all__ = [
-    "LOADER_OPTIONS",
     "LoaderReader",
     "MemoryReader",
     "Reader",
@@ -51,21 +54,6 @@ __all__ = [
 ]
 
 log = structlog.get_logger()
-
-LOADER_OPTIONS: frozenset[str] = frozenset(
-    {
-        "num_workers",
-        "collate_fn",
-        "pin_memory",
-        "prefetch_factor",
-        "persistent_workers",
-        "multiprocessing_context",
-        "timeout",
-        "in_order",
-    }
-)
-"""`torch.utils.data.DataLoader` options a job may set (`Job.data_loader`); the batch
-order, batch size and shuffling are evtrain's."""
 
 
 def split_sample(
@@ -154,8 +142,6 @@ class Reader:
         raise NotImplementedError
 
     def _keep(self, inputs: Any, targets: Any) -> tuple[Any, Any]:
-        from evtrain.stages.boundary import map_tensors
-
         def move(value: Any) -> Any:
             return map_tensors(lambda t: t.to(self.device, non_blocking=True), value)
 
@@ -166,7 +152,7 @@ class Reader:
 
 
 class MemoryReader(Reader):
-    """Rows of stacked tensors (`evtrain.job.TensorPair`)."""
+    """Rows of stacked tensors (`evtrain.stages.job_data.TensorPair`)."""
 
     def __init__(
         self,
@@ -186,8 +172,6 @@ class MemoryReader(Reader):
         self.stream = stream
 
     def batch(self, batch_index: int) -> tuple[Any, Any]:
-        from evtrain.stages.boundary import take
-
         assert self.stream is not None
         indices = self.stream.batch(batch_index)
         indices = indices[self._share(len(indices))]
@@ -198,8 +182,6 @@ class MemoryReader(Reader):
         )
 
     def rows(self, rows: range) -> tuple[Any, Any]:
-        from evtrain.stages.boundary import map_tensors
-
         def cut(value: Any) -> Any:
             return map_tensors(lambda t: t[rows.start : rows.stop], value)
 
@@ -446,8 +428,6 @@ class StreamReader(Reader):
         if self.replicas > 1:
             # Every replica reads the whole stream (it has no index to skip by)
             # and keeps its share.
-            from evtrain.stages.boundary import map_tensors
-
             rows = self._share(self.batch_size)
             batch = map_tensors(lambda t: t[rows], batch)
         return self._keep(*split_sample(batch, self.input_keys, self.target_keys))
@@ -456,13 +436,20 @@ class StreamReader(Reader):
         raise TypeError("an iterable data set is not evaluated")
 
 
-def first_streamed(job: Any, n: int) -> tuple[Any, Any]:
-    """The first ``n`` samples of an iterable training set (read without workers)."""
-    from torch.utils.data import default_collate
+def first_streamed(
+    dataset: IterableDataset[Any],
+    n: int,
+    seed: int,
+    collate_fn: Callable[[list[Any]], Any] | None,
+    input_keys: str | Sequence[str] | None,
+    target_keys: str | Sequence[str] | None,
+) -> tuple[Any, Any]:
+    """The first ``n`` samples of an iterable data set collated, as (inputs, targets).
 
-    collate = job.data_loader.get("collate_fn") or default_collate
-    samples = list(itertools.islice(_OwnRng(iter(job.train_dataset()), job.seed), n))
-    return split_sample(collate(samples), job.input_keys, job.target_keys)
+    Read without workers, under a random state of their own (`_OwnRng`).
+    """
+    samples = list(itertools.islice(_OwnRng(iter(dataset), seed), n))
+    return split_sample((collate_fn or default_collate)(samples), input_keys, target_keys)
 
 
 def first_samples(
@@ -477,8 +464,6 @@ def first_samples(
 
     Read seeded, like every other read, so the caller's random streams stay put.
     """
-    from torch.utils.data import default_collate
-
     collate = collate_fn or default_collate
     seeded = _SeededSamples(dataset, seed, "example")
     batch = [seeded[(0, i)] for i in range(min(n, len(dataset)))]
@@ -486,7 +471,7 @@ def first_samples(
 
 
 def make_reader(
-    job: Any,
+    data: JobData,
     kind: str,
     first: bool,
     last: bool,
@@ -506,13 +491,14 @@ def make_reader(
     """
     if not (first or last):
         return None
+    job = data.job
     share: dict[str, int] = (
         {"replica": replica, "replicas": job.data_parallel} if kind == "train" else {}
     )
     if job.data_loader is None:
-        pair = job.train_tensors() if kind == "train" else job.eval_tensors(eval_set)
+        pair = data.train_tensors() if kind == "train" else data.eval_tensors(eval_set)
         return MemoryReader(pair, inputs=first, targets=last, device=device, stream=stream, **share)
-    dataset = job.train_dataset() if kind == "train" else job.eval_dataset(eval_set)
+    dataset = data.train_dataset() if kind == "train" else data.eval_dataset(eval_set)
     common: dict[str, Any] = dict(
         seed=job.seed,
         options=job.data_loader,
