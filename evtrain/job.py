@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -46,23 +45,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from evtrain.errors import SpecError, UsageError
-from evtrain.schedule_names import Schedule, check_virtual_stages
+from evtrain.errors import SpecError
+from evtrain.job_checks import MetricFactory, check_job, is_int, named_eval_sets
 
 __all__ = [
-    "BALANCE_MODES",
-    "DEVICES",
-    "LOADER_OPTIONS",
-    "PRECISIONS",
-    "SCHEDULES",
-    "SPAN_MODES",
     "Job",
-    "MetricFactory",
     "accuracy",
-    "is_metric_object",
     "layer",
     "metric",
-    "named_eval_sets",
 ]
 
 LayerFactory = Callable[[], nn.Module]
@@ -82,39 +72,6 @@ tensors by key; or a zero-argument callable returning one of those, or a
 map-style dataset of ``(input, target)`` pairs (of dicts, with `Job.input_keys`)."""
 
 
-SCHEDULES: tuple[str, ...] = tuple(s.value for s in Schedule)
-"""Pipeline schedule names (``"gpipe"``, ``"1f1b"``, ``"zb"``, ``"interleaved"``, ``"zbv"``)."""
-
-PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
-"""Values of `Job.precision`."""
-
-BALANCE_MODES: tuple[str, ...] = ("params", "compute")
-"""Automatic `Job.balance` modes."""
-
-SPAN_MODES: tuple[str, ...] = ("all", "sampled", "off")
-"""Values of `Job.microbatch_spans`."""
-
-DEVICES: tuple[str, ...] = ("cpu", "cuda")
-"""Values of `Job.device`."""
-
-LOADER_OPTIONS: frozenset[str] = frozenset(
-    {
-        "num_workers",
-        "collate_fn",
-        "pin_memory",
-        "prefetch_factor",
-        "persistent_workers",
-        "multiprocessing_context",
-        "timeout",
-        "in_order",
-    }
-)
-"""`torch.utils.data.DataLoader` options a job may set (`Job.data_loader`); the batch
-order, batch size and shuffling are evtrain's."""
-
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-
-
 def layer(cls: Callable[..., nn.Module], /, *args: Any, **kwargs: Any) -> LayerFactory:
     """A factory for one layer: ``layer(nn.Linear, 4, 8)()`` builds ``nn.Linear(4, 8)``.
 
@@ -132,11 +89,6 @@ def accuracy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return (output.argmax(dim=-1) == target).float().mean()
 
 
-class MetricFactory(functools.partial[Any]):
-    """A factory of a metric object, as `metric` makes it: called once per evaluation set
-    on the last stage, so no two sets (and no two processes) share one object's state."""
-
-
 def metric(factory: Callable[..., Any], /, *args: Any, **kwargs: Any) -> MetricFactory:
     """A metric object built where it is used: ``metric(torchmetrics.F1Score, task=...)``.
 
@@ -146,48 +98,6 @@ def metric(factory: Callable[..., Any], /, *args: Any, **kwargs: Any) -> MetricF
     every process that loads the spec.
     """
     return MetricFactory(factory, *args, **kwargs)
-
-
-def is_metric_object(value: object) -> bool:
-    """Whether ``value`` accumulates over a whole evaluation: ``update``/``compute``/``reset``."""
-    return not isinstance(value, type) and all(
-        callable(getattr(value, name, None)) for name in ("update", "compute", "reset")
-    )
-
-
-def _takes_output_and_target(fn: Callable[..., Any]) -> bool:
-    import inspect
-
-    try:
-        inspect.signature(fn).bind(None, None)
-    except TypeError:
-        return False
-    except ValueError:  # a builtin without a signature: nothing to check
-        return True
-    return True
-
-
-def named_eval_sets(value: object) -> bool:
-    """Whether `Job.eval_data` ``value`` names several sets (a dict of data sources).
-
-    A dict of stacked tensors by key (`Job.input_keys`) is one set; a dict
-    whose values are not tensors maps set names to data sources.
-    """
-    return isinstance(value, Mapping) and not any(
-        isinstance(v, torch.Tensor) for v in value.values()
-    )
-
-
-def _is_int(value: object) -> bool:
-    # bool is an int subclass; `stages=True` is a bug, not a count.
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check_int(field: str, value: object, *, minimum: int, optional: bool = False) -> None:
-    if value is None and optional:
-        return
-    if not _is_int(value) or value < minimum:  # type: ignore[operator]
-        raise SpecError(field, f"expected an integer >= {minimum}, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
@@ -446,143 +356,18 @@ class Job:
             put("schedule", self.schedule.lower())
         if isinstance(self.name, str) and isinstance(self.run_dir, str | Path):
             put("run_dir", Path(str(self.run_dir).replace("{name}", self.name)))
-        if _is_int(self.grad_clip):
+        if is_int(self.grad_clip):
             put("grad_clip", float(self.grad_clip))  # type: ignore[arg-type]
         self.validate()
 
     # ------------------------------------------------------------------ checks
 
     def validate(self) -> None:
-        """Check every field; raise `SpecError` naming the first bad one.
-
-        Cheap: does not load data (`evtrain.stages.job_data.JobData` checks the
-        data, and `batch_size` against the data set's size, when it loads it).
-        """
-        if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
-            raise SpecError(
-                "name", f"expected letters, digits, '.', '_' or '-' (no spaces), got {self.name!r}"
-            )
-        self._validate_layers()
-        if self.loss_fn is not None and not callable(self.loss_fn):
-            raise SpecError(
-                "loss_fn",
-                f"expected a callable (output, target) -> loss, or None, got {self.loss_fn!r}",
-            )
-        if not callable(self.optimizer) or isinstance(self.optimizer, torch.optim.Optimizer):
-            raise SpecError(
-                "optimizer",
-                "expected a factory params -> Optimizer, e.g. "
-                f"functools.partial(torch.optim.SGD, lr=0.1); got {self.optimizer!r}",
-            )
-        if self.lr_scheduler is not None and not callable(self.lr_scheduler):
-            raise SpecError(
-                "lr_scheduler",
-                f"expected a factory optimizer -> LRScheduler, got {self.lr_scheduler!r}",
-            )
-        if self.train_data is None:
-            raise SpecError("train_data", "is required")
-        _check_int("batch_size", self.batch_size, minimum=1)
-        _check_int("num_microbatches", self.num_microbatches, minimum=1)
-        if self.batch_size % self.num_microbatches:
-            raise SpecError(
-                "num_microbatches",
-                f"{self.num_microbatches} does not divide batch_size {self.batch_size}",
-            )
-        _check_int("data_parallel", self.data_parallel, minimum=1)
-        if self.batch_size % (self.num_microbatches * self.data_parallel):
-            raise SpecError(
-                "data_parallel",
-                f"batch_size {self.batch_size} does not split into {self.data_parallel} "
-                f"replicas x {self.num_microbatches} microbatches",
-            )
-        _check_int("max_steps", self.max_steps, minimum=1, optional=True)
-        _check_int("epochs", self.epochs, minimum=1, optional=True)
-        if self.max_steps is None and self.epochs is None:
-            raise SpecError("max_steps", "set max_steps or epochs (or both)")
-        _check_int("eval_batch_size", self.eval_batch_size, minimum=1, optional=True)
-        if self.effective_eval_batch_size % self.num_microbatches:
-            raise SpecError(
-                "eval_batch_size",
-                f"{self.effective_eval_batch_size} is not a multiple of "
-                f"num_microbatches {self.num_microbatches}",
-            )
-        _check_int("eval_every", self.eval_every, minimum=1, optional=True)
-        if self.eval_every is not None and self.eval_data is None:
-            raise SpecError("eval_every", "is set but eval_data is not")
-        self._validate_metrics()
-        self._validate_eval_data()
-        self._validate_data_loader()
-        if self.grad_clip is not None and (
-            not isinstance(self.grad_clip, float) or not self.grad_clip > 0
-        ):
-            raise SpecError("grad_clip", f"expected a number > 0 or None, got {self.grad_clip!r}")
-        _check_int("grad_accum", self.grad_accum, minimum=1)
-        _check_int("seed", self.seed, minimum=0)
-        if not isinstance(self.run_dir, Path) or str(self.run_dir) in ("", "."):
-            raise SpecError("run_dir", f"expected a directory path, got {self.run_dir!r}")
-        _check_int("stages", self.stages, minimum=1)
-        _check_int("virtual_stages", self.virtual_stages, minimum=1)
-        if self.schedule not in SCHEDULES:
-            raise SpecError(
-                "schedule",
-                f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}",
-            )
-        self._validate_virtual_stages()
-        if self.layers is not None and self.num_chunks > len(self.layers):
-            what = "stages" if self.virtual_stages == 1 else "model chunks"
-            raise SpecError(
-                "stages" if self.virtual_stages == 1 else "virtual_stages",
-                f"{self.num_chunks} {what} but only {len(self.layers)} layers to place",
-            )
-        self._validate_balance()
-        self._validate_model_options()
-        if self.device not in DEVICES:
-            hint = (
-                "; use 'cuda': each stage takes cuda:{local_rank}"
-                if isinstance(self.device, str) and self.device.startswith("cuda:")
-                else ""
-            )
-            raise SpecError(
-                "device", f"expected one of {', '.join(DEVICES)}, got {self.device!r}{hint}"
-            )
-        self._validate_hooks()
-        if self.microbatch_spans not in SPAN_MODES:
-            raise SpecError(
-                "microbatch_spans",
-                f"expected one of {', '.join(SPAN_MODES)}, got {self.microbatch_spans!r}",
-            )
-        _check_int("threads", self.threads, minimum=1, optional=True)
-
-    def _validate_layers(self) -> None:
-        if (self.layers is None) == (self.model is None):
-            raise SpecError(
-                "layers",
-                "give either layers (one factory per layer) or model (a factory of the whole "
-                "model, split by module name)" + (", not both" if self.layers is not None else ""),
-            )
-        if self.model is not None:
-            if not callable(self.model):
-                raise SpecError("model", f"expected a zero-argument factory, got {self.model!r}")
-            return
-        if not isinstance(self.layers, tuple) or not self.layers:
-            raise SpecError("layers", "expected a non-empty list of layer factories")
-        for i, factory in enumerate(self.layers):
-            if isinstance(factory, nn.Module):
-                raise SpecError(
-                    "layers",
-                    f"layer {i} is an nn.Module instance; give a factory instead, e.g. "
-                    f"layer({type(factory).__name__}, ...), so only its stage builds it",
-                )
-            if not callable(factory):
-                raise SpecError("layers", f"layer {i} is not callable: {factory!r}")
-
-    def _validate_virtual_stages(self) -> None:
-        try:
-            check_virtual_stages(
-                self.schedule, self.stages, self.num_microbatches, self.virtual_stages
-            )
-        except UsageError as exc:
-            raise SpecError("virtual_stages", str(exc)) from None
+        """Check every field; raise `SpecError` naming the first bad one
+        (`evtrain.job_checks`). Cheap: does not load data (`evtrain.stages.job_data`
+        checks the data, and `batch_size` against the data set's size, when it
+        loads it)."""
+        check_job(self)
 
     def loss(self, output: Any, target: Any) -> torch.Tensor:
         """The microbatch's loss: `loss_fn`, or the one the model returned."""
@@ -605,196 +390,6 @@ class Job:
     def num_chunks(self) -> int:
         """Model chunks: ``stages * virtual_stages`` (the units are split into these)."""
         return self.stages * self.virtual_stages
-
-    def _validate_balance(self) -> None:
-        if self.balance is None:
-            return
-        if isinstance(self.balance, str):
-            if self.balance not in BALANCE_MODES:
-                raise SpecError(
-                    "balance",
-                    f"expected a list of sizes or one of {', '.join(BALANCE_MODES)}, "
-                    f"got {self.balance!r}",
-                )
-            return
-        if not isinstance(self.balance, tuple) or not all(_is_int(b) for b in self.balance):
-            raise SpecError("balance", f"expected a list of integers, got {self.balance!r}")
-        if len(self.balance) != self.num_chunks:
-            per = "stages is" if self.virtual_stages == 1 else "stages x virtual_stages is"
-            raise SpecError(
-                "balance", f"has {len(self.balance)} entries but {per} {self.num_chunks}"
-            )
-        if any(b < 1 for b in self.balance):
-            raise SpecError(
-                "balance", f"every stage needs at least one layer, got {list(self.balance)}"
-            )
-        if self.layers is not None and sum(self.balance) != len(self.layers):
-            raise SpecError(
-                "balance",
-                f"{list(self.balance)} places {sum(self.balance)} layers but there are "
-                f"{len(self.layers)}",
-            )
-
-    def _validate_model_options(self) -> None:
-        if self.pruned_forward is not False and (
-            self.model is None or not isinstance(self.pruned_forward, bool)
-        ):
-            raise SpecError("pruned_forward", "expected True or False, with model=")
-        if self.split_points is not None:
-            if self.model is None:
-                raise SpecError("split_points", "applies to model=, not to layers=")
-            points = self.split_points
-            if not isinstance(points, tuple) or not all(isinstance(p, str) and p for p in points):
-                raise SpecError("split_points", f"expected module names, got {points!r}")
-            if len(points) != self.stages - 1:
-                raise SpecError(
-                    "split_points",
-                    f"{len(points)} split point(s) make {len(points) + 1} stages, but stages "
-                    f"is {self.stages}",
-                )
-            if len(set(points)) != len(points):
-                raise SpecError("split_points", f"names a module twice: {list(points)}")
-            if self.balance is not None:
-                raise SpecError("balance", "give split_points or balance, not both")
-        if not isinstance(self.tied, tuple) or not all(
-            isinstance(g, tuple) and len(g) >= 2 and all(isinstance(n, str) and n for n in g)
-            for g in self.tied
-        ):
-            raise SpecError(
-                "tied",
-                f"expected groups of two or more parameter names, got {self.tied!r}",
-            )
-        names = [n for g in self.tied for n in g]
-        if len(set(names)) != len(names):
-            raise SpecError("tied", "a parameter name appears in more than one place")
-        if (self.input_keys is None) != (self.target_keys is None):
-            raise SpecError(
-                "input_keys" if self.input_keys is None else "target_keys",
-                "dict samples need both input_keys and target_keys",
-            )
-        for field in ("input_keys", "target_keys"):
-            keys = getattr(self, field)
-            if keys is None or (isinstance(keys, str) and keys):
-                continue
-            if (
-                not isinstance(keys, tuple)
-                or not keys
-                or not all(isinstance(k, str) and k for k in keys)
-            ):
-                raise SpecError(field, f"expected a key or a tuple of keys, got {keys!r}")
-        if self.precision not in PRECISIONS:
-            raise SpecError(
-                "precision",
-                f"expected one of {', '.join(PRECISIONS)}, got {self.precision!r}",
-            )
-        if not isinstance(self.activation_checkpointing, bool):
-            raise SpecError(
-                "activation_checkpointing",
-                f"expected True or False, got {self.activation_checkpointing!r}",
-            )
-        if not isinstance(self.compile, bool | Mapping) or (
-            isinstance(self.compile, Mapping) and not all(isinstance(k, str) for k in self.compile)
-        ):
-            raise SpecError(
-                "compile",
-                f"expected True, False or a dict of torch.compile options, got {self.compile!r}",
-            )
-        if (
-            self.activation_checkpointing
-            and isinstance(self.compile, Mapping)
-            and self.compile.get("backend") == "eager"
-        ):
-            raise SpecError(
-                "compile",
-                "the 'eager' backend does not recompute checkpointed layers faithfully; "
-                "use backend 'aot_eager' with activation_checkpointing",
-            )
-
-    def _validate_data_loader(self) -> None:
-        if self.data_loader is None:
-            return
-        if not isinstance(self.data_loader, dict):
-            raise SpecError(
-                "data_loader", f"expected a dict of DataLoader options, got {self.data_loader!r}"
-            )
-        bad = sorted(set(self.data_loader) - LOADER_OPTIONS)
-        if bad:
-            raise SpecError(
-                "data_loader",
-                f"{', '.join(map(repr, bad))} cannot be set (batches, their size and order are "
-                f"evtrain's); allowed: {', '.join(sorted(LOADER_OPTIONS))}",
-            )
-
-    def _validate_metrics(self) -> None:
-        if not isinstance(self.metrics, dict):
-            raise SpecError(
-                "metrics", f"expected a dict name -> fn(output, target), got {self.metrics!r}"
-            )
-        for key, fn in self.metrics.items():
-            if not isinstance(key, str) or not key:
-                raise SpecError("metrics", f"metric names must be non-empty strings, got {key!r}")
-            if key == "loss":
-                raise SpecError("metrics", "'loss' is always reported; use another name")
-            if isinstance(fn, type):
-                name = fn.__name__
-                raise SpecError(
-                    "metrics",
-                    f"metric {key!r} is the class {name}; give an instance, {name}(...), or "
-                    f"metric({name}, ...)",
-                )
-            if isinstance(fn, MetricFactory) or is_metric_object(fn):
-                continue
-            methods = ("update", "compute", "reset")
-            missing = [m for m in methods if not callable(getattr(fn, m, None))]
-            if len(missing) < 3:
-                raise SpecError(
-                    "metrics",
-                    f"metric {key!r} has no {'/'.join(f'{m}()' for m in missing)}; a metric "
-                    "object needs update(output, target), compute() and reset()",
-                )
-            if not callable(fn):
-                raise SpecError("metrics", f"metric {key!r} is not callable: {fn!r}")
-            if not _takes_output_and_target(fn):
-                raise SpecError(
-                    "metrics",
-                    f"metric {key!r} cannot be called as fn(output, target); a factory of a "
-                    "metric object is given as metric(factory, ...)",
-                )
-        if self.eval_weight is not None and not callable(self.eval_weight):
-            raise SpecError(
-                "eval_weight", f"expected a callable target -> count, got {self.eval_weight!r}"
-            )
-
-    def _validate_eval_data(self) -> None:
-        sets = self.eval_data
-        if not named_eval_sets(sets):
-            return
-        assert isinstance(sets, Mapping)
-        if not sets:
-            raise SpecError("eval_data", "an empty dict names no evaluation set")
-        for name, source in sets.items():
-            if not isinstance(name, str) or not _NAME_RE.match(name):
-                raise SpecError(
-                    "eval_data",
-                    f"set names are letters, digits, '.', '_' or '-' (they prefix the "
-                    f"metric names, as in 'val/loss'); got {name!r}",
-                )
-            if source is None:
-                raise SpecError("eval_data", f"set {name!r} has no data")
-
-    def _validate_hooks(self) -> None:
-        if not isinstance(self.hooks, tuple):
-            raise SpecError("hooks", f"expected a list of hook specs, got {self.hooks!r}")
-        for i, hook in enumerate(self.hooks):
-            if not isinstance(hook, Mapping):
-                raise SpecError(
-                    "hooks", f"hook {i} must be a dict like dict(type='logging'), got {hook!r}"
-                )
-            kind = hook.get("type")
-            if not isinstance(kind, str) or not kind:
-                raise SpecError("hooks", f"hook {i} needs a string 'type', got {hook!r}")
-            if not all(isinstance(k, str) for k in hook):
-                raise SpecError("hooks", f"hook {i} has non-string keys: {hook!r}")
 
     # ----------------------------------------------------------------- copies
 

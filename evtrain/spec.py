@@ -33,7 +33,8 @@ from typing import Any
 import structlog
 
 from evtrain.errors import SpecError, UsageError
-from evtrain.job import SCHEDULES, SPAN_MODES, Job
+from evtrain.job import Job
+from evtrain.job_checks import SCHEDULES, SPAN_MODES
 
 __all__ = [
     "OVERRIDES",

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from evtrain.job import Job, MetricFactory, is_metric_object
+from evtrain.job import Job
+from evtrain.job_checks import MetricFactory, is_metric_object
 from evtrain.stages.loading import Reader
 
 __all__ = ["EvalSet", "EvalStats", "EvalTally", "MetricObjects"]
