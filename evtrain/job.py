@@ -118,7 +118,7 @@ class Job:
 
     The model is the chain of the layers; a stage builds only its own slice.
     A layer passes the next one any pytree of tensors, by the calling
-    convention of `evtrain.stages.boundary` (a tuple becomes positional
+    convention of `evtrain.stages.pytree` (a tuple becomes positional
     arguments, a dict keyword arguments). Factories are called with the CPU
     RNG seeded from (`seed`, layer index), so the initial weights do not
     depend on the partition."""

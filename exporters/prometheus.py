@@ -6,56 +6,12 @@ events and serves it with prometheus-client's `start_http_server` on ``addr``
 port is logged and written to ``RUN_DIR/prometheus.port`` (or
 ``DIR/prometheus.port`` with the ``dir`` option) so tools and tests find it.
 
-Naming follows the Prometheus conventions: ``evtrain_`` prefix, base units
-(seconds, bytes, ratios), ``_total`` for counters, and only bounded labels:
-``stage`` and ``replica`` (pipeline stages and their data-parallel replicas),
+The metrics and their meanings are declared in
+`evtrain.exporters.prometheus_catalogue` (and listed in docs/reference.md).
+Labels are bounded: ``stage`` and ``replica`` (one series per stage process),
 ``metric`` (eval or reported metric names, capped at `MAX_LABEL_VALUES`),
 ``set`` (named eval sets, capped alike), ``source``/``observer`` (bus
 processes), ``hook``, ``status`` — never a step number or run id.
-
-==========================================  =======  ===================================
-metric                                      type     meaning
-==========================================  =======  ===================================
-evtrain_steps_total                         counter  optimizer steps finished
-evtrain_samples_total                       counter  training samples consumed
-evtrain_steps_done                          gauge    steps done in the run (incl. resumed)
-evtrain_run_max_steps                       gauge    the run's ``max_steps``
-evtrain_run_stages                          gauge    pipeline stages of the run
-evtrain_run_running                         gauge    1 between run.started and run.ended
-evtrain_run_start_time_seconds              gauge    wall clock the run started
-evtrain_runs_ended_total{status}            counter  runs ended: completed/stopped/failed
-evtrain_loss                                gauge    training loss of the last step
-evtrain_grad_norm                           gauge    gradient norm of the last step
-evtrain_learning_rate{stage}                gauge    learning rate of the last step
-evtrain_step_metric{metric}                 gauge    values reported with evtrain.report
-evtrain_step_duration_seconds{stage}        histo    step time per stage
-evtrain_forward_seconds_total{stage}        counter  time in forward computation
-evtrain_backward_seconds_total{stage}       counter  time in backward computation
-evtrain_comm_wait_seconds_total{stage}      counter  time blocked on p2p communication
-evtrain_bubble_ratio{stage}                 gauge    comm wait / step time, last ``window`` steps
-evtrain_peak_memory_bytes{stage}            gauge    peak memory the stage reported
-evtrain_evals_total                         counter  evaluations finished
-evtrain_eval_metric{set,metric}             gauge    latest eval results (loss, accuracy...)
-evtrain_eval_duration_seconds               gauge    duration of the latest evaluation
-evtrain_eval_last_step                      gauge    steps done at the latest evaluation
-evtrain_checkpoints_total                   counter  checkpoints committed
-evtrain_checkpoint_failures_total           counter  checkpoint shards that failed
-evtrain_checkpoint_duration_seconds         histo    request-to-commit time of checkpoints
-evtrain_checkpoint_last_step                gauge    steps done at the last committed checkpoint
-evtrain_checkpoint_size_bytes               gauge    size of the last committed checkpoint
-evtrain_checkpoint_blocked_seconds_total    counter  training time checkpoint saves blocked
-evtrain_events_dropped_total{source}        counter  events a publisher dropped (queue full)
-evtrain_events_missing_total{source,        counter  sequence gaps: events of ``source`` that
-  observer}                                          subscriber ``observer`` never received
-evtrain_hook_errors_total{hook}             counter  hook handlers that raised
-evtrain_stage_up{stage}                     gauge    1 while the stage is alive (see below)
-evtrain_stage_last_seen_timestamp_seconds   gauge    wall clock of the stage's latest event
-evtrain_stage_failures_total{stage}         counter  stage failures
-==========================================  =======  ===================================
-
-``{stage}`` stands for two labels: every per-stage series (the checkpoint
-blocked time and the stage's last seen time too) has ``stage`` and
-``replica``, one series per stage process.
 
 Data parallelism: a run of P stages x D replicas (``RunStarted.data_parallel``)
 has P x D stage processes, each with its own series; a run without replicas
@@ -117,7 +73,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.metrics_core import Metric
 
 from evtrain.bus.sequence import MAX_GAP
@@ -141,6 +97,7 @@ from evtrain.events import (
     StageStopped,
     StepEnded,
 )
+from evtrain.exporters.prometheus_catalogue import Metrics
 from evtrain.hooks.formatting import safe_text
 from evtrain.hooks.hook import Hook, on
 from evtrain.hooks.options import float_option, int_option, path_option, str_option
@@ -166,11 +123,6 @@ MAX_LINGER = 30.0
 _SERVE_GRACE = 0.2
 """Seconds to let the last scrape's response leave after it was collected."""
 RUN_STATUSES: tuple[str, ...] = typing.get_args(typing.get_type_hints(RunEnded)["status"])
-
-STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-STAGE_LABELS = ("stage", "replica")
-"""The labels of every per-stage series: one series per stage process."""
-CHECKPOINT_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
 class _StageLiveness:
@@ -330,134 +282,9 @@ class PrometheusExporter(Hook):
         self._places: set[Place] = set()
         """(stage, replica) pairs with series."""
         self.not_counted = RateLimitedLog(self.log, "event values not counted")
-        self._define_metrics()
-
-    # -- metric definitions -----------------------------------------------------
-
-    def _define_metrics(self) -> None:
-        r = self.registry
-        self.steps = Counter("evtrain_steps", "Optimizer steps finished.", registry=r)
-        self.samples = Counter("evtrain_samples", "Training samples consumed.", registry=r)
-        self.steps_done = Gauge(
-            "evtrain_steps_done", "Steps done in the run, counting resumed ones.", registry=r
-        )
-        self.max_steps = Gauge("evtrain_run_max_steps", "The run's max_steps.", registry=r)
-        self.num_stages = Gauge("evtrain_run_stages", "Pipeline stages of the run.", registry=r)
-        self.running = Gauge(
-            "evtrain_run_running", "1 between run.started and run.ended, else 0.", registry=r
-        )
-        self.start_time = Gauge(
-            "evtrain_run_start_time_seconds", "Unix time the run started.", registry=r
-        )
-        self.runs_ended = Counter(
-            "evtrain_runs_ended", "Runs that ended, by status.", ["status"], registry=r
-        )
+        self.m = Metrics(self.registry)
         for status in RUN_STATUSES:
-            self.runs_ended.labels(status)
-        self.loss = Gauge("evtrain_loss", "Training loss of the latest step.", registry=r)
-        self.grad_norm = Gauge("evtrain_grad_norm", "Gradient norm of the latest step.", registry=r)
-        self.lr = Gauge(
-            "evtrain_learning_rate", "Learning rate of the latest step.", STAGE_LABELS, registry=r
-        )
-        self.step_metric = Gauge(
-            "evtrain_step_metric",
-            "Latest values reported with evtrain.report during a step.",
-            ["metric"],
-            registry=r,
-        )
-        self.step_duration = Histogram(
-            "evtrain_step_duration_seconds",
-            "Step time per stage.",
-            STAGE_LABELS,
-            buckets=STEP_BUCKETS,
-            registry=r,
-        )
-        self.forward = Counter(
-            "evtrain_forward_seconds", "Time in forward computation.", STAGE_LABELS, registry=r
-        )
-        self.backward = Counter(
-            "evtrain_backward_seconds", "Time in backward computation.", STAGE_LABELS, registry=r
-        )
-        self.comm_wait = Counter(
-            "evtrain_comm_wait_seconds",
-            "Time blocked on point-to-point communication with neighbour stages.",
-            STAGE_LABELS,
-            registry=r,
-        )
-        self.bubble = Gauge(
-            "evtrain_bubble_ratio",
-            "Fraction of step time blocked on communication (comm wait / step time) "
-            "over the latest steps.",
-            STAGE_LABELS,
-            registry=r,
-        )
-        self.peak_memory = Gauge(
-            "evtrain_peak_memory_bytes", "Peak memory the stage reported.", STAGE_LABELS, registry=r
-        )
-        self.evals = Counter("evtrain_evals", "Evaluations finished.", registry=r)
-        self.eval_metric = Gauge(
-            "evtrain_eval_metric", "Latest evaluation results.", ["set", "metric"], registry=r
-        )
-        self.eval_duration = Gauge(
-            "evtrain_eval_duration_seconds", "Duration of the latest evaluation.", registry=r
-        )
-        self.eval_step = Gauge(
-            "evtrain_eval_last_step", "Steps done at the latest evaluation.", registry=r
-        )
-        self.checkpoints = Counter("evtrain_checkpoints", "Checkpoints committed.", registry=r)
-        self.checkpoint_failures = Counter(
-            "evtrain_checkpoint_failures", "Checkpoint shards that failed.", registry=r
-        )
-        self.checkpoint_duration = Histogram(
-            "evtrain_checkpoint_duration_seconds",
-            "Time from checkpoint request to commit.",
-            buckets=CHECKPOINT_BUCKETS,
-            registry=r,
-        )
-        self.checkpoint_step = Gauge(
-            "evtrain_checkpoint_last_step",
-            "Steps done at the last committed checkpoint.",
-            registry=r,
-        )
-        self.checkpoint_size = Gauge(
-            "evtrain_checkpoint_size_bytes", "Size of the last committed checkpoint.", registry=r
-        )
-        self.checkpoint_blocked = Counter(
-            "evtrain_checkpoint_blocked_seconds",
-            "Training time checkpoint saves blocked, per stage.",
-            STAGE_LABELS,
-            registry=r,
-        )
-        self.dropped = Counter(
-            "evtrain_events_dropped",
-            "Events a publisher dropped because its queue was full.",
-            ["source"],
-            registry=r,
-        )
-        self.missing = Counter(
-            "evtrain_events_missing",
-            "Sequence gaps: events of source that subscriber observer never received.",
-            ["source", "observer"],
-            registry=r,
-        )
-        self.hook_errors = Counter(
-            "evtrain_hook_errors", "Hook handlers that raised.", ["hook"], registry=r
-        )
-        self.stage_up = Gauge(
-            "evtrain_stage_up",
-            "1 while the stage is alive: started, not stopped or failed, heard from recently.",
-            STAGE_LABELS,
-            registry=r,
-        )
-        self.stage_last_seen = Gauge(
-            "evtrain_stage_last_seen_timestamp_seconds",
-            "Unix time of the stage's latest event.",
-            STAGE_LABELS,
-            registry=r,
-        )
-        self.stage_failures = Counter(
-            "evtrain_stage_failures", "Stage failures.", STAGE_LABELS, registry=r
-        )
+            self.m.runs_ended.labels(status)
 
     # -- serving ------------------------------------------------------------------
 
@@ -554,15 +381,20 @@ class PrometheusExporter(Hook):
         labels = (stage_label, replica_label)
         if place not in self._places:
             self._places.add(place)
-            self.stage_up.labels(*labels).set_function(lambda: self.liveness.up(place))
+            self.m.stage_up.labels(*labels).set_function(lambda: self.liveness.up(place))
             # Counters at 0, so a dashboard shows 0 for a stage that never did this.
-            for counter in (self.forward, self.backward, self.comm_wait, self.stage_failures):
+            for counter in (
+                self.m.forward,
+                self.m.backward,
+                self.m.comm_wait,
+                self.m.stage_failures,
+            ):
                 counter.labels(*labels)
             if replica == 0:  # only replica 0 writes checkpoint shards
-                self.checkpoint_blocked.labels(*labels)
+                self.m.checkpoint_blocked.labels(*labels)
             source = self._sources.admit(stage_source(stage, replica))
             if source is not None:
-                self.dropped.labels(source)
+                self.m.dropped.labels(source)
                 for observer in self._observers:
                     self._gap_series(source, observer)
         return labels
@@ -571,17 +403,17 @@ class PrometheusExporter(Hook):
         """Drop the series of stage processes the run does not have (a previous run's, or
         made up)."""
         per_stage = (
-            self.lr,
-            self.step_duration,
-            self.forward,
-            self.backward,
-            self.comm_wait,
-            self.bubble,
-            self.peak_memory,
-            self.checkpoint_blocked,
-            self.stage_up,
-            self.stage_last_seen,
-            self.stage_failures,
+            self.m.lr,
+            self.m.step_duration,
+            self.m.forward,
+            self.m.backward,
+            self.m.comm_wait,
+            self.m.bubble,
+            self.m.peak_memory,
+            self.m.checkpoint_blocked,
+            self.m.stage_up,
+            self.m.stage_last_seen,
+            self.m.stage_failures,
         )
         gone = sorted(p for p in self._places if p[0] >= num_stages or p[1] >= data_parallel)
         for place in gone:
@@ -602,7 +434,7 @@ class PrometheusExporter(Hook):
         if labels is not None:
             self.liveness.seen((stage, replica))
             if ev.ts:
-                self.stage_last_seen.labels(*labels).set(ev.ts)
+                self.m.stage_last_seen.labels(*labels).set(ev.ts)
         return labels
 
     def _observer_known(self, observer: str) -> None:
@@ -624,12 +456,12 @@ class PrometheusExporter(Hook):
                 self.not_counted("too many gap series", source=source, observer=observer)
                 return None
             self._gap_pairs.add(pair)
-        return self.missing.labels(source, observer)
+        return self.m.missing.labels(source, observer)
 
     def _hook_known(self, name: str) -> None:
         label = self._hooks.admit(name)
         if label is not None:
-            self.hook_errors.labels(label)
+            self.m.hook_errors.labels(label)
 
     def _add_seconds(self, counter: Any, seconds: float) -> None:
         # Decoding already checked the bound; a message built in-process was not decoded.
@@ -650,11 +482,11 @@ class PrometheusExporter(Hook):
     def run_started(self, ev: RunStarted) -> None:
         """Run shape; a new run counts steps from its own start."""
         self._enter_run(ev.run_id)
-        self.max_steps.set(ev.max_steps)
-        self.num_stages.set(ev.num_stages)
-        self.running.set(1)
-        self.start_time.set(ev.ts)
-        self.steps_done.set(ev.start_step)
+        self.m.max_steps.set(ev.max_steps)
+        self.m.num_stages.set(ev.num_stages)
+        self.m.running.set(1)
+        self.m.start_time.set(ev.ts)
+        self.m.steps_done.set(ev.start_step)
         self._ended_at = None
         self._write_port_file()
         if self._runner is not None:
@@ -670,8 +502,8 @@ class PrometheusExporter(Hook):
         """The run is over: every stage is down."""
         if not self.of_this_run(ev):
             return
-        self.running.set(0)
-        self.runs_ended.labels(ev.status).inc()
+        self.m.running.set(0)
+        self.m.runs_ended.labels(ev.status).inc()
         self.liveness.all_down()
         self._ended_at = time.monotonic()
 
@@ -704,7 +536,7 @@ class PrometheusExporter(Hook):
         """The stage process raised."""
         labels = self._place(ev.stage, ev.replica, ev)
         if labels is not None:
-            self.stage_failures.labels(*labels).inc()
+            self.m.stage_failures.labels(*labels).inc()
             self.liveness.down((ev.stage, ev.replica))
 
     def _enter_run(self, run_id: str) -> None:
@@ -727,54 +559,54 @@ class PrometheusExporter(Hook):
         labels = self._seen(ev.stage, ev.replica, ev)
         if labels is None:
             return
-        self.step_duration.labels(*labels).observe(ev.duration_s)
-        self._add_seconds(self.forward.labels(*labels), ev.forward_s)
-        self._add_seconds(self.backward.labels(*labels), ev.backward_s)
-        self._add_seconds(self.comm_wait.labels(*labels), ev.comm_wait_s)
+        self.m.step_duration.labels(*labels).observe(ev.duration_s)
+        self._add_seconds(self.m.forward.labels(*labels), ev.forward_s)
+        self._add_seconds(self.m.backward.labels(*labels), ev.backward_s)
+        self._add_seconds(self.m.comm_wait.labels(*labels), ev.comm_wait_s)
         waits = self._waits.setdefault((ev.stage, ev.replica), deque(maxlen=self.window))
         waits.append((ev.comm_wait_s, ev.duration_s))
         total = sum(d for _, d in waits)
         if total > 0:
-            self.bubble.labels(*labels).set(sum(w for w, _ in waits) / total)
+            self.m.bubble.labels(*labels).set(sum(w for w, _ in waits) / total)
         if ev.peak_memory_bytes is not None:
-            self.peak_memory.labels(*labels).set(ev.peak_memory_bytes)
+            self.m.peak_memory.labels(*labels).set(ev.peak_memory_bytes)
         if ev.lr is not None:
-            self.lr.labels(*labels).set(ev.lr)
+            self.m.lr.labels(*labels).set(ev.lr)
         if ev.replica == 0:
             self._run_step(ev)
 
     def _run_step(self, ev: StepEnded) -> None:
         """The run-wide values of a step event of replica 0 (the others repeat them)."""
         if ev.loss is not None:
-            self.loss.set(ev.loss)
+            self.m.loss.set(ev.loss)
         if ev.grad_norm is not None:
-            self.grad_norm.set(ev.grad_norm)
+            self.m.grad_norm.set(ev.grad_norm)
         for key, value in ev.metrics.items():
             label = self._metric_names.admit(key)
             if label is not None:
-                self.step_metric.labels(label).set(value)
+                self.m.step_metric.labels(label).set(value)
         # Each stage reports every step; count a step once, when its first event arrives.
         # Steps whose every event was lost still happened; but an exporter that
         # joined mid-run counts from the step it saw (no spike in rate()).
         count = self._steps.advance(ev.step)
         if count:
-            self.steps.inc(count)
+            self.m.steps.inc(count)
             self._count(
-                self.samples,
+                self.m.samples,
                 ev.samples * count,
                 MAX_STEP_SAMPLES * count,
                 "samples per step above MAX_STEP_SAMPLES",
             )
-            self.steps_done.set(ev.step)
+            self.m.steps_done.set(ev.step)
 
     @on(EvalEnded)
     def eval_ended(self, ev: EvalEnded) -> None:
         """Latest eval results."""
         if not self.of_this_run(ev):
             return
-        self.evals.inc()
-        self.eval_duration.set(ev.duration_s)
-        self.eval_step.set(ev.step)
+        self.m.evals.inc()
+        self.m.eval_duration.set(ev.duration_s)
+        self.m.eval_step.set(ev.step)
         for key, value in ev.metrics.items():
             # "val/accuracy" is {set="val", metric="accuracy"}: one series per set
             # under one metric name. A single unnamed set has set="", which
@@ -784,38 +616,38 @@ class PrometheusExporter(Hook):
             set_label = self._eval_sets.admit(eval_set)
             label = self._metric_names.admit(metric)
             if set_label is not None and label is not None:
-                self.eval_metric.labels(set_label, label).set(value)
+                self.m.eval_metric.labels(set_label, label).set(value)
 
     @on(CheckpointCommitted)
     def checkpoint_committed(self, ev: CheckpointCommitted) -> None:
         """A checkpoint is durable."""
         if not self.of_this_run(ev):
             return
-        self.checkpoints.inc()
-        self.checkpoint_duration.observe(ev.duration_s)
-        self.checkpoint_step.set(ev.step)
-        self.checkpoint_size.set(ev.bytes)
+        self.m.checkpoints.inc()
+        self.m.checkpoint_duration.observe(ev.duration_s)
+        self.m.checkpoint_step.set(ev.step)
+        self.m.checkpoint_size.set(ev.bytes)
 
     @on(CheckpointShardSaved)
     def shard_saved(self, ev: CheckpointShardSaved) -> None:
         """Training time a stage's save blocked (replica 0 writes every shard)."""
         labels = self._place(ev.stage, 0, ev)
         if labels is not None:
-            self._add_seconds(self.checkpoint_blocked.labels(*labels), ev.blocked_s)
+            self._add_seconds(self.m.checkpoint_blocked.labels(*labels), ev.blocked_s)
 
     @on(CheckpointFailed)
     def checkpoint_failed(self, ev: CheckpointFailed) -> None:
         """A shard could not be written."""
         if not self.of_this_run(ev):
             return
-        self.checkpoint_failures.inc()
+        self.m.checkpoint_failures.inc()
 
     @on(BusDrops)
     def bus_drops(self, ev: BusDrops) -> None:
         """A publisher dropped events."""
         label = self._sources.admit(ev.source)
         if label is not None:
-            self._count(self.dropped.labels(label), ev.dropped, MAX_GAP, "drops above MAX_GAP")
+            self._count(self.m.dropped.labels(label), ev.dropped, MAX_GAP, "drops above MAX_GAP")
 
     @on(BusGaps)
     def bus_gaps(self, ev: BusGaps) -> None:
@@ -833,4 +665,4 @@ class PrometheusExporter(Hook):
         """A hook handler raised (``count`` times: repeated raises come in batches)."""
         label = self._hooks.admit(ev.hook)
         if label is not None:
-            self._count(self.hook_errors.labels(label), ev.count, MAX_GAP, "errors above MAX_GAP")
+            self._count(self.m.hook_errors.labels(label), ev.count, MAX_GAP, "errors above MAX_GAP")

@@ -76,6 +76,8 @@ class CheckpointHook(Hook):
     name = "checkpoint"
     default_priority = 50
 
+    plans_checkpoints = True
+
     def __init__(
         self,
         *,
@@ -117,6 +119,9 @@ class CheckpointHook(Hook):
         self._started_at: float | None = None
         self._last_request = time.time()
         self._last_tick = 0.0
+
+    def watched_metric(self) -> tuple[str, str] | None:
+        return None if self.best_metric is None else ("best_metric", self.best_metric)
 
     @property
     def best(self) -> float | None:

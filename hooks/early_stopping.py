@@ -52,6 +52,9 @@ class EarlyStopping(Hook):
         self._warned_missing = False
         self._run_id: str | None = None
 
+    def watched_metric(self) -> tuple[str, str] | None:
+        return "metric", self.metric
+
     @on(RunStarted)
     def run_started(self, ev: RunStarted) -> None:
         """A new run starts with no history (a resumed one too: Lightning does the same)."""

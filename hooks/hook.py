@@ -238,6 +238,15 @@ class Hook:
     name: ClassVar[str] = ""
     """Short name used as the bus source (``hook/NAME``); defaults to snake_case."""
     default_priority: ClassVar[int] = 100
+    plans_checkpoints: ClassVar[bool] = False
+    """This hook coordinates checkpoints (it sends a `CheckpointPlan` and commits):
+    the stages wait for its plan before the first step and for its verdicts at
+    the end."""
+
+    def watched_metric(self) -> tuple[str, str] | None:
+        """(option, eval metric name) this hook acts on, or None: the launcher refuses
+        a name that the job's eval sets never report before anything starts."""
+        return None
 
     def __init__(self, *, priority: int | None = None) -> None:
         self.priority = self.default_priority if priority is None else int(priority)

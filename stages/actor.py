@@ -150,7 +150,6 @@ from evtrain.bus.commands import CommandLedger, CommandReceiver
 from evtrain.bus.publisher import Publisher
 from evtrain.bus.security import curve_from_env
 from evtrain.bus.subscriber import Subscriber
-from evtrain.data import eval_microbatches
 from evtrain.errors import SpecError
 from evtrain.events import (
     CheckpointCommitted,
@@ -159,9 +158,6 @@ from evtrain.events import (
     CheckpointPlan,
     Command,
     EpochEnded,
-    EvalEnded,
-    EvalProgress,
-    EvalStarted,
     EvaluateNow,
     Event,
     Heartbeat,
@@ -182,9 +178,9 @@ from evtrain.job import Job
 from evtrain.logs import configure_logging
 from evtrain.reporting import Reporter, reporting
 from evtrain.spec import apply_overrides, load_job
+from evtrain.stages.checkpointing import await_plan, await_the_end
 from evtrain.stages.control import ControlResult
 from evtrain.stages.executor import Span, StepStats
-from evtrain.stages.job_data import job_data
 from evtrain.stages.mesh import Place
 from evtrain.stages.partition import (
     stage_units,
@@ -204,9 +200,6 @@ log = structlog.get_logger("evtrain.stages.actor")
 
 HEARTBEAT_INTERVAL_S = 1.0
 _FORCE_EXIT_AFTER_S = 1.0
-COORDINATOR_TIMEOUT_ENV = "EVTRAIN_COORDINATOR_TIMEOUT_S"
-"""Seconds stage 0 waits for the checkpoint coordinator, at most: for its plan before
-the first step, for its verdicts (and every stage's last events) at the end (default 30)."""
 
 
 @dataclass(frozen=True)
@@ -298,8 +291,6 @@ class StageActor:
         self._first_signal: float | None = None
         self._in_step = False
         self._last_loss: float | None = None
-        self._eval_progress: EvalProgress | None = None
-        """The evaluation in progress on the last stage (its batches before the current set)."""
         self.report: StageReport | None = None
         if config.report_dir is not None:
             self.report = StageReport(
@@ -442,7 +433,9 @@ class StageActor:
                     stage=self.stage, replica=self.replica, step=self.completed, state=self.state
                 )
             )
-            self._publish_eval_progress()
+            progress = self.runtime.evaluator.progress() if self.runtime is not None else None
+            if progress is not None:
+                self.publish(progress)
             self._write_report()
             if self.runtime is not None:
                 self.runtime.checkpointing.publish_done()
@@ -486,7 +479,9 @@ class StageActor:
                 num_params=sum(p.numel() for p in module.parameters()),
             )
         )
-        rt = await anyio.to_thread.run_sync(prepare_stage, job, parts, self.config, self.publish)
+        rt = await anyio.to_thread.run_sync(
+            prepare_stage, job, parts, self.config, self.publish, self.reporter
+        )
         self.runtime = rt
         self.completed = start_step = rt.start_step
         total, control = rt.total_steps, parts.control
@@ -511,7 +506,7 @@ class StageActor:
                 )
             )
             if self.config.await_plan and self._receiver is not None:
-                await self._await_plan(self._receiver)
+                await await_plan(self._receiver)
         first = await anyio.to_thread.run_sync(control.exchange, 0.0, self._stop_requested)
         self.state = "running"
         log.debug("stage running", stage=self.stage, steps=total, device=str(self.device))
@@ -542,7 +537,11 @@ class StageActor:
             )
         )
         await anyio.to_thread.run_sync(finish_stage, rt, self.config.dump_weights_dir)
-        await self._await_the_end()
+        if self._verdicts is not None:
+            everyone = {(s, r) for s in range(self.num_stages) for r in range(self.place.replicas)}
+            await await_the_end(
+                self._verdicts, self.config.run_id, everyone, checkpointing.awaiting
+            )
         self._write_report(status)
         if self.place.rank == 0:
             self.publish(RunEnded(status=status, reason=stop_reason or "", step=self.completed))
@@ -725,128 +724,25 @@ class StageActor:
         """The last stage's ``value`` on every stage (blocking, collective)."""
         return self._rt.parts.control.share(value, src=self.place.rank_of(self.num_stages - 1, 0))
 
-    async def _await_plan(self, receiver: CommandReceiver) -> None:
-        """Stage 0: hold boundary 0 until the coordinator's `CheckpointPlan` arrived (bounded)."""
-        timeout = _coordinator_timeout_s()
-        found = await anyio.to_thread.run_sync(receiver.wait_for, CheckpointPlan, timeout)
-        if not found:
-            log.warning(
-                "no checkpoint plan from the coordinator; training starts without it",
-                waited_s=timeout,
-            )
-
-    async def _await_the_end(self) -> None:
-        """Stage 0: wait for every stage's `StageStopped` and the coordinator's verdicts.
-
-        The StageStopped events, read back from the broker, prove that every
-        stage's earlier events are through it. Verdicts (committed or failed)
-        on every checkpoint of the run are awaited only with a checkpoint plan:
-        that a coordinator sent one is how the stages know there is a
-        coordinator to wait for. Either wait is bounded (``COORDINATOR_TIMEOUT_ENV``);
-        what comes later still comes, but hooks that exit on `RunEnded` would
-        not see it.
-        """
-        subscriber = self._verdicts
-        if subscriber is None:
-            return
-        stopped: set[tuple[int, int]] = set()
-        everyone = {(s, r) for s in range(self.num_stages) for r in range(self.place.replicas)}
-        deadline = time.monotonic() + _coordinator_timeout_s()
-        awaiting = self.runtime.checkpointing.awaiting if self.runtime is not None else set()
-        while time.monotonic() < deadline and (awaiting or stopped < everyone):
-            for msg in await subscriber.receive(timeout=0.2):
-                if isinstance(msg, StageStopped) and msg.run_id == self.config.run_id:
-                    stopped.add((msg.stage, msg.replica))
-                elif isinstance(msg, CheckpointCommitted) or (
-                    isinstance(msg, CheckpointFailed) and msg.stage is None
-                ):
-                    awaiting.discard(msg.checkpoint_id)
-        if awaiting:
-            log.warning(
-                "no verdict on checkpoints at the end of the run",
-                checkpoint_ids=sorted(awaiting),
-                waited_s=_coordinator_timeout_s(),
-            )
-        if stopped < everyone:
-            log.warning(
-                "not every stage's last events came back from the bus",
-                missing=sorted(everyone - stopped),
-            )
-
     async def _evaluate(self, step: int) -> dict[str, float]:
         """Evaluate the weights after ``step`` steps on every eval set; the metrics (all
         sets, prefixed for named ones) on the last stage, else {}."""
-        executor, job = self._rt.executor, self._rt.job
-        if self.replica:
-            return {}  # replica 0's pipeline evaluates the whole set, once
-        last = self.stage == self.num_stages - 1
         previous, self.state = self.state, "evaluating"
-        start = time.perf_counter()
-        total = _eval_batches(job)
-        if last:
-            self.publish(EvalStarted(step=step, stage=self.stage, num_batches=total))
-        self.reporter.collect()  # training-time leftovers do not belong to the eval
-        metrics: dict[str, float] = {}
-        samples: dict[str, int] = {}
-        done = 0
-        for index, evaluation in enumerate(executor.evaluations):
-            if last:
-                # Before the heartbeats see the new set: not the last set's count on top.
-                executor.eval_batches_done = 0
-                self._eval_progress = EvalProgress(
-                    step=step,
-                    stage=self.stage,
-                    batches_done=done,
-                    num_batches=total,
-                    set=evaluation.name,
-                )
-            stats = await anyio.to_thread.run_sync(executor.evaluate, index)
-            done += stats.num_batches
-            prefix = f"{evaluation.name}/" if evaluation.name else ""
-            values = {**self.reporter.collect(), **stats.metrics}
-            metrics.update({prefix + k: v for k, v in values.items()})
-            samples[evaluation.name] = stats.samples
-        self._eval_progress = None
-        self.state = previous
-        if not last:
+        try:
+            result = await self._rt.evaluator.evaluate(step)
+        finally:
+            self.state = previous
+        if result is None:
             return {}
-        named = {k: v for k, v in samples.items() if k}
         if self.report is not None:
+            metrics = result.metrics
             self.report.eval_metrics = {
                 k: v if math.isfinite(v) else None for k, v in metrics.items()
             }
-            self.report.eval_step, self.report.eval_samples = step, sum(samples.values())
-            self.report.eval_sets = named
+            self.report.eval_step, self.report.eval_samples = step, sum(result.samples.values())
+            self.report.eval_sets = {k: v for k, v in result.samples.items() if k}
             self._write_report()
-        self.publish(
-            EvalEnded(
-                step=step,
-                stage=self.stage,
-                metrics=metrics,
-                samples=sum(samples.values()),
-                duration_s=time.perf_counter() - start,
-                sets=named,
-            )
-        )
-        return metrics
-
-    def _publish_eval_progress(self) -> None:
-        """The last stage, evaluating: how far it got (with every heartbeat, so a console
-        that joins late or an event that was dropped costs at most a second)."""
-        current = self._eval_progress
-        if current is None or self.runtime is None:
-            return
-        executor = self.runtime.executor
-        done = current.batches_done + executor.eval_batches_done
-        self.publish(
-            EvalProgress(
-                step=current.step,
-                stage=self.stage,
-                batches_done=min(done, current.num_batches),
-                num_batches=current.num_batches,
-                set=current.set,
-            )
-        )
+        return result.metrics
 
 
 @dataclass
@@ -868,26 +764,7 @@ COMMAND_HANDLERS: dict[type[Command], Callable[[StageActor, Any, _Work], None]] 
 """What each command does at the boundary it applies at (the stage's command table)."""
 
 
-def _eval_batches(job: Job | None) -> int:
-    """Batches of one evaluation: every eval set's."""
-    if job is None:
-        return 0
-    data = job_data(job)
-    return sum(
-        len(
-            eval_microbatches(
-                data.num_eval_samples(name), job.effective_eval_batch_size, job.num_microbatches
-            )
-        )
-        for name in job.eval_sets
-    )
-
-
 def _restart_pending() -> bool:
     """Whether elastic will restart the workers after this failure."""
     max_restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
     return restart_count() < max_restarts
-
-
-def _coordinator_timeout_s() -> float:
-    return float(os.environ.get(COORDINATOR_TIMEOUT_ENV, "30") or 0)

@@ -16,11 +16,17 @@ boundary and delegates *how* to its `ShardWriter`:
   all of them at the end (`finish`), and a failing stage still completes
   the shard it is writing, bounded by ``FAILURE_WRITE_WAIT_S``: the
   checkpoint was taken steps before the failure and is whole once every
-  shard is.
+  shard is;
+* stage 0 holds boundary 0 until the coordinator's plan arrived
+  (`await_plan`), and ends the run only once the coordinator has given its
+  verdict on every checkpoint (`await_the_end`), both bounded by
+  ``COORDINATOR_TIMEOUT_ENV``.
 """
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,18 +35,38 @@ import anyio.to_thread
 import structlog
 from torch import nn
 
+from evtrain.bus.commands import CommandReceiver
+from evtrain.bus.subscriber import Subscriber
 from evtrain.checkpoint import CheckpointError, format_checkpoint_path
 from evtrain.checkpoint.plan import ON_STOP, PlanState
 from evtrain.checkpoint.writer import ShardWriter
-from evtrain.events import CheckpointFailed, CheckpointNow, CheckpointRequested, Event
+from evtrain.events import (
+    CheckpointCommitted,
+    CheckpointFailed,
+    CheckpointNow,
+    CheckpointPlan,
+    CheckpointRequested,
+    Event,
+    StageStopped,
+)
 from evtrain.stages.executor import StageExecutor
 
-__all__ = ["FAILURE_WRITE_WAIT_S", "StageCheckpointing"]
+__all__ = [
+    "COORDINATOR_TIMEOUT_ENV",
+    "FAILURE_WRITE_WAIT_S",
+    "StageCheckpointing",
+    "await_plan",
+    "await_the_end",
+]
 
 log = structlog.get_logger()
 
 FAILURE_WRITE_WAIT_S = 60.0
 """Seconds a failing stage waits for its shard write in flight before it reports."""
+
+COORDINATOR_TIMEOUT_ENV = "EVTRAIN_COORDINATOR_TIMEOUT_S"
+"""Seconds stage 0 waits for the checkpoint coordinator, at most: for its plan before
+the first step, for its verdicts (and every stage's last events) at the end (default 30)."""
 
 
 @dataclass
@@ -200,3 +226,54 @@ class StageCheckpointing:
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
+
+
+def _coordinator_timeout_s() -> float:
+    return float(os.environ.get(COORDINATOR_TIMEOUT_ENV, "30") or 0)
+
+
+async def await_plan(receiver: CommandReceiver) -> None:
+    """Stage 0: hold boundary 0 until the coordinator's `CheckpointPlan` arrived (bounded)."""
+    timeout = _coordinator_timeout_s()
+    found = await anyio.to_thread.run_sync(receiver.wait_for, CheckpointPlan, timeout)
+    if not found:
+        log.warning(
+            "no checkpoint plan from the coordinator; training starts without it",
+            waited_s=timeout,
+        )
+
+
+async def await_the_end(
+    subscriber: Subscriber, run_id: str, everyone: set[tuple[int, int]], awaiting: set[str]
+) -> None:
+    """Stage 0: wait for every (stage, replica)'s `StageStopped` and the coordinator's
+    verdicts on ``awaiting`` (`StageCheckpointing.awaiting`).
+
+    The StageStopped events, read back from the broker, prove that every
+    stage's earlier events are through it. Verdicts (committed or failed) are
+    awaited only with a checkpoint plan: that a coordinator sent one is how
+    the stages know there is a coordinator to wait for. Either wait is
+    bounded (``COORDINATOR_TIMEOUT_ENV``); what comes later still comes, but
+    hooks that exit on `RunEnded` would not see it.
+    """
+    stopped: set[tuple[int, int]] = set()
+    deadline = time.monotonic() + _coordinator_timeout_s()
+    while time.monotonic() < deadline and (awaiting or stopped < everyone):
+        for msg in await subscriber.receive(timeout=0.2):
+            if isinstance(msg, StageStopped) and msg.run_id == run_id:
+                stopped.add((msg.stage, msg.replica))
+            elif isinstance(msg, CheckpointCommitted) or (
+                isinstance(msg, CheckpointFailed) and msg.stage is None
+            ):
+                awaiting.discard(msg.checkpoint_id)
+    if awaiting:
+        log.warning(
+            "no verdict on checkpoints at the end of the run",
+            checkpoint_ids=sorted(awaiting),
+            waited_s=_coordinator_timeout_s(),
+        )
+    if stopped < everyone:
+        log.warning(
+            "not every stage's last events came back from the bus",
+            missing=sorted(everyone - stopped),
+        )

@@ -1,6 +1,9 @@
-"""How the last stage turns one eval set's microbatches into the set's metrics.
+"""Evaluation on a stage: every eval set in forward-only passes, and how the last
+stage turns a set's microbatches into its metrics.
 
-``loss`` and the plain (additive) metrics are sums weighted by each
+`StageEvaluator` runs one evaluation (all the sets) through the stage's
+executor, publishes ``EvalStarted``/``EvalEnded`` and, with the heartbeats,
+``EvalProgress`` (last stage). ``loss`` and the plain (additive) metrics are sums weighted by each
 microbatch's `Job.eval_weight` (its samples by default), divided once by the
 set's total weight; metric objects (`Job.metrics` with ``update`` /
 ``compute`` / ``reset``) see every microbatch and are computed once at the
@@ -12,17 +15,31 @@ from __future__ import annotations
 
 import copy
 import math
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio.to_thread
 import torch
 from torch import nn
 
+from evtrain.data import eval_microbatches
+from evtrain.events import EvalEnded, EvalProgress, EvalStarted, Event
 from evtrain.job import Job
 from evtrain.job_checks import MetricFactory, is_metric_object
+from evtrain.reporting import Reporter
+from evtrain.stages.executor import StageExecutor
 from evtrain.stages.loading import Reader
 
-__all__ = ["EvalSet", "EvalStats", "EvalTally", "MetricObjects"]
+__all__ = [
+    "EvalResult",
+    "EvalSet",
+    "EvalStats",
+    "EvalTally",
+    "MetricObjects",
+    "StageEvaluator",
+]
 
 
 @dataclass(frozen=True)
@@ -153,3 +170,132 @@ def _one_number(name: str, value: Any) -> float:
         f"metric {name!r} computed {what}; a metric reports one number (e.g. pick an "
         "average, or give each value its own name in Job.metrics)"
     )
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """One evaluation on the last stage: the metrics of every set (prefixed ``SET/``
+    for named sets) and the samples of each set (by name; ``""`` the unnamed one)."""
+
+    metrics: dict[str, float]
+    samples: dict[str, int]
+
+
+class StageEvaluator:
+    """The evaluations of one stage (see the module docstring).
+
+    Replica 0's pipeline evaluates every set whole, once; other replicas
+    skip. ``reporter`` holds what the model reported (`evtrain.report`)
+    during the evaluation: it joins the set's metrics.
+    """
+
+    def __init__(
+        self,
+        *,
+        executor: StageExecutor,
+        sets: Sequence[EvalSet],
+        last: bool,
+        replica: int,
+        publish: Callable[[Event], None],
+        reporter: Reporter,
+    ) -> None:
+        self._executor = executor
+        self._job = executor.job
+        self.sets = list(sets)
+        self._stage = executor.stage
+        self._last = last
+        self._replica = replica
+        self._publish = publish
+        self._reporter = reporter
+        self._objects = MetricObjects(executor.job, executor.device)
+        self._batches = sum(
+            len(eval_microbatches(e.num_samples, self._job.effective_eval_batch_size, executor.M))
+            for e in self.sets
+        )
+        self._progress: EvalProgress | None = None
+        """The last stage, evaluating: the set in progress and the batches before it."""
+        self._done_in_set = 0
+        """Batches of the set in progress finished (read by the heartbeats from another
+        thread: a plain int, replaced, never mutated)."""
+
+    async def evaluate(self, step: int) -> EvalResult | None:
+        """Evaluate the weights after ``step`` steps on every set (collective along the
+        pipeline); the result on the last stage, else None."""
+        if self._replica:
+            return None
+        start = time.perf_counter()
+        if self._last:
+            self._publish(EvalStarted(step=step, stage=self._stage, num_batches=self._batches))
+        self._reporter.collect()  # training-time leftovers do not belong to the eval
+        metrics: dict[str, float] = {}
+        samples: dict[str, int] = {}
+        done = 0
+        for index, evaluation in enumerate(self.sets):
+            if self._last:
+                # Before the heartbeats see the new set: not the last set's count on top.
+                self._done_in_set = 0
+                self._progress = EvalProgress(
+                    step=step,
+                    stage=self._stage,
+                    batches_done=done,
+                    num_batches=self._batches,
+                    set=evaluation.name,
+                )
+            stats = await anyio.to_thread.run_sync(self._run_set, index)
+            done += stats.num_batches
+            prefix = f"{evaluation.name}/" if evaluation.name else ""
+            values = {**self._reporter.collect(), **stats.metrics}
+            metrics.update({prefix + k: v for k, v in values.items()})
+            samples[evaluation.name] = stats.samples
+        self._progress = None
+        if not self._last:
+            return None
+        self._publish(
+            EvalEnded(
+                step=step,
+                stage=self._stage,
+                metrics=metrics,
+                samples=sum(samples.values()),
+                duration_s=time.perf_counter() - start,
+                sets={k: v for k, v in samples.items() if k},
+            )
+        )
+        return EvalResult(metrics, samples)
+
+    def progress(self) -> EvalProgress | None:
+        """The last stage, evaluating: how far it got (published with every heartbeat,
+        so a console that joins late or an event that was dropped costs at most a second)."""
+        current = self._progress
+        if current is None:
+            return None
+        done = current.batches_done + self._done_in_set
+        return EvalProgress(
+            step=current.step,
+            stage=self._stage,
+            batches_done=min(done, current.num_batches),
+            num_batches=current.num_batches,
+            set=current.set,
+        )
+
+    def _run_set(self, index: int) -> EvalStats:
+        """One forward-only pass over set ``index`` (blocking).
+
+        Every sample is read once (`evtrain.data.eval_microbatches`); on the
+        last stage ``loss`` and the plain metrics are means over the set
+        weighted by `Job.eval_weight`, metric objects are computed once.
+        """
+        start = time.perf_counter()
+        executor, evaluation = self._executor, self.sets[index]
+        plan = eval_microbatches(
+            evaluation.num_samples, self._job.effective_eval_batch_size, executor.M
+        )
+        tally = None
+        if self._last:
+            objects = self._objects.fresh(evaluation.name)
+            tally = EvalTally(job=self._job, device=executor.device, objects=objects)
+        with executor.forward_only():
+            for batch in plan:
+                executor.forward_pass(batch, evaluation.reader, tally)
+                self._done_in_set += 1
+        metrics = tally.results() if tally is not None and evaluation.num_samples else {}
+        return EvalStats(metrics, evaluation.num_samples, len(plan), time.perf_counter() - start)

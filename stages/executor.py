@@ -54,24 +54,21 @@ the last stage tallies its metrics (`evtrain.stages.evaluation`).
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from evtrain.data import DataStream, eval_microbatches
+from evtrain.data import DataStream
 from evtrain.job import Job
 from evtrain.schedule_names import Schedule, parse_schedule
 from evtrain.stages.backward import SplitBackward
-from evtrain.stages.boundary import BoundarySpec, call, flatten, split
 from evtrain.stages.control import ControlResult, StepControl
 from evtrain.stages.data_parallel import Replicas
-from evtrain.stages.evaluation import EvalSet, EvalStats, EvalTally, MetricObjects
 from evtrain.stages.instructions import (
     Backward,
     BackwardInput,
@@ -87,17 +84,21 @@ from evtrain.stages.instructions import (
     SendGrad,
 )
 from evtrain.stages.loading import Reader
-from evtrain.stages.mesh import Place
+from evtrain.stages.mesh import ChunkRoutes, Place
 from evtrain.stages.p2p import Mailbox, PendingRecv
-from evtrain.stages.precision import LossScaler, autocast
-from evtrain.stages.schedules import build_schedule, chunk_place, model_chunk
+from evtrain.stages.precision import autocast
+from evtrain.stages.pytree import BoundarySpec, call, split
+from evtrain.stages.schedules import build_schedule
 from evtrain.stages.shapes import ShapeTable
-from evtrain.stages.tied import TiedWeights
+from evtrain.stages.update import Timed, WeightUpdate
 
 _Program = list[tuple[Callable[[int, int], None], int, int]]
 """A compiled instruction list: (handler, microbatch, chunk) triples."""
 
-__all__ = ["DEFAULT_LOOKAHEAD", "EvalSet", "EvalStats", "Span", "StageExecutor", "StepStats"]
+if TYPE_CHECKING:
+    from evtrain.stages.evaluation import EvalTally
+
+__all__ = ["DEFAULT_LOOKAHEAD", "Span", "StageExecutor", "StepStats"]
 
 
 @dataclass(frozen=True)
@@ -136,8 +137,6 @@ class StepStats:
     skipped: bool = False
     """fp16: the step overflowed somewhere in the pipeline and no stage applied it."""
 
-
-_GradClip = float | None
 
 DEFAULT_LOOKAHEAD = 1
 """Extra 1F1B warm-up forwards on every stage but the last (`build_schedule`'s
@@ -180,8 +179,9 @@ class StageExecutor:
     ``module`` holds them all.
     ``train``/``evaluation`` read the first stage's inputs and the last
     stage's targets (`evtrain.stages.loading`); other stages have None.
-    ``lookahead`` applies to 1F1B (see `DEFAULT_LOOKAHEAD`); ``recv_window``
-    bounds the receives posted ahead
+    ``update`` ends each step (`evtrain.stages.update`); ``split`` runs the
+    backward's halves under zb and zbv. ``lookahead`` applies to 1F1B (see
+    `DEFAULT_LOOKAHEAD`); ``recv_window`` bounds the receives posted ahead
     (default: all of a pass).
     """
 
@@ -193,18 +193,16 @@ class StageExecutor:
         num_stages: int,
         device: torch.device,
         module: nn.Module,
-        optimizer: torch.optim.Optimizer | None,
-        lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+        update: WeightUpdate,
+        split: SplitBackward | None = None,
         mailbox: Mailbox,
         control: StepControl,
         stream: DataStream,
-        tied: TiedWeights | None = None,
         replicas: Replicas | None = None,
         place: Place | None = None,
         shapes: ShapeTable,
         chunks: Sequence[nn.Module] | None = None,
         train: Reader | None,
-        evaluations: Sequence[EvalSet] = (),
         recv_window: int | None = None,
         lookahead: int = DEFAULT_LOOKAHEAD,
     ) -> None:
@@ -217,59 +215,30 @@ class StageExecutor:
         self.V = len(self.chunks)
         self.place = place or Place(stage, 0, num_stages, 1)
         kind = parse_schedule(job.schedule)
-        ids = [model_chunk(kind, stage, num_stages, v) for v in range(self.V)]
-        count = num_stages * self.V
-        # Which of ours read the inputs, compute the loss.
-        self._first = [c == 0 for c in ids]
-        self._last = [c == count - 1 for c in ids]
-        self.last = any(self._last)
+        self.routes = ChunkRoutes.of(kind, self.place, self.V)
+        self.last = any(self.routes.last)
         """This stage computes the loss (the last one, under every schedule)."""
-        # Where each chunk's input comes from and its output goes: (global rank,
-        # receiving chunk) of the neighbouring model chunks, None at the model's
-        # ends; this process's own rank means a hand-off in memory.
-        self._prev: list[tuple[int, int] | None] = [
-            None if c == 0 else self._at(chunk_place(kind, num_stages, c - 1)) for c in ids
-        ]
-        self._next: list[tuple[int, int] | None] = [
-            None if c == count - 1 else self._at(chunk_place(kind, num_stages, c + 1)) for c in ids
-        ]
         # Hand-offs in memory, by receiving chunk: activations and gradients in
         # microbatch order.
-        self._handed_acts: list[deque[list[torch.Tensor]]] = [deque() for _ in ids]
-        self._handed_grads: list[deque[list[torch.Tensor]]] = [deque() for _ in ids]
-        self.optimizer = optimizer
-        self.lr_scheduler = lr_scheduler
+        self._handed_acts: list[deque[list[torch.Tensor]]] = [deque() for _ in range(self.V)]
+        self._handed_grads: list[deque[list[torch.Tensor]]] = [deque() for _ in range(self.V)]
+        self.update = update
+        self.optimizer = update.optimizer
+        self.lr_scheduler = update.lr_scheduler
+        self.scaler = update.scaler
         self.mailbox = mailbox
         self.control = control
-        self.tied = tied if tied else None
         self.replicas = replicas
-        self.scaler = LossScaler() if job.precision == "fp16" else None
-        """Dynamic loss scale (fp16); the skip decision is the global norm's, so every
-        stage skips the same steps."""
-        self._skipped = False
         self.stream = stream
         self.shapes = shapes
         self.train = train
-        self.evaluations = list(evaluations)
-        self.eval_batches_done = 0
-        """Batches of the evaluation in progress finished on this stage (read by the
-        actor's heartbeats from another thread: a plain int, replaced, never mutated)."""
         self.M = job.num_microbatches
         self.recv_window = recv_window or self.M
-        self.params = [p for p in module.parameters() if p.requires_grad]
         self.stop_requested = False
         """Set (from another thread) when this process got SIGTERM/SIGINT."""
 
         self.lookahead = 0 if kind is Schedule.GPIPE else lookahead
-        self._split = None
-        if kind.splits_backward:
-            # A chunk whose input takes no gradient has no I to do: its layers stay as they are.
-            takes_grad = [
-                any(act.carries_grad for act, _ in shapes.chunk_specs(v)) for v in range(self.V)
-            ]
-            self._split = SplitBackward(
-                module, [c for c, grad in zip(self.chunks, takes_grad, strict=True) if grad]
-            )
+        self._split = split
         program = build_schedule(
             job.schedule,
             stage,
@@ -288,7 +257,6 @@ class StageExecutor:
         self._last_backward = backwards[-1] if backwards and self.V == 1 else -1
         """The microbatch whose backward ends the pass: the one the reducer is armed for
         (with one chunk; several chunks average their gradients at `ReduceGrads`)."""
-        self._average_at_reduce = self._split is not None or self.V > 1
         self._final_pass = False
         self._eval_programs: dict[int, _Program] = {}
         self._loss_scale = 1.0 / (self.M * job.grad_accum)
@@ -304,16 +272,8 @@ class StageExecutor:
         self._forward_s = 0.0
         self._backward_s = 0.0
         self._loss_sum: torch.Tensor | None = None
-        self._metric_objects = MetricObjects(job, device)
         self._tally: EvalTally | None = None
         self._training = True
-
-    def _at(self, where: tuple[int, int]) -> tuple[int, int]:
-        stage, chunk = where
-        return self.place.rank_of(stage), chunk
-
-    def _local(self, peer: tuple[int, int] | None) -> bool:
-        return peer is not None and peer[0] == self.place.rank
 
     # ------------------------------------------------------------ compilation
 
@@ -362,17 +322,17 @@ class StageExecutor:
             for handler, microbatch, chunk in self._pass_program:
                 handler(microbatch, chunk)
         self._final_pass = False
-        self._reduce_grads()
+        self._wait(self.update.reduce_grads(), "reduce")
         lr = float(self.optimizer.param_groups[0]["lr"]) if self.optimizer is not None else None
         local_loss = None
         if self.last and self._loss_sum is not None:
             local_loss = float(self._loss_sum) / (self.M * self.job.grad_accum)
-        control = self._optimizer_step(local_loss)
+        control, timed = self.update.step(local_loss, self.stop_requested)
+        self._wait(timed, "control")
         drain_start, drain_end = self.mailbox.drain_sends()
         if self._spans is not None and drain_end - drain_start > 1e-4:
             self._spans.append(Span("wait", -1, drain_start, drain_end, "send"))
         self._end_pass()
-        skipped, self._skipped = self._skipped, False
         return StepStats(
             step=step,
             loss=control.loss if self.last else None,
@@ -386,7 +346,7 @@ class StageExecutor:
             comm_wait_s=self.mailbox.reset_wait(),
             control=control,
             spans=self._spans or [],
-            skipped=skipped,
+            skipped=self.update.skipped,
         )
 
     def _bind_device(self) -> None:
@@ -395,82 +355,13 @@ class StageExecutor:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
 
-    def _reduce_grads(self) -> None:
-        """`ReduceGrads`: the replicas' average is in (DDP finalized it at the end of
-        the last backward) or, with a split backward or several chunks, taken here;
-        sum the tied weights' gradients over their stages."""
-        average = self._average_at_reduce and self.replicas is not None
-        if self.tied is None and not average:
+    def _wait(self, timed: Timed | None, op: str) -> None:
+        """Count a wait at the end of the step, and record its span."""
+        if timed is None:
             return
-        start = time.perf_counter()
-        if average:
-            assert self.replicas is not None
-            self.replicas.average_grads(self.params)
-        if self.tied is not None:
-            self.tied.reduce_grads()
-        end = time.perf_counter()
-        self.mailbox.wait_s += end - start
+        self.mailbox.wait_s += timed.waited
         if self._spans is not None:
-            self._spans.append(Span("wait", -1, start, end, "reduce"))
-
-    def _optimizer_step(self, local_loss: float | None) -> ControlResult:
-        """The step boundary: control exchange, clipping, optimizer and scheduler.
-
-        ``local_loss`` is this replica's step loss (last stage only); the
-        exchange returns the mean over the replicas.
-        """
-        grads = [p.grad for p in self.params if p.grad is not None]
-        if self.scaler is not None and grads:
-            self.scaler.unscale_(grads)
-        counted = grads
-        if self.tied is not None:
-            excluded = self.tied.norm_excluded
-            counted = [p.grad for p in self.params if p.grad is not None and id(p) not in excluded]
-        sq_norm = 0.0
-        # The replicas hold the same averaged gradients: replica 0 counts them once.
-        if counted and self.place.replica == 0:
-            norms = torch._foreach_norm(counted)
-            sq_norm = float(torch.stack(norms).double().square().sum())
-        loss_share = 0.0 if local_loss is None else local_loss / self.place.replicas
-        clip: _GradClip = self.job.grad_clip
-        start = time.perf_counter()
-        exchange = self.control.start(sq_norm, self.stop_requested, loss_share)
-        if clip is None and self.scaler is None:
-            # Nothing here needs the global norm: overlap the exchange's
-            # latency with the optimizer step.
-            self._apply_optimizer()
-            wait_start = time.perf_counter()
-            result = exchange.finish()
-            end = time.perf_counter()
-            self.mailbox.wait_s += end - wait_start
-        else:
-            result = exchange.finish()
-            end = time.perf_counter()
-            self.mailbox.wait_s += end - start
-            norm = result.grad_norm
-            if self.scaler is not None and self.scaler.update(not math.isfinite(norm)):
-                # Overflow on some stage: every stage drops this step's gradients.
-                self._skipped = True
-                if self.optimizer is not None:
-                    self.optimizer.zero_grad(set_to_none=True)
-                if self.lr_scheduler is not None:
-                    self.lr_scheduler.step()
-                return result
-            if clip is not None and grads and math.isfinite(norm):
-                coef = clip / (norm + 1e-6)
-                if coef < 1.0:
-                    torch._foreach_mul_(grads, coef)
-            self._apply_optimizer()
-        if self._spans is not None:
-            self._spans.append(Span("wait", -1, start, end, "control"))
-        return result
-
-    def _apply_optimizer(self) -> None:
-        if self.optimizer is not None:
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.step()
+            self._spans.append(Span("wait", -1, timed.start, timed.end, op))
 
     # ------------------------------------------------------------------ passes
 
@@ -478,7 +369,7 @@ class StageExecutor:
         n = len(sizes)
         self._n = n
         start = time.perf_counter()
-        ids = self.shapes.pass_ids(sizes, self._batch_x if any(self._first) else None)
+        ids = self.shapes.pass_ids(sizes, self._batch_x if any(self.routes.first) else None)
         if self._spans is not None and self.shapes.varying:
             self._spans.append(Span("wait", -1, start, time.perf_counter(), "shapes"))
         specs = [self.shapes.specs(v, i) for v in range(self.V) for i in ids]
@@ -489,8 +380,8 @@ class StageExecutor:
         for v in range(self.V):
             self._handed_acts[v].clear()
             self._handed_grads[v].clear()
-            peer = self._prev[v]
-            if peer is not None and not self._local(peer):
+            peer = self.routes.prev[v]
+            if peer is not None and not self.routes.local(peer):
                 for m in range(window):
                     k = v * n + m
                     self._slots[k].recv_act = self.mailbox.post_recv_activation(
@@ -506,8 +397,8 @@ class StageExecutor:
         self._grads_posted = True
         n = self._n
         for v in range(self.V):
-            peer = self._next[v]
-            if peer is None or self._local(peer):
+            peer = self.routes.next[v]
+            if peer is None or self.routes.local(peer):
                 continue
             for m in range(min(self.recv_window, n)):
                 spec = self._slots[v * n + m].out_spec
@@ -532,18 +423,18 @@ class StageExecutor:
 
     def _load(self, m: int, v: int) -> None:
         slot = self._slots[v * self._n + m]
-        if self._first[v]:
+        if self.routes.first[v]:
             slot.input = self._batch_x[m]
-        if self._last[v]:
+        if self.routes.last[v]:
             slot.target = self._batch_y[m]
 
     def _recv_activation(self, m: int, v: int) -> None:
         n = self._n
         k = v * n + m
         slot = self._slots[k]
-        peer = self._prev[v]
+        peer = self.routes.prev[v]
         assert peer is not None
-        if self._local(peer):
+        if self.routes.local(peer):
             leaves = self._handed_acts[v].popleft()
         else:
             pending = slot.recv_act
@@ -567,7 +458,7 @@ class StageExecutor:
     def _forward(self, m: int, v: int) -> None:
         slot = self._slots[v * self._n + m]
         x, slot.input = slot.input, None
-        last = self._last[v]
+        last = self.routes.last[v]
         start = time.perf_counter()
         # One chunk goes through DDP's wrapper (its reducer is armed by hand);
         # several chunks are their layers, averaged at ReduceGrads instead.
@@ -591,35 +482,20 @@ class StageExecutor:
                 assert self._tally is not None
                 self._tally.add(out, slot.target, slot.size)
         else:
-            slot.outputs = self._output_leaves(out, m, slot.out_spec)
+            assert slot.out_spec is not None
+            where = f"stage {self.stage} output of microbatch {m}"
+            slot.outputs = slot.out_spec.leaves_of(out, where)
         end = time.perf_counter()
         self._forward_s += end - start
         if self._spans is not None:
             self._spans.append(Span("forward", self._mb_offset + m, start, end, "", v))
 
-    def _output_leaves(self, out: Any, m: int, spec: BoundarySpec | None) -> list[torch.Tensor]:
-        """The leaves of output ``m``, checked against the spec agreed for its shape."""
-        _tree, leaves = flatten(out, f"stage {self.stage}")
-        assert spec is not None
-        if len(leaves) != len(spec.leaves) or any(
-            t.shape != s.shape or t.dtype != s.dtype
-            for t, s in zip(leaves, spec.leaves, strict=False)
-        ):
-            got = [(tuple(t.shape), t.dtype) for t in leaves]
-            want = [(s.shape, s.dtype) for s in spec.leaves]
-            raise RuntimeError(
-                f"stage {self.stage} output of microbatch {m} has leaves {got}, but {want} "
-                "were agreed for its input: a stage's output structure, shapes and dtypes "
-                "may depend only on the shapes of the data, not on its values"
-            )
-        return leaves
-
     def _send_activation(self, m: int, v: int) -> None:
         slot = self._slots[v * self._n + m]
         leaves, spec = slot.outputs, slot.out_spec
-        peer = self._next[v]
+        peer = self.routes.next[v]
         assert leaves is not None and spec is not None and peer is not None
-        if self._local(peer):
+        if self.routes.local(peer):
             # What a receive would give: new leaves, without this chunk's history
             # (the shared version counter still catches an in-place change).
             self._handed_acts[peer[1]].append([t.detach() for t in leaves])
@@ -639,9 +515,9 @@ class StageExecutor:
         n = self._n
         k = v * n + m
         slot = self._slots[k]
-        peer = self._next[v]
+        peer = self.routes.next[v]
         assert peer is not None
-        if self._local(peer):
+        if self.routes.local(peer):
             spec = slot.out_spec
             slot.grads = self._handed_grads[v].popleft() if spec and spec.carries_grad else None
             return
@@ -664,7 +540,7 @@ class StageExecutor:
         """What microbatch ``m``'s backward starts from: the scaled loss (last
         chunk), or the outputs that take a gradient with the gradients received."""
         slot = self._slots[v * self._n + m]
-        if self._last[v]:
+        if self.routes.last[v]:
             loss, slot.loss = slot.loss, None
             assert loss is not None
             scale = self._loss_scale * (self.scaler.scale if self.scaler is not None else 1.0)
@@ -718,60 +594,46 @@ class StageExecutor:
     def _send_grad(self, m: int, v: int) -> None:
         slot = self._slots[v * self._n + m]
         leaves, slot.in_leaves = slot.in_leaves, None
-        peer = self._prev[v]
+        peer = self.routes.prev[v]
         if not leaves or peer is None:
             return
         grads = [x.grad if x.grad is not None else torch.zeros_like(x) for x in leaves]
-        if self._local(peer):
+        if self.routes.local(peer):
             self._handed_grads[peer[1]].append(grads)
         else:
             self.mailbox.send_grad(grads, *peer)
 
     # -------------------------------------------------------------- evaluation
 
-    def evaluate(self, index: int = 0) -> EvalStats:
-        """One forward-only pass over eval set ``index`` in ``eval()`` mode without grad.
-
-        Every sample is read once (see `evtrain.data.eval_microbatches`); on
-        the last stage ``loss`` and the plain metrics are means over the set
-        weighted by `Job.eval_weight`, metric objects are computed once.
-        """
-        start = time.perf_counter()
+    @contextlib.contextmanager
+    def forward_only(self) -> Iterator[None]:
+        """Forward-only passes (`forward_pass`) in ``eval()`` mode without grad."""
         self._bind_device()
-        evaluation = self.evaluations[index]
-        num_samples = evaluation.num_samples
-        plan = eval_microbatches(num_samples, self.job.effective_eval_batch_size, self.M)
         self._training = False
         self._spans = None
-        self._tally = None
-        if self.last:
-            objects = self._metric_objects.fresh(evaluation.name)
-            self._tally = EvalTally(job=self.job, device=self.device, objects=objects)
-        self.eval_batches_done = 0
         was_training = self.module.training
         # The chunks too: a model= stage's chunks are views with containers of their own.
         for module in (self.module, *self.chunks):
             module.eval()
         try:
             with torch.no_grad():
-                for batch in plan:
-                    self._eval_batch(batch, evaluation.reader)
-                    self.eval_batches_done += 1
+                yield
             self.mailbox.drain_sends()
         finally:
             self._training = True
+            self._tally = None
             for module in (self.module, *self.chunks):
                 module.train(was_training)
             self._end_pass()
-        metrics: dict[str, float] = {}
-        if self.last and num_samples:
-            assert self._tally is not None
-            metrics = self._tally.results()
-        self.mailbox.reset_wait()
-        return EvalStats(metrics, num_samples, len(plan), time.perf_counter() - start)
+            self.mailbox.reset_wait()
 
-    def _eval_batch(self, batch: Sequence[range], reader: Reader | None) -> None:
+    def forward_pass(
+        self, batch: Sequence[range], reader: Reader | None, tally: EvalTally | None
+    ) -> None:
+        """One eval batch through this stage (inside `forward_only`): its microbatches
+        are ``batch``'s rows, read by ``reader``; the last stage adds them to ``tally``."""
         self._mb_offset = 0
+        self._tally = tally
         self._batch_x = []
         self._batch_y = []
         if reader is not None:

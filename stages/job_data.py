@@ -20,8 +20,8 @@ from torch.utils.data import IterableDataset
 from evtrain.data import DataStream
 from evtrain.errors import SpecError
 from evtrain.job import Job
-from evtrain.stages.boundary import map_tensors
 from evtrain.stages.loading import first_samples, first_streamed
+from evtrain.stages.pytree import map_tensors
 
 __all__ = ["JobData", "TensorPair", "job_data"]
 

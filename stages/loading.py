@@ -37,7 +37,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, defa
 
 from evtrain.data import DataStream, derive_seed
 from evtrain.errors import SpecError
-from evtrain.stages.boundary import map_tensors, take
+from evtrain.stages.pytree import map_tensors, take
 
 if TYPE_CHECKING:
     from evtrain.stages.job_data import JobData

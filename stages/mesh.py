@@ -39,7 +39,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-__all__ = ["Place", "StageGroups", "build_groups"]
+from evtrain.schedule_names import Schedule
+from evtrain.stages.schedules import chunk_place, model_chunk
+
+__all__ = ["ChunkRoutes", "Place", "StageGroups", "build_groups"]
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,48 @@ class Place:
     def next(self) -> int | None:
         """Global rank of the next stage of this replica (None on the last stage)."""
         return self.rank_of(self.stage + 1) if self.stage < self.num_stages - 1 else None
+
+
+Peer = tuple[int, int]
+"""(global rank, local chunk) of a neighbouring model chunk."""
+
+
+@dataclass(frozen=True)
+class ChunkRoutes:
+    """Where each of a process's model chunks takes its input from and sends its output
+    to: the neighbouring model chunks' `Peer`, None at the model's ends. A peer on
+    this process's own rank is a hand-off in memory (zbv's turn on stage 0)."""
+
+    rank: int
+    first: tuple[bool, ...]
+    """Per local chunk: it reads the model's inputs."""
+    last: tuple[bool, ...]
+    """Per local chunk: it computes the loss."""
+    prev: tuple[Peer | None, ...]
+    next: tuple[Peer | None, ...]
+
+    @classmethod
+    def of(cls, schedule: Schedule, place: Place, virtual_stages: int) -> ChunkRoutes:
+        P, V = place.num_stages, virtual_stages
+        ids = [model_chunk(schedule, place.stage, P, v) for v in range(V)]
+
+        def peer(chunk: int) -> Peer | None:
+            if not 0 <= chunk < P * V:
+                return None
+            stage, local = chunk_place(schedule, P, chunk)
+            return place.rank_of(stage), local
+
+        return cls(
+            rank=place.rank,
+            first=tuple(c == 0 for c in ids),
+            last=tuple(c == P * V - 1 for c in ids),
+            prev=tuple(peer(c - 1) for c in ids),
+            next=tuple(peer(c + 1) for c in ids),
+        )
+
+    def local(self, peer: Peer | None) -> bool:
+        """Whether ``peer`` is a chunk of this process (a hand-off in memory)."""
+        return peer is not None and peer[0] == self.rank
 
 
 @dataclass

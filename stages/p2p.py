@@ -8,7 +8,7 @@ a second TCP connection per direction helps (measured: docs/benchmarks.md,
 directions on separate communicators/streams, which is what lets receives be
 posted far ahead without blocking sends queued behind them.
 
-What crosses a boundary is a pytree of tensors (`evtrain.stages.boundary`).
+What crosses a boundary is a pytree of tensors (`evtrain.stages.pytree`).
 Its structure, shapes and dtypes are agreed once per shape of the data,
 without pickling (`exchange_shapes`; which shapes, and when,
 `evtrain.stages.shapes`): stage 0 derives its input specs from the data, and
@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from evtrain.stages.boundary import (
+from evtrain.stages.pytree import (
     BoundarySpec,
     TensorSpec,
     call,

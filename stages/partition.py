@@ -5,7 +5,7 @@ between:
 
 * ``Job.layers``: unit i is layer i, built by its factory; the stage module
   (`StageModule`) chains its layers by the calling convention of
-  `evtrain.stages.boundary`.
+  `evtrain.stages.pytree`.
 * ``Job.model``: the units are the model's submodules in registration order,
   with ``nn.ModuleList`` and ``nn.ModuleDict`` containers expanded into their
   items, recursively (nanoGPT's ``GPT``: ``transformer.wte``,
@@ -59,8 +59,8 @@ from evtrain.checkpoint.state_tree import set_stage_aliases
 from evtrain.data import derive_seed
 from evtrain.errors import SpecError
 from evtrain.job import Job, LayerFactory
-from evtrain.stages.boundary import call, map_tensors, spec_of
 from evtrain.stages.job_data import job_data
+from evtrain.stages.pytree import call, map_tensors, spec_of
 from evtrain.stages.schedules import chunk_place
 from evtrain.stages.standins import (
     Absent,
@@ -665,7 +665,7 @@ class StageModule(nn.ModuleDict):
     as with ``nn.Sequential``, iterating yields the layers and ``module[3]``
     is layer 3.
     ``forward`` gives its arguments to the first layer and chains the others
-    by the calling convention (`evtrain.stages.boundary.call`).
+    by the calling convention (`evtrain.stages.pytree.call`).
     """
 
     def __init__(self, layers: Mapping[int, nn.Module]) -> None:

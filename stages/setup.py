@@ -38,11 +38,13 @@ from evtrain.checkpoint.writer import ShardWriter
 from evtrain.data import derive_seed, eval_microbatches
 from evtrain.events import Event
 from evtrain.job import Job
-from evtrain.stages.boundary import BoundarySpec
+from evtrain.reporting import Reporter
+from evtrain.schedule_names import parse_schedule
+from evtrain.stages.backward import SplitBackward
 from evtrain.stages.checkpointing import StageCheckpointing
 from evtrain.stages.control import StepControl
 from evtrain.stages.data_parallel import Replicas
-from evtrain.stages.evaluation import EvalSet
+from evtrain.stages.evaluation import EvalSet, StageEvaluator
 from evtrain.stages.executor import StageExecutor
 from evtrain.stages.job_data import job_data
 from evtrain.stages.loading import make_reader
@@ -57,10 +59,12 @@ from evtrain.stages.partition import (
     stage_units,
     tied_groups,
 )
-from evtrain.stages.precision import autocast, checkpoint_layer, compile_module
+from evtrain.stages.precision import LossScaler, autocast, checkpoint_layer, compile_module
+from evtrain.stages.pytree import BoundarySpec
 from evtrain.stages.schedules import chunk_place, model_chunk
 from evtrain.stages.shapes import ChunkSpecs, ShapeTable
 from evtrain.stages.tied import TiedWeights
+from evtrain.stages.update import WeightUpdate
 
 if TYPE_CHECKING:  # the worker starts the actor, which calls this module
     from evtrain.stages.worker import WorkerConfig
@@ -108,6 +112,7 @@ class StageRuntime:
     job: Job
     parts: StageParts
     executor: StageExecutor
+    evaluator: StageEvaluator
     orders: Orders
     checkpointing: StageCheckpointing
     total_steps: int
@@ -187,7 +192,11 @@ def build_stage(
 
 
 def prepare_stage(
-    job: Job, parts: StageParts, config: WorkerConfig, publish: Callable[[Event], None]
+    job: Job,
+    parts: StageParts,
+    config: WorkerConfig,
+    publish: Callable[[Event], None],
+    reporter: Reporter,
 ) -> StageRuntime:
     """Load data, agree on boundary shapes, build the optimizer and executor, restore
     (blocking, collective)."""
@@ -223,24 +232,50 @@ def prepare_stage(
     params = [p for p in module.parameters() if p.requires_grad]
     optimizer = job.optimizer(params) if params else None
     scheduler = data.build_scheduler(optimizer) if optimizer is not None else None
+    split = None
+    if parse_schedule(job.schedule).splits_backward:
+        # A chunk whose input takes no gradient has no I to do: its layers stay as they are.
+        takes_grad = [any(act.carries_grad for act, _ in shapes.chunk_specs(v)) for v in range(V)]
+        split = SplitBackward(
+            module, [c for c, grad in zip(parts.chunks, takes_grad, strict=True) if grad]
+        )
+    update = WeightUpdate(
+        params=params,
+        optimizer=optimizer,
+        lr_scheduler=scheduler,
+        scaler=LossScaler() if job.precision == "fp16" else None,
+        control=parts.control,
+        place=place,
+        grad_clip=job.grad_clip,
+        tied=parts.tied or None,
+        replicas=parts.replicas,
+        # The replicas average at ReduceGrads rather than in DDP's last backward.
+        average_at_reduce=split is not None or V > 1,
+    )
     executor = StageExecutor(
         job=job,
         stage=place.stage,
         num_stages=P,
         device=device,
         module=module,
-        optimizer=optimizer,
-        lr_scheduler=scheduler,
+        update=update,
+        split=split,
         mailbox=parts.mailbox,
         control=parts.control,
-        tied=parts.tied,
         replicas=parts.replicas,
         place=place,
         stream=stream,
         shapes=shapes,
         chunks=parts.chunks,
         train=train_reader,
-        evaluations=evaluations,
+    )
+    evaluator = StageEvaluator(
+        executor=executor,
+        sets=evaluations,
+        last=last,
+        replica=place.replica,
+        publish=publish,
+        reporter=reporter,
     )
     writer = None
     if not config.evaluate_only and place.replica == 0:
@@ -259,7 +294,7 @@ def prepare_stage(
         batches_per_epoch=stream.batches_per_epoch,
     )
     start_step = _restore(job, place, module, executor, config)
-    return StageRuntime(job, parts, executor, orders, checkpointing, total, start_step)
+    return StageRuntime(job, parts, executor, evaluator, orders, checkpointing, total, start_step)
 
 
 def _agree(

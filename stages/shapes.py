@@ -24,8 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from evtrain.stages.boundary import BoundarySpec, TensorSpec, flatten
 from evtrain.stages.p2p import posted
+from evtrain.stages.pytree import BoundarySpec, TensorSpec, flatten
 
 __all__ = ["Agree", "ChunkSpecs", "ShapeTable", "data_spec"]
 

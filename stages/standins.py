@@ -8,7 +8,7 @@ memory. A stage that is not the last ends its forward where the model first
 calls a unit of a later stage, and sends on its *boundary value*: the model's
 inputs and every unit output of the forward so far, each leaf either a tensor
 that a later stage needs or a StandIn, which crosses as its shape alone
-(`evtrain.stages.boundary`).
+(`evtrain.stages.pytree`).
 
 Which leaves a stage needs is found once, from one traced forward of the
 whole model (`trace_forward`): every leaf of the model's inputs and of each
@@ -42,7 +42,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from evtrain.errors import SpecError
-from evtrain.stages.boundary import (
+from evtrain.stages.pytree import (
     READS,
     SHAPE_ONLY,
     StandIn,
@@ -143,7 +143,7 @@ class _Sources(TorchFunctionMode):
 
 
 def as_inputs(value: Any) -> dict[str, Any]:
-    """A model's inputs as the executor passes them (`evtrain.stages.boundary.call`)."""
+    """A model's inputs as the executor passes them (`evtrain.stages.pytree.call`)."""
     if isinstance(value, tuple | list):
         return {"a": list(value), "k": {}}
     if isinstance(value, dict):

@@ -3,7 +3,7 @@
 `survey` runs the units in pipeline order on meta tensors — shapes and dtypes
 only, nothing allocated, so a model of any size costs milliseconds per unit —
 passing each output to the next unit by the stage boundary's calling
-convention (`evtrain.stages.boundary.call`). Per unit it records
+convention (`evtrain.stages.pytree.call`). Per unit it records
 
 * the parameter count (a Parameter shared by several units counted once, at
   the first unit that holds it);
@@ -39,7 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from evtrain.errors import SpecError
-from evtrain.stages.boundary import BoundarySpec, call, flatten, spec_of
+from evtrain.stages.pytree import BoundarySpec, call, flatten, spec_of
 
 __all__ = [
     "ELEMENT_FLOPS",

@@ -50,6 +50,7 @@ from evtrain.exporters import MetricsLog, PrometheusExporter
 from evtrain.exporters.metrics_log import eval_record
 from evtrain.hooks.checkpoint import CheckpointHook
 from evtrain.hooks.early_stopping import EarlyStopping
+from evtrain.hooks.hook import Hook
 from evtrain.job import Job, accuracy, layer, metric
 from evtrain.launcher import check_monitored_metric
 from evtrain.progress import RunConsole
@@ -523,6 +524,16 @@ def test_a_hook_watching_an_unprefixed_name_of_named_sets_is_a_spec_error() -> N
         check_monitored_metric(named, EarlyStopping())
     check_monitored_metric(named, CheckpointHook(best_metric="val/accuracy"))
     check_monitored_metric(make_job(eval_data=(x, y)), CheckpointHook(best_metric="loss"))
+
+    class Watcher(Hook):
+        """A hook of the user's own that says which metric it acts on."""
+
+        def watched_metric(self) -> tuple[str, str] | None:
+            return "threshold_of", "accuracy"
+
+    with pytest.raises(SpecError, match=r"hook watcher: threshold_of 'accuracy' is reported"):
+        check_monitored_metric(named, Watcher())
+    check_monitored_metric(named, Hook())  # watches nothing
 
 
 def _replayed(hook: Any, events: list[Message]) -> None:

@@ -25,7 +25,6 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from evtrain.job import Job
-from evtrain.stages.boundary import call
 from evtrain.stages.job_data import job_data
 from evtrain.stages.partition import (
     KeptItems,
@@ -35,6 +34,7 @@ from evtrain.stages.partition import (
     plan_split,
     unit_names,
 )
+from evtrain.stages.pytree import call
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

@@ -32,6 +32,7 @@ from deploy_helpers import compose_config, exporter_exposition
 
 from evtrain.cli import COMMANDS, build_parser
 from evtrain.events import MESSAGE_TYPES, Message
+from evtrain.exporters.prometheus_catalogue import CATALOGUE
 from evtrain.job import Job
 from evtrain.spec import OVERRIDES
 
@@ -342,6 +343,15 @@ def test_metrics_table_lists_every_exposed_family() -> None:
         f"not exposed: {sorted(dict(listed).keys() - set(exposed))}, "
         f"wrong type: {sorted(n for n, t in listed if n in exposed and exposed[n] != t)}"
     )
+
+
+def test_metrics_table_is_the_catalogue() -> None:
+    expected = [
+        f"| `{m.exposed}` | {m.kind} | {', '.join(m.labels) or '-'} | {m.meaning} |"
+        for m in CATALOGUE
+    ]
+    rows = [line for line in section("Metrics").splitlines() if line.startswith("| `")]
+    assert rows == expected, "the table should read:\n" + "\n".join(expected)
 
 
 def test_cli_table_lists_every_subcommand() -> None:

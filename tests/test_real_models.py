@@ -23,10 +23,10 @@ from evtrain.data import DataStream
 from evtrain.errors import SpecError
 from evtrain.job import Job
 from evtrain.spec import load_job
-from evtrain.stages.boundary import call, split, take
 from evtrain.stages.job_data import job_data
 from evtrain.stages.partition import build_full_model, partition, plan_split
 from evtrain.stages.precision import LossScaler, autocast
+from evtrain.stages.pytree import call, split, take
 
 pytestmark = pytest.mark.slow
 

@@ -19,9 +19,9 @@ from evtrain.checkpoint import latest_committed
 from evtrain.data import DataStream, eval_microbatches
 from evtrain.job import Job
 from evtrain.spec import load_job
-from evtrain.stages.boundary import call, split
 from evtrain.stages.loading import split_sample
 from evtrain.stages.partition import build_full_model
+from evtrain.stages.pytree import call, split
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow

@@ -22,7 +22,6 @@ from test_real_models import ATOL, dumped, launch, reference
 from evtrain.errors import SpecError
 from evtrain.job import Job
 from evtrain.spec import load_job
-from evtrain.stages.boundary import StandInUsed, call, flatten, stand_in, unflatten
 from evtrain.stages.job_data import job_data
 from evtrain.stages.partition import (
     _model_costs,
@@ -37,6 +36,7 @@ from evtrain.stages.partition import (
     unit_names,
 )
 from evtrain.stages.precision import autocast, checkpoint_layer
+from evtrain.stages.pytree import StandInUsed, call, flatten, stand_in, unflatten
 from evtrain.stages.schedules import model_chunk
 from evtrain.stages.survey import SurveyUnavailable
 

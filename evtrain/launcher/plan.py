@@ -37,8 +37,7 @@ from evtrain.checkpoint import (
     read_manifest,
 )
 from evtrain.errors import SpecError, UsageError
-from evtrain.hooks.checkpoint import CheckpointHook
-from evtrain.hooks.early_stopping import EarlyStopping
+from evtrain.hooks.hook import Hook
 from evtrain.hooks.loader import build_hook_from_spec
 from evtrain.launcher.options import (
     EVAL_FILE,
@@ -290,19 +289,17 @@ class LaunchPlan:
     """Problems found while preparing that do not stop the launch (printed with the header)."""
 
 
-def check_monitored_metric(job: Any, hook: Any) -> None:
+def check_monitored_metric(job: Any, hook: Hook) -> None:
     """A hook that watches an eval metric by a name that named eval sets never report.
 
     With named sets every name carries its set's prefix: ``accuracy`` would
     never arrive (a checkpoint hook would save no best checkpoint, early
     stopping would never stop), so it is a mistake in the spec.
     """
-    if isinstance(hook, CheckpointHook):
-        option, name = "best_metric", hook.best_metric
-    elif isinstance(hook, EarlyStopping):
-        option, name = "metric", hook.metric
-    else:
+    watched = hook.watched_metric()
+    if watched is None:
         return
+    option, name = watched
     sets = [s for s in job.eval_sets if s]
     if name is None or not sets or name not in ("loss", *job.metrics):
         return
@@ -342,7 +339,7 @@ def make_plan(options: LaunchOptions, purpose: Purpose) -> LaunchPlan:
     if purpose.starts_hooks(opts):
         for spec in job.hook_specs:
             hook = build_hook_from_spec(spec)  # UsageError naming the hook and option
-            plan.checkpointing = plan.checkpointing or isinstance(hook, CheckpointHook)
+            plan.checkpointing = plan.checkpointing or hook.plans_checkpoints
             check_monitored_metric(job, hook)
     _resolve_paths(plan, opts)
     return plan

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from evtrain.errors import SpecError
-from evtrain.stages.boundary import (
+from evtrain.stages.pytree import (
     BoundarySpec,
     TensorSpec,
     call,
@@ -61,7 +61,7 @@ def test_split_cuts_every_leaf() -> None:
     assert parts[0]["mask"].shape == (4, 3)
 
 
-def test_boundary_spec_knows_when_gradients_flow() -> None:
+def test_pytree_spec_knows_when_gradients_flow() -> None:
     ints = BoundarySpec(0, (TensorSpec((2,), torch.int64),))
     assert not ints.carries_grad
 

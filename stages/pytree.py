@@ -245,6 +245,23 @@ class BoundarySpec:
     def carries_grad(self) -> bool:
         return any(leaf.carries_grad for leaf in self.leaves)
 
+    def leaves_of(self, value: Any, where: str) -> list[torch.Tensor]:
+        """``value``'s leaves, checked against this spec (`RuntimeError` naming
+        ``where`` when the structure, a shape or a dtype differs)."""
+        _tree, leaves = flatten(value, where)
+        if len(leaves) != len(self.leaves) or any(
+            t.shape != s.shape or t.dtype != s.dtype
+            for t, s in zip(leaves, self.leaves, strict=False)
+        ):
+            got = [(tuple(t.shape), t.dtype) for t in leaves]
+            want = [(s.shape, s.dtype) for s in self.leaves]
+            raise RuntimeError(
+                f"{where} has leaves {got}, but {want} were agreed for its input: a stage's "
+                "output structure, shapes and dtypes may depend only on the shapes of the "
+                "data, not on its values"
+            )
+        return leaves
+
     def to_json(self) -> Any:
         return {
             "tree": self.tree,

@@ -1,0 +1,143 @@
+"""The end of a training step on one stage: its gradients made final, the step's
+control exchange, loss scaling, clipping by the global norm, the optimizer and
+the LR scheduler.
+
+`WeightUpdate` runs the executor's last two instructions, `ReduceGrads` and
+`OptimizerStep`. The global gradient norm and the fp16 skip decision come from
+the control exchange (`evtrain.stages.control`), so every stage clips by the
+same norm and skips the same steps.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from evtrain.stages.control import ControlResult, StepControl
+from evtrain.stages.data_parallel import Replicas
+from evtrain.stages.mesh import Place
+from evtrain.stages.precision import LossScaler
+from evtrain.stages.tied import TiedWeights
+
+__all__ = ["Timed", "WeightUpdate"]
+
+
+@dataclass(frozen=True)
+class Timed:
+    """A wait at the end of a step: its span (perf_counter seconds) and the time blocked."""
+
+    start: float
+    end: float
+    waited: float
+
+
+class WeightUpdate:
+    """Reduce a stage's gradients and apply them (see the module docstring).
+
+    ``average_at_reduce``: the replicas' gradients are averaged at
+    `reduce_grads` (a split backward, or several chunks) rather than by DDP
+    at the end of the last backward. ``scaler``: fp16's dynamic loss scale.
+    """
+
+    def __init__(
+        self,
+        *,
+        params: Sequence[nn.Parameter],
+        optimizer: torch.optim.Optimizer | None,
+        lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+        scaler: LossScaler | None,
+        control: StepControl,
+        place: Place,
+        grad_clip: float | None,
+        tied: TiedWeights | None,
+        replicas: Replicas | None,
+        average_at_reduce: bool,
+    ) -> None:
+        self.params = list(params)
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.scaler = scaler
+        self.control = control
+        self.place = place
+        self.grad_clip = grad_clip
+        self.tied = tied
+        self.replicas = replicas
+        self._average = average_at_reduce and replicas is not None
+        self.skipped = False
+        """fp16: the last step overflowed somewhere in the pipeline and was dropped."""
+
+    def reduce_grads(self) -> Timed | None:
+        """`ReduceGrads`: the replicas' average (when not DDP's) and the tied weights'
+        sum over their stages; None when there is nothing to reduce."""
+        if self.tied is None and not self._average:
+            return None
+        start = time.perf_counter()
+        if self._average:
+            assert self.replicas is not None
+            self.replicas.average_grads(self.params)
+        if self.tied is not None:
+            self.tied.reduce_grads()
+        end = time.perf_counter()
+        return Timed(start, end, end - start)
+
+    def step(self, local_loss: float | None, stop_requested: bool) -> tuple[ControlResult, Timed]:
+        """`OptimizerStep`: the control exchange, then scaling, clipping, the optimizer
+        and the scheduler.
+
+        ``local_loss`` is this replica's step loss (last stage only); the
+        exchange returns the mean over the replicas.
+        """
+        self.skipped = False
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if self.scaler is not None and grads:
+            self.scaler.unscale_(grads)
+        counted = grads
+        if self.tied is not None:
+            excluded = self.tied.norm_excluded
+            counted = [p.grad for p in self.params if p.grad is not None and id(p) not in excluded]
+        sq_norm = 0.0
+        # The replicas hold the same averaged gradients: replica 0 counts them once.
+        if counted and self.place.replica == 0:
+            norms = torch._foreach_norm(counted)
+            sq_norm = float(torch.stack(norms).double().square().sum())
+        loss_share = 0.0 if local_loss is None else local_loss / self.place.replicas
+        start = time.perf_counter()
+        exchange = self.control.start(sq_norm, stop_requested, loss_share)
+        if self.grad_clip is None and self.scaler is None:
+            # Nothing here needs the global norm: overlap the exchange's
+            # latency with the optimizer step.
+            self._apply()
+            wait_start = time.perf_counter()
+            result = exchange.finish()
+            end = time.perf_counter()
+            return result, Timed(start, end, end - wait_start)
+        result = exchange.finish()
+        end = time.perf_counter()
+        timed = Timed(start, end, end - start)
+        norm = result.grad_norm
+        if self.scaler is not None and self.scaler.update(not math.isfinite(norm)):
+            # Overflow on some stage: every stage drops this step's gradients.
+            self.skipped = True
+            if self.optimizer is not None:
+                self.optimizer.zero_grad(set_to_none=True)
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+            return result, timed
+        if self.grad_clip is not None and grads and math.isfinite(norm):
+            coef = self.grad_clip / (norm + 1e-6)
+            if coef < 1.0:
+                torch._foreach_mul_(grads, coef)
+        self._apply()
+        return result, timed
+
+    def _apply(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
