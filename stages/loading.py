@@ -29,6 +29,7 @@ from __future__ import annotations
 import itertools
 import random
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -46,6 +47,7 @@ __all__ = [
     "LoaderReader",
     "MemoryReader",
     "Reader",
+    "ReaderOptions",
     "StreamReader",
     "first_samples",
     "first_streamed",
@@ -104,29 +106,45 @@ def _worker_options(options: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-class Reader:
-    """What one stage reads; ``inputs``/``targets`` say which half it keeps.
+@dataclass(frozen=True)
+class ReaderOptions:
+    """What every reader of a stage shares.
 
+    ``inputs``/``targets`` say which half of the samples it keeps (the first
+    stage the inputs, the last the targets), moved to ``device``.
     ``replica`` of ``replicas`` (data parallelism) takes its contiguous share
     of every training batch: samples ``[r*B/D, (r+1)*B/D)`` of the batch's
     ``B``. The shares are a pure function of the batch, like the batch itself,
-    so a resume at another D reads the same global batches.
+    so a resume at another D reads the same global batches. The rest is for
+    the DataLoader readers: the job's ``seed``, its `Job.data_loader`
+    options and its `Job.input_keys`/`Job.target_keys`.
     """
 
-    def __init__(
-        self,
-        *,
-        inputs: bool,
-        targets: bool,
-        device: torch.device,
-        replica: int = 0,
-        replicas: int = 1,
-    ) -> None:
-        self.inputs = inputs
-        self.targets = targets
-        self.device = device
-        self.replica = replica
-        self.replicas = replicas
+    inputs: bool
+    targets: bool
+    device: torch.device
+    replica: int = 0
+    replicas: int = 1
+    seed: int = 0
+    loader: Mapping[str, Any] = field(default_factory=dict)
+    input_keys: str | Sequence[str] | None = None
+    target_keys: str | Sequence[str] | None = None
+
+    def split(self, sample: Any) -> tuple[Any, Any]:
+        """``(inputs, targets)`` of a collated sample (`split_sample`)."""
+        return split_sample(sample, self.input_keys, self.target_keys)
+
+
+class Reader:
+    """What one stage reads (`ReaderOptions`)."""
+
+    def __init__(self, options: ReaderOptions) -> None:
+        self.options = options
+        self.inputs = options.inputs
+        self.targets = options.targets
+        self.device = options.device
+        self.replica = options.replica
+        self.replicas = options.replicas
 
     def _share(self, batch_size: int) -> slice:
         """The rows of a training batch of ``batch_size`` that this replica reads."""
@@ -155,19 +173,9 @@ class MemoryReader(Reader):
     """Rows of stacked tensors (`evtrain.stages.job_data.TensorPair`)."""
 
     def __init__(
-        self,
-        pair: Any,
-        *,
-        inputs: bool,
-        targets: bool,
-        device: torch.device,
-        stream: DataStream | None = None,
-        replica: int = 0,
-        replicas: int = 1,
+        self, pair: Any, options: ReaderOptions, *, stream: DataStream | None = None
     ) -> None:
-        super().__init__(
-            inputs=inputs, targets=targets, device=device, replica=replica, replicas=replicas
-        )
+        super().__init__(options)
         self.pair = pair
         self.stream = stream
 
@@ -261,27 +269,14 @@ class LoaderReader(Reader):
     def __init__(
         self,
         dataset: Any,
+        options: ReaderOptions,
         *,
-        seed: int,
-        options: Mapping[str, Any],
-        input_keys: str | Sequence[str] | None,
-        target_keys: str | Sequence[str] | None,
-        inputs: bool,
-        targets: bool,
-        device: torch.device,
         stream: DataStream | None = None,
         eval_plan: Sequence[Sequence[range]] = (),
-        replica: int = 0,
-        replicas: int = 1,
     ) -> None:
-        super().__init__(
-            inputs=inputs, targets=targets, device=device, replica=replica, replicas=replicas
-        )
+        super().__init__(options)
         self.dataset = dataset
-        self.seed = seed
-        self.options = _worker_options(options)
-        self.input_keys = input_keys
-        self.target_keys = target_keys
+        self.loader_options = _worker_options(options.loader)
         self.stream = stream
         self.eval_plan = [r for batch in eval_plan for r in batch]
         self._train: Iterator[Any] | None = None
@@ -291,9 +286,9 @@ class LoaderReader(Reader):
 
     def _loader(self, kind: str, batches: Iterator[list[tuple[int, int]]]) -> Iterator[Any]:
         loader = DataLoader(
-            _SeededSamples(self.dataset, self.seed, kind),
+            _SeededSamples(self.dataset, self.options.seed, kind),
             batch_sampler=_Batches(batches),
-            **self.options,
+            **self.loader_options,
         )
         return iter(loader)
 
@@ -310,7 +305,7 @@ class LoaderReader(Reader):
         if self._train is None or batch_index != self._next_batch:
             self._train = self._loader("sample", self._train_batches(batch_index))
         self._next_batch = batch_index + 1
-        return self._keep(*split_sample(next(self._train), self.input_keys, self.target_keys))
+        return self._keep(*self.options.split(next(self._train)))
 
     def rows(self, rows: range) -> tuple[Any, Any]:
         if rows.start == 0 or self._eval is None:
@@ -322,7 +317,7 @@ class LoaderReader(Reader):
         if want != rows:
             raise RuntimeError(f"evaluation rows {rows} read out of order (expected {want})")
         self._next_rows += 1
-        return self._keep(*split_sample(next(self._eval), self.input_keys, self.target_keys))
+        return self._keep(*self.options.split(next(self._eval)))
 
     def close(self) -> None:
         """Stop the workers (they also stop with the process)."""
@@ -369,30 +364,12 @@ class StreamReader(Reader):
     yields the same order at a fixed ``num_workers``.
     """
 
-    def __init__(
-        self,
-        dataset: Any,
-        *,
-        seed: int,
-        batch_size: int,
-        options: Mapping[str, Any],
-        input_keys: str | Sequence[str] | None,
-        target_keys: str | Sequence[str] | None,
-        inputs: bool,
-        targets: bool,
-        device: torch.device,
-        replica: int = 0,
-        replicas: int = 1,
-    ) -> None:
-        super().__init__(
-            inputs=inputs, targets=targets, device=device, replica=replica, replicas=replicas
-        )
+    def __init__(self, dataset: Any, options: ReaderOptions, *, batch_size: int) -> None:
+        super().__init__(options)
         self.dataset = dataset
-        self.seed = seed
+        self.seed = options.seed
         self.batch_size = batch_size
-        self.options = _worker_options(options)
-        self.input_keys = input_keys
-        self.target_keys = target_keys
+        self.loader_options = _worker_options(options.loader)
         self._batches: Iterator[Any] | None = None
         self._next = -1
 
@@ -404,7 +381,7 @@ class StreamReader(Reader):
                 batch_size=self.batch_size,
                 drop_last=True,
                 generator=generator,
-                **self.options,
+                **self.loader_options,
             )
             empty = True
             for batch in _OwnRng(iter(loader), derive_seed(self.seed, "pass-main", number)):
@@ -430,7 +407,7 @@ class StreamReader(Reader):
             # and keeps its share.
             rows = self._share(self.batch_size)
             batch = map_tensors(lambda t: t[rows], batch)
-        return self._keep(*split_sample(batch, self.input_keys, self.target_keys))
+        return self._keep(*self.options.split(batch))
 
     def rows(self, rows: range) -> tuple[Any, Any]:
         raise TypeError("an iterable data set is not evaluated")
@@ -492,23 +469,22 @@ def make_reader(
     if not (first or last):
         return None
     job = data.job
-    share: dict[str, int] = (
-        {"replica": replica, "replicas": job.data_parallel} if kind == "train" else {}
-    )
-    if job.data_loader is None:
-        pair = data.train_tensors() if kind == "train" else data.eval_tensors(eval_set)
-        return MemoryReader(pair, inputs=first, targets=last, device=device, stream=stream, **share)
-    dataset = data.train_dataset() if kind == "train" else data.eval_dataset(eval_set)
-    common: dict[str, Any] = dict(
-        seed=job.seed,
-        options=job.data_loader,
-        input_keys=job.input_keys,
-        target_keys=job.target_keys,
+    train = kind == "train"
+    options = ReaderOptions(
         inputs=first,
         targets=last,
         device=device,
-        **share,
+        replica=replica if train else 0,
+        replicas=job.data_parallel if train else 1,
+        seed=job.seed,
+        loader=job.data_loader or {},
+        input_keys=job.input_keys,
+        target_keys=job.target_keys,
     )
+    if job.data_loader is None:
+        pair = data.train_tensors() if train else data.eval_tensors(eval_set)
+        return MemoryReader(pair, options, stream=stream)
+    dataset = data.train_dataset() if train else data.eval_dataset(eval_set)
     if isinstance(dataset, IterableDataset):
-        return StreamReader(dataset, batch_size=job.batch_size, **common)
-    return LoaderReader(dataset, stream=stream, eval_plan=eval_plan, **common)
+        return StreamReader(dataset, options, batch_size=job.batch_size)
+    return LoaderReader(dataset, options, stream=stream, eval_plan=eval_plan)

@@ -202,23 +202,35 @@ class Stream(torch.utils.data.IterableDataset[dict[str, torch.Tensor]]):
 @pytest.mark.parametrize("kind", ["memory", "map-style", "iterable"])
 def test_replicas_read_disjoint_shares_that_make_up_the_batch(kind: str) -> None:
     from evtrain.data import DataStream
-    from evtrain.stages.loading import LoaderReader, MemoryReader, Reader, StreamReader
+    from evtrain.stages.loading import (
+        LoaderReader,
+        MemoryReader,
+        Reader,
+        ReaderOptions,
+        StreamReader,
+    )
 
     stream = DataStream(64, 16, seed=3)
     cpu = torch.device("cpu")
 
     def reader(replica: int, replicas: int) -> Reader:
-        common: dict[str, Any] = dict(
-            inputs=True, targets=True, device=cpu, replica=replica, replicas=replicas
+        options = ReaderOptions(
+            inputs=True,
+            targets=True,
+            device=cpu,
+            replica=replica,
+            replicas=replicas,
+            seed=3,
+            input_keys=None if kind == "memory" else "x",
+            target_keys=None if kind == "memory" else "y",
         )
         if kind == "memory":
             data = torch.arange(64.0).unsqueeze(1)
             pair = type("Pair", (), {"inputs": data, "targets": data * data})()
-            return MemoryReader(pair, stream=stream, **common)
-        keys = {"seed": 3, "options": {}, "input_keys": "x", "target_keys": "y"}
+            return MemoryReader(pair, options, stream=stream)
         if kind == "map-style":
-            return LoaderReader(Numbers(), stream=stream, **keys, **common)
-        return StreamReader(Stream(), batch_size=16, **keys, **common)
+            return LoaderReader(Numbers(), options, stream=stream)
+        return StreamReader(Stream(), options, batch_size=16)
 
     whole = reader(0, 1)
     halves = [reader(0, 2), reader(1, 2)]
