@@ -27,8 +27,9 @@ What the work itself produced is reported by its own events
 not by the acknowledgement. Commands that arrive after a run's final boundary
 are neither applied nor acknowledged: the issuer's wait times out.
 
-Retries. The issuer (`evtrain.hooks.runner.HookRunner.send_command`)
-publishes the command again every second until every stage acknowledged it.
+Retries. The issuer publishes the command again every `RETRY_S` until every
+stage acknowledged it (`Delivery` keeps that account, for a hook's
+`evtrain.hooks.runner.HookRunner.send_command` and the launcher's stop alike).
 Stage 0 hands repeats on like new commands; each stage's `CommandLedger`
 applies one ``command_id`` once and answers a repeat with the acknowledgement
 it already gave, so an acknowledgement lost on the way is healed by the next
@@ -50,9 +51,12 @@ from evtrain.bus.security import CurveConfig
 from evtrain.errors import UsageError
 from evtrain.events import Command, CommandAcked, DecodeError, decode
 
-__all__ = ["DROP_FIRST_ACK_ENV", "CommandLedger", "CommandReceiver"]
+__all__ = ["DROP_FIRST_ACK_ENV", "RETRY_S", "CommandLedger", "CommandReceiver", "Delivery"]
 
 log = structlog.get_logger("evtrain.bus.commands")
+
+RETRY_S = 1.0
+"""Seconds between two publications of a command that a stage has not acknowledged."""
 
 SEEN_LIMIT = 4096
 """Command ids a ledger remembers (retries come within seconds; ids are never reused)."""
@@ -202,3 +206,37 @@ class CommandLedger:
     def _publish(self, acked: CommandAcked) -> None:
         if self.publisher is not None:
             self.publisher.publish(acked)
+
+
+class Delivery:
+    """The issuer's account of one command: which stages acknowledged it and whether
+    it is time to publish it again (no clock, no socket: the issuer feeds both)."""
+
+    def __init__(self, wanted: int, retry_s: float = RETRY_S) -> None:
+        self.wanted = wanted
+        """Acknowledgements needed: one per stage."""
+        self.retry_s = retry_s
+        self.stages: set[int] = set()
+        self._sent_at: float | None = None
+
+    @property
+    def done(self) -> bool:
+        return len(self.stages) >= self.wanted
+
+    def sent(self, now: float) -> None:
+        """The command was published at ``now``."""
+        self._sent_at = now
+
+    def acknowledged(self, stage: int) -> bool:
+        """``stage`` acknowledged the command; whether that is news (a stage applies a
+        command once and answers every repeat with the same acknowledgement)."""
+        if stage in self.stages:
+            return False
+        self.stages.add(stage)
+        return True
+
+    def due(self, now: float) -> bool:
+        """Whether to publish the command (again) at ``now``."""
+        if self.done:
+            return False
+        return self._sent_at is None or now - self._sent_at >= self.retry_s

@@ -45,6 +45,7 @@ import anyio.lowlevel
 import structlog
 
 from evtrain.bus.address import BusAddress
+from evtrain.bus.commands import Delivery
 from evtrain.bus.publisher import Publisher
 from evtrain.bus.security import CurveConfig
 from evtrain.bus.state_service import fetch_snapshot
@@ -128,7 +129,7 @@ class HookRunner:
         self._publisher: Publisher | None = None
         self._command_publisher: Publisher | None = None
         self._subscriber: Subscriber | None = None
-        self._pending: dict[str, tuple[anyio.Event, list[CommandAcked], int]] = {}
+        self._pending: dict[str, tuple[anyio.Event, Delivery, list[CommandAcked]]] = {}
         self._reported_gaps = 0
         self._last_gap_report = -GAP_REPORT_INTERVAL
         self._errors = RateLimitedLog(
@@ -180,22 +181,21 @@ class HookRunner:
             self._command_publisher = Publisher(
                 self.address.endpoint("commands_in"), source=f"hook/{self.name}", curve=self._curve
             )
-        wanted = acks or self.state.num_stages or 1
+        delivery = Delivery(acks or self.state.num_stages or 1, self._retry_interval)
         done = anyio.Event()
         received: list[CommandAcked] = []
-        self._pending[command.command_id] = (done, received, wanted)
+        self._pending[command.command_id] = (done, delivery, received)
         try:
             with anyio.fail_after(timeout):
-                while True:
+                while not delivery.done:
                     self._command_publisher.publish(command)
-                    with anyio.move_on_after(self._retry_interval):
+                    with anyio.move_on_after(delivery.retry_s):
                         await done.wait()
-                    if done.is_set():
-                        return received
+                return received
         except TimeoutError:
             raise CommandTimeout(
-                f"{command.topic.decode()} {command.command_id}: {len(received)} of {wanted} "
-                f"acknowledgements within {timeout:g} s"
+                f"{command.topic.decode()} {command.command_id}: {len(received)} of "
+                f"{delivery.wanted} acknowledgements within {timeout:g} s"
             ) from None
         finally:
             self._pending.pop(command.command_id, None)
@@ -366,10 +366,10 @@ class HookRunner:
         pending = self._pending.get(ack.command_id)
         if pending is None:
             return
-        done, received, wanted = pending
-        if all(seen.stage != ack.stage for seen in received):
+        done, delivery, received = pending
+        if delivery.acknowledged(ack.stage):
             received.append(ack)
-        if len(received) >= wanted:
+        if delivery.done:
             done.set()
 
     def _report_gaps(self, force: bool = False) -> None:

@@ -26,7 +26,7 @@ from bus_procs import SCRIPT, Buses, Lines, connect, env_with_tests, rss_bytes, 
 
 from evtrain.bus.address import BusAddress
 from evtrain.bus.broker import Broker, fetch_stats
-from evtrain.bus.commands import CommandLedger, CommandReceiver
+from evtrain.bus.commands import CommandLedger, CommandReceiver, Delivery
 from evtrain.bus.limits import MAX_FRAME_BYTES, STATE_REPLIES_QUEUED, TOPICS, socket_limit
 from evtrain.bus.publisher import Publisher
 from evtrain.bus.security import (
@@ -981,3 +981,15 @@ def test_the_state_service_keeps_replica_0s_step_of_each_stage(ipc_bus: BusAddre
         until(lambda: any(isinstance(m, RunEnded) for m in snapshot()))
         steps = [(m.stage, m.replica, m.step) for m in snapshot() if isinstance(m, StepEnded)]
         assert steps == [(1, 0, 5)]
+
+
+def test_a_delivery_is_due_until_every_stage_acknowledged_once() -> None:
+    delivery = Delivery(wanted=2, retry_s=1.0)
+    assert delivery.due(0.0)
+    delivery.sent(0.0)
+    assert not delivery.due(0.5) and delivery.due(1.0)
+    assert delivery.acknowledged(1) and not delivery.acknowledged(1)  # a repeat is no news
+    delivery.sent(1.0)
+    assert delivery.due(2.5) and not delivery.done
+    assert delivery.acknowledged(0) and delivery.done
+    assert not delivery.due(10.0)

@@ -13,9 +13,9 @@ import threading
 import anyio
 import pytest
 
+from evtrain.bus.commands import RETRY_S
 from evtrain.launcher.stop import (
     KILL_AFTER_S,
-    STOP_RETRY_S,
     StopAction,
     StopMachine,
     StopRequests,
@@ -54,16 +54,16 @@ def test_the_first_signal_sends_the_stop_command_and_starts_the_grace_period() -
 
 def test_the_command_is_sent_again_until_every_stage_acknowledged_it() -> None:
     machine = started()
-    assert machine.tick(T0 + STOP_RETRY_S / 2, stages=2) is StopAction.NONE
-    later = T0 + STOP_RETRY_S + 0.1
+    assert machine.tick(T0 + RETRY_S / 2, stages=2) is StopAction.NONE
+    later = T0 + RETRY_S + 0.1
     assert machine.tick(later, stages=2) is StopAction.RESEND_STOP
     machine.sent(later)
-    assert machine.tick(later + STOP_RETRY_S / 2, stages=2) is StopAction.NONE
+    assert machine.tick(later + RETRY_S / 2, stages=2) is StopAction.NONE
     machine.acknowledged(0)
     machine.acknowledged(0)  # a stage that acknowledges twice is one stage
-    assert machine.tick(later + 2 * STOP_RETRY_S, stages=2) is StopAction.RESEND_STOP
+    assert machine.tick(later + 2 * RETRY_S, stages=2) is StopAction.RESEND_STOP
     machine.acknowledged(1)
-    assert machine.tick(later + 3 * STOP_RETRY_S, stages=2) is StopAction.NONE
+    assert machine.tick(later + 3 * RETRY_S, stages=2) is StopAction.NONE
     assert machine.phase == 1
 
 
@@ -84,7 +84,7 @@ def test_timeouts_escalate_to_sigterm_then_to_sigkill() -> None:
     assert machine.phase == 2 and machine.workers_ended_by_us
     assert machine.deadline == past_grace + KILL_AFTER_S
     # No stop command is retried once elastic terminates the workers.
-    assert machine.tick(past_grace + 2 * STOP_RETRY_S, stages=2) is StopAction.NONE
+    assert machine.tick(past_grace + 2 * RETRY_S, stages=2) is StopAction.NONE
     past_kill = past_grace + KILL_AFTER_S + 0.1
     assert machine.tick(past_kill, stages=2) is StopAction.KILL
     assert machine.phase == 3 and machine.deadline is None

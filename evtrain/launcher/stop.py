@@ -6,7 +6,8 @@ terminal reaches only the launcher, which orders the shutdown in phases:
 1. the first SIGINT/SIGTERM publishes a `evtrain.events.StopRun` command,
    so every stage ends the run at the same step boundary and returns
    normally (``RunEnded(status="stopped")``, exit status 0); the command is
-   published again every `STOP_RETRY_S` until every stage acknowledged it;
+   published again until every stage acknowledged it
+   (`evtrain.bus.commands.Delivery`);
 2. if the workers have not ended after ``grace_s``, or on a second signal,
    the agent gets SIGTERM and elastic sends SIGTERM to each worker (which
    also stop at a step boundary if they can), then SIGKILL after
@@ -42,10 +43,11 @@ from collections.abc import AsyncIterator
 
 import anyio
 
+from evtrain.bus.commands import Delivery
+
 __all__ = [
     "ELASTIC_SHUTDOWN_S",
     "KILL_AFTER_S",
-    "STOP_RETRY_S",
     "StopAction",
     "StopMachine",
     "StopRequests",
@@ -53,8 +55,6 @@ __all__ = [
 
 ELASTIC_SHUTDOWN_S = 5
 """Seconds elastic gives workers between its SIGTERM and SIGKILL (second stop phase)."""
-STOP_RETRY_S = 1.0
-"""Seconds between two publications of the stop command while a stage has not acknowledged."""
 KILL_AFTER_S = ELASTIC_SHUTDOWN_S + 10
 """Seconds the second phase lasts before the third (elastic's own SIGKILL comes before)."""
 
@@ -99,9 +99,8 @@ class StopMachine:
         """The first signal that arrived (None: no stop was asked for)."""
         self.deadline: float | None = None
         """When the current phase times out and the next begins (None: never)."""
-        self.acks: set[int] = set()
-        """The stages that acknowledged the stop command."""
-        self.sent_at = 0.0
+        self.delivery = Delivery(wanted=1)
+        """The stop command's acknowledgements (`tick` says how many stages there are)."""
 
     @property
     def workers_ended_by_us(self) -> bool:
@@ -139,11 +138,11 @@ class StopMachine:
 
     def sent(self, now: float) -> None:
         """The stop command was published at ``now``."""
-        self.sent_at = now
+        self.delivery.sent(now)
 
     def acknowledged(self, stage: int) -> None:
         """``stage`` acknowledged the stop command (it applies it once, whatever repeats)."""
-        self.acks.add(stage)
+        self.delivery.acknowledged(stage)
 
     def tick(self, now: float, *, stages: int) -> StopAction:
         """Periodically: escalate on timeout, retry the command until ``stages`` acknowledged."""
@@ -152,7 +151,8 @@ class StopMachine:
         if self.deadline is not None and now > self.deadline:
             # Phase 1 only begins on a signal: from here on the phase is >= 2.
             return self.escalate(now, workers_started=True, bus_down=False)
-        if self.phase == 1 and len(self.acks) < stages and now - self.sent_at > STOP_RETRY_S:
+        self.delivery.wanted = stages
+        if self.phase == 1 and self.delivery.due(now):
             return StopAction.RESEND_STOP
         return StopAction.NONE
 
