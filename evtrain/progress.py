@@ -61,7 +61,7 @@ from evtrain.events import (
     StageFailed,
     StepEnded,
 )
-from evtrain.hooks.formatting import fmt_bytes, per_stage, safe_text
+from evtrain.formatting import fmt_bytes, per_stage, safe_text
 from evtrain.logs import LAUNCHER_CONSOLE_ENV, LOG_STREAM
 
 __all__ = [

@@ -179,6 +179,17 @@ class RunState:
         return out
 
 
+def of_run(msg: Message, state: RunState) -> bool:
+    """Whether ``msg`` belongs to the run ``state`` knows.
+
+    Events of another run (late ones of the previous run, or made up) must not
+    end, count towards or otherwise change the current one. Before a run is
+    known every event may be of it, and so is one without a run id (hooks
+    publish theirs without).
+    """
+    return state.run is None or not msg.run_id or msg.run_id == state.run.run_id
+
+
 def _shape_valid(num_stages: int) -> bool:
     return 1 <= num_stages <= MAX_STAGES
 

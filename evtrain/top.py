@@ -72,15 +72,15 @@ from evtrain.events import (
     StageStopped,
     StepEnded,
 )
-from evtrain.hooks.formatting import fmt_bytes, fmt_duration, safe_text
+from evtrain.formatting import fmt_bytes, fmt_duration, safe_text
 from evtrain.hooks.hook import Hook, on
 from evtrain.hooks.runner import HookRunner
-from evtrain.hooks.step_merge import MergedStep, Place, StepMerger, StepWindow, step_problem
 from evtrain.hooks.timer import StageTimes
 from evtrain.logs import LOG_STREAM
 from evtrain.run_state import MAX_PLACES
 from evtrain.schedule_names import Schedule, parse_schedule
 from evtrain.stages.simulator import bubble_fraction
+from evtrain.steps import MergedStep, Place, StepMerger, StepWindow, step_problem
 
 __all__ = ["TopModel", "TopView", "render", "watch"]
 

@@ -39,11 +39,11 @@ from pathlib import Path
 from typing import Any
 
 from evtrain.events import EvalEnded, RunEnded, RunStarted, StepEnded
-from evtrain.hooks.formatting import safe_text
+from evtrain.formatting import safe_text
 from evtrain.hooks.hook import Hook, on
 from evtrain.hooks.options import path_option
 from evtrain.hooks.run_output import JsonLinesFile, RunOutput
-from evtrain.hooks.step_merge import MergedStep, StepMerger
+from evtrain.steps import MergedStep, StepMerger
 
 FILENAME = "metrics.jsonl"
 

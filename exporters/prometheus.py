@@ -98,13 +98,13 @@ from evtrain.events import (
     StepEnded,
 )
 from evtrain.exporters.prometheus_catalogue import Metrics
-from evtrain.hooks.formatting import safe_text
+from evtrain.formatting import safe_text
 from evtrain.hooks.hook import Hook, on
 from evtrain.hooks.options import float_option, int_option, path_option, str_option
 from evtrain.hooks.run_output import RunOutput
-from evtrain.hooks.step_merge import Place, StepCount, place_fields, step_problem
 from evtrain.ratelimit import RateLimitedLog
 from evtrain.run_state import MAX_PLACES, stage_source
+from evtrain.steps import Place, StepCount, place_fields, step_problem
 
 DEFAULT_PORT = 9431
 """Not 9400: NVIDIA's DCGM exporter, common on GPU machines, listens there."""

@@ -32,7 +32,7 @@ from evtrain.events import (
     from_builtins,
     to_builtins,
 )
-from evtrain.hooks.formatting import safe_text
+from evtrain.formatting import safe_text
 from evtrain.hooks.hook import Hook, on
 from evtrain.hooks.options import float_option, path_option
 from evtrain.hooks.run_output import JsonLinesFile, RunOutput

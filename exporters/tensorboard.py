@@ -27,7 +27,7 @@ from evtrain.errors import UsageError
 from evtrain.events import EvalEnded, RunEnded, RunStarted, StepEnded
 from evtrain.hooks.hook import Hook, on
 from evtrain.hooks.options import int_option, path_option
-from evtrain.hooks.step_merge import MergedStep, StepMerger, StepWindow
+from evtrain.steps import MergedStep, StepMerger, StepWindow
 
 DIRNAME = "tensorboard"
 

@@ -43,7 +43,7 @@ from evtrain.events import (
     StepEnded,
 )
 from evtrain.failures import is_communication_error, short_error
-from evtrain.hooks.formatting import (
+from evtrain.formatting import (
     fmt_bytes,
     fmt_duration,
     per_stage,
@@ -53,8 +53,8 @@ from evtrain.hooks.formatting import (
 )
 from evtrain.hooks.hook import EventFilter, Hook, on
 from evtrain.hooks.options import choice_option, int_option, path_option
-from evtrain.hooks.step_merge import MergedStep, StepMerger, StepWindow, place_fields
 from evtrain.logs import LOG_STREAM, launcher_console
+from evtrain.steps import MergedStep, StepMerger, StepWindow, place_fields
 
 LOG_FORMATS = ("console", "json")
 MAX_METRIC_FIELDS = 64

@@ -48,7 +48,7 @@ from evtrain.events import (
     Message,
     StopRun,
 )
-from evtrain.run_state import RunState
+from evtrain.run_state import RunState, of_run
 
 if TYPE_CHECKING:
     from evtrain.hooks.runner import HookRunner
@@ -210,17 +210,6 @@ def on(
         return fn
 
     return mark
-
-
-def of_run(msg: Message, state: RunState) -> bool:
-    """Whether ``msg`` belongs to the run ``state`` knows.
-
-    Events of another run (late ones of the previous run, or made up) must not
-    end, count towards or otherwise change the current one. Before a run is
-    known every event may be of it, and so is one without a run id (hooks
-    publish theirs without).
-    """
-    return state.run is None or not msg.run_id or msg.run_id == state.run.run_id
 
 
 def _snake(name: str) -> str:

@@ -16,7 +16,7 @@ from collections import deque
 from evtrain.events import RunStarted, StepEnded
 from evtrain.hooks.hook import Hook, on
 from evtrain.hooks.options import float_option
-from evtrain.hooks.step_merge import Place, place_fields, step_problem
+from evtrain.steps import Place, place_fields, step_problem
 
 
 class LRMonitor(Hook):

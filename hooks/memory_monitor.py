@@ -12,10 +12,10 @@ name that replica when it is not 0.
 from __future__ import annotations
 
 from evtrain.events import RunEnded, RunStarted, StepEnded
-from evtrain.hooks.formatting import fmt_bytes, per_stage
+from evtrain.formatting import fmt_bytes, per_stage
 from evtrain.hooks.hook import Hook, on
 from evtrain.hooks.options import float_option, size_option
-from evtrain.hooks.step_merge import place_fields, step_problem
+from evtrain.steps import place_fields, step_problem
 
 
 class MemoryMonitor(Hook):

@@ -18,7 +18,7 @@ import msgspec
 import structlog
 
 from evtrain.events import RunStarted
-from evtrain.hooks.formatting import safe_text
+from evtrain.formatting import safe_text
 
 log = structlog.get_logger("evtrain.hooks.run_output")
 

@@ -62,11 +62,11 @@ from evtrain.events import (
     Message,
     RunEnded,
 )
-from evtrain.hooks.formatting import safe_text
-from evtrain.hooks.hook import Accepts, Hook, of_run
+from evtrain.formatting import safe_text
+from evtrain.hooks.hook import Accepts, Hook
 from evtrain.logs import launcher_console
 from evtrain.ratelimit import MAX_KINDS, RateLimitedLog
-from evtrain.run_state import RunState
+from evtrain.run_state import RunState, of_run
 
 log = structlog.get_logger("evtrain.hooks.runner")
 

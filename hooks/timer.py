@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from evtrain.events import RunEnded, RunStarted, StepEnded
 from evtrain.hooks.hook import EventFilter, Hook, on
 from evtrain.hooks.options import int_option
-from evtrain.hooks.step_merge import MergedStep, StepMerger
+from evtrain.steps import MergedStep, StepMerger
 
 
 @dataclass

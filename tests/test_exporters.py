@@ -598,7 +598,7 @@ def test_prometheus_series_of_replicas_follow_the_run() -> None:
 
 def test_prometheus_steps_count_by_bounded_increments_without_a_run() -> None:
     """Without run.started nothing says a number is absurd: its jump counts, bounded."""
-    from evtrain.hooks.step_merge import MAX_STEP_JUMP
+    from evtrain.steps import MAX_STEP_JUMP
 
     steps = [StepEnded(step=k, stage=0, samples=1) for k in (1, 2, 10**12, 3, 4, 5)]
     value = _replay(PrometheusExporter(port=0), _through_schema(*steps))

@@ -28,7 +28,7 @@ from evtrain.events import (
     StepEnded,
 )
 from evtrain.hooks import EventFilter, Hook, HookRunner, on
-from evtrain.hooks.step_merge import MergedStep
+from evtrain.steps import MergedStep
 
 pytestmark = pytest.mark.anyio
 

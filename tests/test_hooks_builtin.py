@@ -402,7 +402,7 @@ def test_lr_monitor_rtol_thins_out_smooth_schedules() -> None:
 
 
 def test_safe_text_shows_control_characters_as_visible_escapes() -> None:
-    from evtrain.hooks.formatting import safe_lines, safe_text
+    from evtrain.formatting import safe_lines, safe_text
 
     assert safe_text("stage/0 loss é 日本") == "stage/0 loss é 日本"
     assert safe_text("\x1b[2J\x1b]0;t\x07\r\n\t\x00\x7f\x9b\u202e") == (
@@ -416,7 +416,7 @@ def test_safe_text_shows_control_characters_as_visible_escapes() -> None:
 def test_number_formatters_take_any_float() -> None:
     import math
 
-    from evtrain.hooks.formatting import fmt_bytes, fmt_duration, short
+    from evtrain.formatting import fmt_bytes, fmt_duration, short
 
     assert fmt_duration(math.inf) == "inf" and fmt_duration(math.nan) == "nan"
     assert fmt_duration(1e300) == "1e+300s" and fmt_duration(83.2) == "0:01:23"
@@ -470,8 +470,8 @@ def test_logging_hook_escapes_event_text_and_prints_nan(tmp_path: Path) -> None:
 
 def test_step_merger_checks_the_run_and_never_freezes() -> None:
     from evtrain.events import StepEnded
-    from evtrain.hooks.step_merge import MAX_STEP_JUMP, StepCount, StepMerger
     from evtrain.run_state import RunState
+    from evtrain.steps import MAX_STEP_JUMP, StepCount, StepMerger
 
     state = RunState()
     merger = StepMerger(lambda: state)
@@ -499,8 +499,8 @@ def test_step_merger_checks_the_run_and_never_freezes() -> None:
 
 def test_step_merger_waits_for_every_replica_and_adds_nothing_up() -> None:
     from evtrain.events import StepEnded
-    from evtrain.hooks.step_merge import StepMerger
     from evtrain.run_state import RunState
+    from evtrain.steps import StepMerger
 
     def event(step: int, stage: int, replica: int, duration: float = 0.1) -> StepEnded:
         loss = 0.5 if stage == 1 else None

@@ -22,7 +22,7 @@ from evtrain.bus.subscriber import Subscriber
 from evtrain.commands.common import add_bus_argument, add_curve_argument, connect_bus, run_async
 from evtrain.errors import UsageError
 from evtrain.events import Message, to_builtins
-from evtrain.hooks.formatting import safe_text
+from evtrain.formatting import safe_text
 
 _ENVELOPE = ("v", "run_id", "source", "seq", "ts", "type")
 

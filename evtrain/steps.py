@@ -41,12 +41,11 @@ from dataclasses import dataclass, field
 import structlog
 
 from evtrain.events import StepEnded
-from evtrain.hooks.formatting import safe_text
-from evtrain.hooks.hook import of_run
+from evtrain.formatting import safe_text
 from evtrain.ratelimit import RateLimitedLog
-from evtrain.run_state import RunState
+from evtrain.run_state import RunState, of_run
 
-log = structlog.get_logger("evtrain.hooks.step_merge")
+log = structlog.get_logger("evtrain.steps")
 
 MAX_STEP_JUMP = 1000
 """Most steps one event may advance a step count by."""
