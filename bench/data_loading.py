@@ -18,7 +18,7 @@ large the file. Three kinds of `evtrain launch` at P=2:
 * ``memory``, the peer: the same model and steps on as many windows of the
   same file stacked in memory (the tensor path, no DataLoader);
 * ``scan``: one epoch over the whole file (windows of 512 KiB, the cheap
-  model of tests/test_streaming.py), so every byte of it passes through
+  model of tests/integration/test_streaming.py), so every byte of it passes through
   each reading stage's workers; its growth after the first `BASELINE_STEP`
   steps is what shows that the memory does not follow the file's size.
 

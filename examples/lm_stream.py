@@ -14,7 +14,7 @@ worker processes: sample ``i`` is the window of `SEQ_LEN` + 1 tokens at
 by one). Only the first stage (inputs) and the last (targets) read the
 files; each reader process opens its own descriptor and reads each window
 with ``pread``, so a file of many GB costs each process no more memory than
-a few batches (tests/test_streaming.py and bench/data_loading.py measure
+a few batches (tests/integration/test_streaming.py and bench/data_loading.py measure
 it).
 
 The model is a decoder in pipeline layers: token and position embeddings,

@@ -104,7 +104,7 @@ def procs() -> Iterator[ProcessGroup]:
 @pytest.fixture
 def marker() -> Iterator[str]:
     """A launch marker; whatever still carries it at teardown is killed."""
-    from launch_helpers import kill_marked, new_marker
+    from helpers.launch_helpers import kill_marked, new_marker
 
     token = new_marker()
     try:
@@ -116,7 +116,7 @@ def marker() -> Iterator[str]:
 @pytest.fixture
 def buses(procs: ProcessGroup) -> Iterator[object]:
     """Start ``evtrain bus`` processes; each is stopped (and its directory gone) after."""
-    from bus_procs import Buses
+    from helpers.bus_procs import Buses
 
     group = Buses(procs)
     try:

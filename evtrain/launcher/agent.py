@@ -41,7 +41,7 @@ Checkpoints need a shared run directory (each stage writes its shard there,
 node 0's coordinator commits them). A failure that ended the run elsewhere
 reaches this node on the bus; its workers, still waiting on the dead peer,
 are killed `evtrain.launcher.watch.FAILED_WORKERS_GRACE_S` later.
-``tests/test_multinode.py`` runs two nodes as network namespaces joined by a
+``tests/integration/test_multinode.py`` runs two nodes as network namespaces joined by a
 veth pair.
 """
 

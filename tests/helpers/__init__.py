@@ -1,0 +1,1 @@
+"""Helpers the test modules share: processes, launches, spec files, example models."""
