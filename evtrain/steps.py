@@ -94,7 +94,7 @@ class StepCount:
         return min(step - latest, MAX_STEP_JUMP)
 
 
-Place = tuple[int, int]
+StageReplica = tuple[int, int]
 """(stage, replica): one stage process of the run."""
 
 
@@ -115,7 +115,7 @@ class MergedStep:
     """
 
     step: int
-    events: dict[Place, StepEnded] = field(default_factory=dict)
+    events: dict[StageReplica, StepEnded] = field(default_factory=dict)
 
     @property
     def stages(self) -> dict[int, StepEnded]:

@@ -80,7 +80,7 @@ from evtrain.logs import LOG_STREAM
 from evtrain.run_state import MAX_PLACES
 from evtrain.schedule_names import Schedule, parse_schedule
 from evtrain.stages.simulator import bubble_fraction
-from evtrain.steps import MergedStep, Place, StepMerger, StepWindow, step_problem
+from evtrain.steps import MergedStep, StageReplica, StepMerger, StepWindow, step_problem
 
 __all__ = ["TopModel", "TopView", "render", "watch"]
 
@@ -238,7 +238,7 @@ class TopModel(Hook):
         self._run_id = run_id
         self._merger.reset()
         self._window = StepWindow(WINDOW)
-        self._stages: dict[Place, _Stage] = {}
+        self._stages: dict[StageReplica, _Stage] = {}
         self._drops: dict[str, int] = {}
         self._gaps: dict[str, int] = {}
         self._commits = 0

@@ -104,7 +104,7 @@ from evtrain.hooks.options import float_option, int_option, path_option, str_opt
 from evtrain.hooks.run_output import RunOutput
 from evtrain.ratelimit import RateLimitedLog
 from evtrain.run_state import MAX_PLACES, stage_source
-from evtrain.steps import Place, StepCount, place_fields, step_problem
+from evtrain.steps import StageReplica, StepCount, place_fields, step_problem
 
 DEFAULT_PORT = 9431
 """Not 9400: NVIDIA's DCGM exporter, common on GPU machines, listens there."""
@@ -131,15 +131,15 @@ class _StageLiveness:
     def __init__(self, stale_after: float) -> None:
         self.stale_after = stale_after
         self._lock = threading.Lock()
-        self._seen: dict[Place, float] = {}
-        self._down: set[Place] = set()
+        self._seen: dict[StageReplica, float] = {}
+        self._down: set[StageReplica] = set()
 
-    def seen(self, place: Place) -> None:
+    def seen(self, place: StageReplica) -> None:
         with self._lock:
             self._seen[place] = time.monotonic()
             self._down.discard(place)
 
-    def down(self, place: Place) -> None:
+    def down(self, place: StageReplica) -> None:
         with self._lock:
             self._down.add(place)
 
@@ -147,12 +147,12 @@ class _StageLiveness:
         with self._lock:
             self._down.update(self._seen)
 
-    def forget(self, place: Place) -> None:
+    def forget(self, place: StageReplica) -> None:
         with self._lock:
             self._seen.pop(place, None)
             self._down.discard(place)
 
-    def up(self, place: Place) -> float:
+    def up(self, place: StageReplica) -> float:
         with self._lock:
             last = self._seen.get(place)
             if last is None or place in self._down:
@@ -270,7 +270,7 @@ class PrometheusExporter(Hook):
         self._steps = StepCount()
         self._run_id: str | None = None
         self._ended_at: float | None = None
-        self._waits: dict[Place, deque[tuple[float, float]]] = {}
+        self._waits: dict[StageReplica, deque[tuple[float, float]]] = {}
         self._metric_names = _Labels()
         self._eval_sets = _Labels()
         self._stages = _Labels()
@@ -279,7 +279,7 @@ class PrometheusExporter(Hook):
         self._hooks = _Labels()
         self._observers: set[str] = set()
         self._gap_pairs: set[tuple[str, str]] = set()
-        self._places: set[Place] = set()
+        self._places: set[StageReplica] = set()
         """(stage, replica) pairs with series."""
         self.not_counted = RateLimitedLog(self.log, "event values not counted")
         self.m = Metrics(self.registry)

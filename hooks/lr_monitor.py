@@ -16,7 +16,7 @@ from collections import deque
 from evtrain.events import RunStarted, StepEnded
 from evtrain.hooks.hook import Hook, on
 from evtrain.hooks.options import float_option
-from evtrain.steps import Place, place_fields, step_problem
+from evtrain.steps import StageReplica, place_fields, step_problem
 
 
 class LRMonitor(Hook):
@@ -40,8 +40,8 @@ class LRMonitor(Hook):
         self._last_line: tuple[int, float] | None = None
         # step -> (stage, replica) -> lr, for the latest few steps: stages report
         # one step at different times, so only the same step's values can be compared.
-        self._by_step: dict[int, dict[Place, float]] = {}
-        self._disagreed: set[Place] = set()
+        self._by_step: dict[int, dict[StageReplica, float]] = {}
+        self._disagreed: set[StageReplica] = set()
 
     @on(RunStarted)
     def run_started(self, ev: RunStarted) -> None:

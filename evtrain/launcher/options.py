@@ -14,9 +14,10 @@ import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from evtrain.errors import UsageError
+from evtrain.job import Job
 
 __all__ = [
     "EVAL_FILE",
@@ -70,7 +71,7 @@ class LaunchOptions:
 
     spec: str
     """Path of the job spec file (with `job`: where the workers rebuild that Job from)."""
-    job: Any = None
+    job: Job | None = None
     """A `evtrain.job.Job` to check before anything starts instead of loading ``spec``
     (`evtrain.api` writes ``spec`` so that the workers rebuild the same Job)."""
     job_source: JobSource | None = None

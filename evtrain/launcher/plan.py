@@ -27,7 +27,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from evtrain.checkpoint import (
     CHECKPOINTS_DIR,
@@ -39,6 +39,7 @@ from evtrain.checkpoint import (
 from evtrain.errors import SpecError, UsageError
 from evtrain.hooks.hook import Hook
 from evtrain.hooks.loader import build_hook_from_spec
+from evtrain.job import Job
 from evtrain.launcher.options import (
     EVAL_FILE,
     EXIT_OK,
@@ -69,7 +70,7 @@ __all__ = [
 ]
 
 
-def world(job: Any) -> str:
+def world(job: Job) -> str:
     """``2 stages`` or ``2 stages x 2 replicas``: the processes of a run."""
     stages = f"{job.stages} stage{'s' if job.stages != 1 else ''}"
     if job.data_parallel == 1:
@@ -101,11 +102,11 @@ class Purpose(ABC):
     def starts_hooks(self, options: LaunchOptions) -> bool:
         """Whether this launch starts the spec's hooks (only the bus owner ever does)."""
 
-    def check_job(self, job: Any) -> None:  # noqa: B027 - most purposes run any job
+    def check_job(self, job: Job) -> None:  # noqa: B027 - most purposes run any job
         """`UsageError` for a job this purpose cannot run."""
 
     @abstractmethod
-    def checkpoint_to_load(self, options: LaunchOptions, job: Any) -> tuple[str | Path | None, str]:
+    def checkpoint_to_load(self, options: LaunchOptions, job: Job) -> tuple[str | Path | None, str]:
         """What the stages load (a checkpoint or a run directory, or None) and its flag."""
 
     @abstractmethod
@@ -121,7 +122,7 @@ class Purpose(ABC):
         """`UsageError` unless this launch may go on in ``run_dir``, which holds a run."""
 
     @abstractmethod
-    def steps(self, job: Any) -> str:
+    def steps(self, job: Job) -> str:
         """How much the header says this launch does."""
 
     @abstractmethod
@@ -143,7 +144,7 @@ class Training(Purpose):
     def starts_hooks(self, options: LaunchOptions) -> bool:
         return options.hooks and is_bus_owner(options)
 
-    def checkpoint_to_load(self, options: LaunchOptions, job: Any) -> tuple[str | Path | None, str]:
+    def checkpoint_to_load(self, options: LaunchOptions, job: Job) -> tuple[str | Path | None, str]:
         if options.resume == RESUME_AUTO:
             run_dir = Path(job.run_dir).expanduser()
             # Only a run directory without any committed (or damaged) checkpoint
@@ -168,6 +169,7 @@ class Training(Purpose):
         job = plan.job
         if (
             plan.resume_path is None
+            or job.max_steps is None
             or job.epochs is not None  # how many steps those are, the stages find out
             or plan.start_step < job.max_steps
         ):
@@ -185,7 +187,7 @@ class Training(Purpose):
                 "--run-dir DIR starts a new run elsewhere"
             )
 
-    def steps(self, job: Any) -> str:
+    def steps(self, job: Job) -> str:
         return f"{job.max_steps} steps" if job.max_steps is not None else f"{job.epochs} epochs"
 
     def source_line(self, plan: LaunchPlan, options: LaunchOptions) -> str | None:
@@ -219,11 +221,11 @@ class Evaluation(Purpose):
         # write into the training run's files.
         return False
 
-    def check_job(self, job: Any) -> None:
+    def check_job(self, job: Job) -> None:
         if job.eval_data is None:
             raise UsageError(f"job {job.name} has no eval_data to evaluate a checkpoint on")
 
-    def checkpoint_to_load(self, options: LaunchOptions, job: Any) -> tuple[str | Path | None, str]:
+    def checkpoint_to_load(self, options: LaunchOptions, job: Job) -> tuple[str | Path | None, str]:
         return self.checkpoint, "--checkpoint"
 
     def own_dir(self, plan: LaunchPlan, run_id: str) -> Path:
@@ -240,7 +242,7 @@ class Evaluation(Purpose):
     def check_used_dir(self, run_dir: Path, options: LaunchOptions) -> None:
         raise UsageError(f"--eval-dir {run_dir} holds {describe_run(run_dir)}")
 
-    def steps(self, job: Any) -> str:
+    def steps(self, job: Job) -> str:
         return "evaluation only"
 
     def source_line(self, plan: LaunchPlan, options: LaunchOptions) -> str | None:
@@ -269,7 +271,7 @@ class LaunchPlan:
     """The launch as decided before anything starts (`make_plan`)."""
 
     purpose: Purpose
-    job: Any
+    job: Job
     """The `evtrain.job.Job` with the overrides applied."""
     split: SplitPlan
     local_addr: str | None = None
@@ -289,7 +291,7 @@ class LaunchPlan:
     """Problems found while preparing that do not stop the launch (printed with the header)."""
 
 
-def check_monitored_metric(job: Any, hook: Hook) -> None:
+def check_monitored_metric(job: Job, hook: Hook) -> None:
     """A hook that watches an eval metric by a name that named eval sets never report.
 
     With named sets every name carries its set's prefix: ``accuracy`` would

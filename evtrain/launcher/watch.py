@@ -58,6 +58,7 @@ from evtrain.failures import (
     find_root_cause,
     is_communication_error,
 )
+from evtrain.job import Job
 from evtrain.launcher.bus import RunBus
 from evtrain.progress import Progress
 from evtrain.stages.worker import StageReport, read_stage_reports
@@ -85,7 +86,7 @@ class FailureWatch:
     """The stages' and the agent's reports of the current attempt, and what failed in it."""
 
     def __init__(
-        self, job: Any, progress: Progress, *, report_dir: Path, agent_report: Path, restarts: int
+        self, job: Job, progress: Progress, *, report_dir: Path, agent_report: Path, restarts: int
     ) -> None:
         self.job = job
         self.progress = progress
