@@ -30,7 +30,7 @@ cut at markers in time order; each phase ends at its marker:
 
 * ``agent spawned`` — the elastic agent's process start (/proc): the launcher
   starts it first thing in ``Launcher.run``, after the CLI's imports, which
-  include torch (``evtrain.commands.launch`` imports ``evtrain.spec``, which
+  include torch (``evtrain.cli.launch`` imports ``evtrain.spec``, which
   imports ``evtrain.job``);
 * ``run dir created`` — ``RUN_DIR/launches`` appears (polled), right after the
   launcher's ``prepare``: spec load and the preflight (split plan on the meta
@@ -177,7 +177,7 @@ ISOLATED = """
 import json, sys, time
 heavy = lambda: [m for m in ("torch", "torch._dynamo", "sympy") if m in sys.modules]
 t0 = time.perf_counter()
-import evtrain.cli, evtrain.commands.launch, evtrain.launcher
+import evtrain.cli, evtrain.cli.launch, evtrain.launcher
 evtrain.cli.build_parser()
 t1 = time.perf_counter()
 h1 = heavy()

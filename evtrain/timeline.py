@@ -24,7 +24,7 @@ at the end of a step is a wait like any other: ``wait reduce``.
 `spans_from_simulation` gives the same spans for a simulated step
 (`evtrain.stages.simulator.SimulationResult`), so the renderer can be
 checked against a timeline known exactly. ``evtrain timeline RUN_DIR`` is the
-command-line front end (`evtrain.commands.timeline`).
+command-line front end (`evtrain.cli.timeline`).
 """
 
 from __future__ import annotations

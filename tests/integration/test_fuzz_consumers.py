@@ -673,7 +673,7 @@ def test_hook_processes_and_evtrain_events_survive_a_hostile_bus(
 
 
 def test_evtrain_events_lines_escape_text_and_stay_strict_json() -> None:
-    from evtrain.commands.events import format_human, format_json
+    from evtrain.cli.events import format_human, format_json
 
     msg = _stamp(
         StepEnded(

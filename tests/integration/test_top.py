@@ -445,7 +445,7 @@ def test_mistakes_are_one_line_and_exit_2(
 
 
 def test_top_of_a_run_directory_takes_the_launchs_curve_keys(tmp_path: Path) -> None:
-    from evtrain.commands.top import bus_of_run_dir
+    from evtrain.cli.top import bus_of_run_dir
     from evtrain.run_record import write_run_record
 
     record = {"status": "running", "bus": "tcp://127.0.0.1:5999", "launcher_pid": os.getpid()}

@@ -17,7 +17,7 @@ from typing import Any
 
 import anyio
 
-from evtrain.commands.common import add_bus_argument, add_curve_argument, connect_bus, run_async
+from evtrain.cli.common import add_bus_argument, add_curve_argument, connect_bus, run_async
 from evtrain.errors import UsageError
 from evtrain.hooks.hook import Hook
 from evtrain.hooks.loader import BUILTIN_HOOKS, build_hook, build_hook_from_spec, parse_options

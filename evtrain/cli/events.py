@@ -19,7 +19,7 @@ from typing import Any
 from evtrain.bus.address import BusAddress
 from evtrain.bus.security import CurveConfig
 from evtrain.bus.subscriber import Subscriber
-from evtrain.commands.common import add_bus_argument, add_curve_argument, connect_bus, run_async
+from evtrain.cli.common import add_bus_argument, add_curve_argument, connect_bus, run_async
 from evtrain.errors import UsageError
 from evtrain.events import Message, to_builtins
 from evtrain.formatting import safe_text

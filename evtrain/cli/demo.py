@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from evtrain.commands.launch import add_launch_arguments, run
+from evtrain.cli.launch import add_launch_arguments, run
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

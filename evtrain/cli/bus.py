@@ -10,10 +10,10 @@ import structlog
 from evtrain.bus.address import BusAddress
 from evtrain.bus.broker import DEFAULT_HWM, Broker
 from evtrain.bus.security import ensure_curve_dir, load_server
-from evtrain.commands.common import add_curve_argument
+from evtrain.cli.common import add_curve_argument
 from evtrain.errors import UsageError
 
-log = structlog.get_logger("evtrain.commands.bus")
+log = structlog.get_logger("evtrain.cli.bus")
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

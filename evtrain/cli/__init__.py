@@ -1,4 +1,4 @@
-"""The ``evtrain`` command line: one subcommand per module in `evtrain.commands`.
+"""The ``evtrain`` command line: one subcommand per module in `evtrain.cli`.
 
 Command modules import heavy dependencies (torch) inside their handlers so that
 ``evtrain bus`` and ``--help`` start fast. The console options (``-q``,
@@ -30,7 +30,7 @@ COMMANDS: tuple[str, ...] = (
     "timeline",
     "top",
 )
-"""Modules of `evtrain.commands`, each with ``register(subparsers)``."""
+"""Modules of `evtrain.cli`, each with ``register(subparsers)``."""
 
 FAST_EXIT_COMMANDS = frozenset({"demo", "eval", "launch"})
 """Commands whose process runs only our code: the console script ends them with
@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_console_options(parser, top=True)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMANDS:
-        importlib.import_module(f"evtrain.commands.{name}").register(sub)
+        importlib.import_module(f"evtrain.cli.{name}").register(sub)
     for command in sub.choices.values():
         add_console_options(command, top=False)
     return parser

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from evtrain.commands.launch import _LaunchParser
+from evtrain.cli.launch import _LaunchParser
 
 
 def register(sub: argparse._SubParsersAction) -> None:

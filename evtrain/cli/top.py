@@ -7,7 +7,7 @@ import functools
 import os
 from pathlib import Path
 
-from evtrain.commands.common import (
+from evtrain.cli.common import (
     BUS_ENV,
     add_bus_argument,
     add_curve_argument,

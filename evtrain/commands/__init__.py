@@ -1,1 +1,0 @@
-"""Subcommands of the ``evtrain`` CLI, one module each (see `evtrain.cli`)."""
