@@ -63,7 +63,7 @@ PROMETHEUS_PORT = int(os.environ.get("EVTRAIN_DEMO_PROMETHEUS_PORT", "9431"))
 """Where the Prometheus exporter serves ``/metrics`` (its default port; 0: any free one)."""
 
 # The one list of hooks the demo starts, by their short names in
-# evtrain.hooks.loader.BUILTIN_HOOKS. Evaluation itself is scheduled by the
+# evtrain.hooks.registry.BUILTIN_HOOKS. Evaluation itself is scheduled by the
 # job's own `eval_every` (so it lands on exact steps, the last one included);
 # the checkpoint coordinator keys its "best" checkpoint on the eval result.
 DEMO_HOOKS: list[dict[str, Any]] = [

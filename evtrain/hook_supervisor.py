@@ -1,7 +1,7 @@
 """Starting and supervising the hook processes a job spec names.
 
 Which hooks share a process (`hook_groups`): every built-in hook of the spec
-(`evtrain.hooks.loader.is_builtin`: ``logging``, ``prometheus``, ... or a class
+(`evtrain.hooks.registry.is_builtin`: ``logging``, ``prometheus``, ... or a class
 of ``evtrain.hooks`` / ``evtrain.exporters``) runs in ONE host process, an
 ``evtrain hook --hooks JSON --bus ADDR --exit-on-run-end`` whose `HookRunner`
 dispatches each event to all of them in ``priority`` order; every other hook
@@ -68,7 +68,7 @@ from typing import Any
 import structlog
 
 from evtrain.bus.address import BusAddress
-from evtrain.hooks.loader import ISOLATE, shares_host
+from evtrain.hooks.registry import ISOLATE, shares_host
 
 __all__ = [
     "HookProcess",

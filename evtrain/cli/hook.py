@@ -20,7 +20,7 @@ import anyio
 from evtrain.cli.common import add_bus_argument, add_curve_argument, connect_bus, run_async
 from evtrain.errors import UsageError
 from evtrain.hooks.hook import Hook
-from evtrain.hooks.loader import BUILTIN_HOOKS, build_hook, build_hook_from_spec, parse_options
+from evtrain.hooks.registry import BUILTIN_HOOKS, build_hook, build_hook_from_spec, parse_options
 from evtrain.hooks.runner import HookRunner
 
 

@@ -6,7 +6,7 @@ import argparse
 
 import anyio
 
-from evtrain.hooks.loader import BUILTIN_HOOKS, build_hook, parse_options
+from evtrain.hooks.registry import BUILTIN_HOOKS, build_hook, parse_options
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

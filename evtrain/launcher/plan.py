@@ -38,7 +38,7 @@ from evtrain.checkpoint import (
 )
 from evtrain.errors import SpecError, UsageError
 from evtrain.hooks.hook import Hook
-from evtrain.hooks.loader import build_hook_from_spec
+from evtrain.hooks.registry import build_hook_from_spec
 from evtrain.job import Job
 from evtrain.launcher.options import (
     EVAL_FILE,

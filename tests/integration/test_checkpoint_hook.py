@@ -29,7 +29,7 @@ from evtrain.checkpoint.loader import read_model_tensors
 from evtrain.data import eval_microbatches
 from evtrain.errors import UsageError
 from evtrain.hooks.checkpoint import CheckpointHook
-from evtrain.hooks.loader import build_hook_from_spec as build_hook
+from evtrain.hooks.registry import build_hook_from_spec as build_hook
 from evtrain.spec import load_job
 from evtrain.stages.job_data import job_data
 from evtrain.stages.partition import build_full_model

@@ -27,7 +27,7 @@ from evtrain.demo import (
     make_job,
 )
 from evtrain.errors import UsageError
-from evtrain.hooks.loader import build_hook_from_spec
+from evtrain.hooks.registry import build_hook_from_spec
 from evtrain.job import Job
 from evtrain.spec import load_job
 from evtrain.stages.job_data import job_data

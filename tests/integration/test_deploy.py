@@ -45,7 +45,7 @@ from evtrain.checkpoint import list_checkpoints
 from evtrain.demo import DEMO_HOOKS, MAX_STEPS
 from evtrain.errors import UsageError
 from evtrain.events import HookStarted
-from evtrain.hooks.loader import build_hook, parse_options
+from evtrain.hooks.registry import build_hook, parse_options
 from evtrain.launcher import Launcher, LaunchOptions
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -21,7 +21,7 @@ from evtrain.bus.publisher import Publisher
 from evtrain.data import microbatches
 from evtrain.errors import UsageError
 from evtrain.events import CommandAcked, StopRun
-from evtrain.hooks.loader import build_hook, build_hook_from_spec
+from evtrain.hooks.registry import build_hook, build_hook_from_spec
 from evtrain.job import Job
 from evtrain.spec import load_job
 from evtrain.stages.job_data import job_data

@@ -43,7 +43,7 @@ from evtrain.events import (
 )
 from evtrain.exporters import EventRecorder, MetricsLog, PrometheusExporter
 from evtrain.exporters.prometheus import _StageLiveness
-from evtrain.hooks.loader import build_hook
+from evtrain.hooks.registry import build_hook
 
 PROMTOOL = shutil.which("promtool")
 

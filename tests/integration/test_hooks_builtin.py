@@ -26,7 +26,7 @@ from evtrain.hooks import (
     MemoryMonitor,
     Timer,
 )
-from evtrain.hooks.loader import BUILTIN_HOOKS, build_hook_from_spec, resolve_hook_class
+from evtrain.hooks.registry import BUILTIN_HOOKS, build_hook_from_spec, resolve_hook_class
 
 MIB = 1024 * 1024
 
