@@ -19,54 +19,15 @@ SPEC_TEMPLATE = '''\
 """A tiny MLP job for the launch tests (generated)."""
 
 import functools
-import os
-import time
+import sys
+
+sys.path.insert(0, {tests_dir!r})
 
 import torch
+from helpers.mlp_parts import Fault, make_data
 from torch import nn
 
 from evtrain.job import Job, layer
-
-
-def make_data(num_samples, offset):
-    gen = torch.Generator().manual_seed(4321 + offset)
-    x = torch.randn(num_samples, 8, generator=gen)
-    y = 0.5 * x[:, :1] + torch.sin(x[:, 1:2]) - 0.25 * x[:, 2:3] * x[:, 3:4]
-    return x, y
-
-
-class Fault(nn.Module):
-    """Identity that raises during training step `fail_at_step` (1-based) and may sleep.
-
-    With `marker` it fails only while the marker file does not exist (and creates it).
-    With `stamp` it writes the wall-clock time of the failure to that file first.
-    """
-
-    def __init__(self, fail_at_step=None, microbatches=4, marker=None, delay=0.0, stamp=None):
-        super().__init__()
-        self.fail_at_step = fail_at_step
-        self.microbatches = microbatches
-        self.marker = marker
-        self.delay = delay
-        self.stamp = stamp
-        self.calls = 0
-
-    def forward(self, x):
-        if self.training:
-            self.calls += 1
-            step = (self.calls - 1) // self.microbatches + 1
-            if self.fail_at_step is not None and step == self.fail_at_step:
-                if self.marker is None or not os.path.exists(self.marker):
-                    if self.marker is not None:
-                        open(self.marker, "w").close()
-                    if self.stamp is not None:
-                        with open(self.stamp, "w") as fh:
-                            fh.write(repr(time.time()))
-                    raise RuntimeError(f"injected failure at step {{step}}")
-        if self.delay:
-            time.sleep(self.delay)
-        return x
-
 
 job = Job(
     name="launchtest",
@@ -100,35 +61,15 @@ EVAL_SPEC_TEMPLATE = '''\
 """A small MLP with eval data and an extra metric (generated)."""
 
 import functools
-import time
+import sys
+
+sys.path.insert(0, {tests_dir!r})
 
 import torch
+from helpers.mlp_parts import Slow, mae, make_data
 from torch import nn
 
 from evtrain.job import Job, layer
-
-
-def make_data(num_samples, offset):
-    gen = torch.Generator().manual_seed(4321 + offset)
-    x = torch.randn(num_samples, 8, generator=gen)
-    y = 0.5 * x[:, :1] + torch.sin(x[:, 1:2]) - 0.25 * x[:, 2:3] * x[:, 3:4]
-    return x, y
-
-
-class Slow(nn.Module):
-    def __init__(self, delay):
-        super().__init__()
-        self.delay = delay
-
-    def forward(self, x):
-        if self.training and self.delay:
-            time.sleep(self.delay)
-        return x
-
-
-def mae(output, target):
-    return (output - target).abs().mean()
-
 
 job = Job(
     name={name!r},
@@ -173,7 +114,12 @@ def write_eval_spec(
     path = directory / "spec.py"
     path.write_text(
         EVAL_SPEC_TEMPLATE.format(
-            steps=steps, hooks=hooks, delay=delay, name=name, run_dir=str(directory / "run")
+            tests_dir=str(TESTS_DIR),
+            steps=steps,
+            hooks=hooks,
+            delay=delay,
+            name=name,
+            run_dir=str(directory / "run"),
         )
     )
     return path
@@ -196,7 +142,7 @@ def write_spec(directory: Path, name: str = "spec.py", **fields: Any) -> Path:
     )
     values.update(fields)
     path = directory / name
-    path.write_text(SPEC_TEMPLATE.format(**values))
+    path.write_text(SPEC_TEMPLATE.format(tests_dir=str(TESTS_DIR), **values))
     return path
 
 

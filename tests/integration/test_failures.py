@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import mlp_parts
 from helpers.launch_helpers import (
     launch_env,
     read_records,
@@ -162,12 +163,15 @@ def test_a_layer_that_raises_is_named_once_with_the_users_line(tmp_path: Path, m
     assert not leftovers
     assert took < 8, f"the launch ended {took:.1f} s after the stage failed"
 
+    parts = Path(mlp_parts.__file__).resolve()  # where the spec's failing layer lives
     line = next(
-        i for i, text in enumerate(spec.read_text().splitlines(), 1) if "raise Runtime" in text
+        i for i, text in enumerate(parts.read_text().splitlines(), 1) if "raise Runtime" in text
     )
+    # Paths under the working directory are shown relative to it.
+    shown = parts.relative_to(Path.cwd()) if parts.is_relative_to(Path.cwd()) else parts
     headline = (
         "evtrain launch: error: stage 1 failed at step 3: RuntimeError: injected failure at "
-        f"step 3 ({spec}:{line} in forward)"
+        f"step 3 ({shown}:{line} in forward)"
     )
     assert _errors(proc.stderr) == [headline], proc.stderr
     output = proc.stdout + proc.stderr

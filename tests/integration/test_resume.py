@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.launch_helpers import launch_cmd, launch_env, new_marker, run_launch
+from helpers.launch_helpers import TESTS_DIR, launch_cmd, launch_env, new_marker, run_launch
 from safetensors.torch import load_file
 
 from evtrain.checkpoint import MANIFEST_FILE, latest_committed, list_checkpoints
@@ -26,39 +26,15 @@ SPEC = '''\
 """A tiny MLP job for the resume tests (generated)."""
 
 import functools
-import os
-import time
+import sys
+
+sys.path.insert(0, {tests_dir!r})
 
 import torch
+from helpers.mlp_parts import Slow, make_data
 from torch import nn
 
 from evtrain.job import Job, layer
-
-
-def make_data(num_samples, offset):
-    gen = torch.Generator().manual_seed(4321 + offset)
-    x = torch.randn(num_samples, 8, generator=gen)
-    y = 0.5 * x[:, :1] + torch.sin(x[:, 1:2]) - 0.25 * x[:, 2:3] * x[:, 3:4]
-    return x, y
-
-
-class Slow(nn.Module):
-    """Identity that sleeps in training forwards and records its stage's process id."""
-
-    def __init__(self, delay, pid_dir):
-        super().__init__()
-        self.delay = delay
-        if pid_dir:
-            os.makedirs(pid_dir, exist_ok=True)
-            if "RANK" in os.environ:  # a stage worker (not the launcher checking the spec)
-                name = os.environ["RANK"] + "-" + str(os.getpid())
-                open(os.path.join(pid_dir, name), "w").close()
-
-    def forward(self, x):
-        if self.training and self.delay:
-            time.sleep(self.delay)
-        return x
-
 
 job = Job(
     name="resumetest",
@@ -101,6 +77,7 @@ def write_spec(
     path = directory / name
     path.write_text(
         SPEC.format(
+            tests_dir=str(TESTS_DIR),
             steps=steps,
             stages=stages,
             delay=delay,

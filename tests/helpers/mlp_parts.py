@@ -1,0 +1,84 @@
+"""The parts of the small MLP jobs that the launch tests' spec files share.
+
+Stage processes import them from the spec (``tests/`` is on their
+PYTHONPATH, `helpers.launch_helpers.launch_env`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+from torch import nn
+
+
+def make_data(num_samples: int, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A smooth regression problem of 8 features, the same for a given ``offset``."""
+    gen = torch.Generator().manual_seed(4321 + offset)
+    x = torch.randn(num_samples, 8, generator=gen)
+    y = 0.5 * x[:, :1] + torch.sin(x[:, 1:2]) - 0.25 * x[:, 2:3] * x[:, 3:4]
+    return x, y
+
+
+def mae(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return (output - target).abs().mean()
+
+
+class Slow(nn.Module):
+    """Identity that sleeps in training forwards; with ``pid_dir``, each stage worker
+    records its process id there."""
+
+    def __init__(self, delay: float, pid_dir: str | None = None) -> None:
+        super().__init__()
+        self.delay = delay
+        if pid_dir:
+            os.makedirs(pid_dir, exist_ok=True)
+            if "RANK" in os.environ:  # a stage worker (not the launcher checking the spec)
+                name = os.environ["RANK"] + "-" + str(os.getpid())
+                open(os.path.join(pid_dir, name), "w").close()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and self.delay:
+            time.sleep(self.delay)
+        return x
+
+
+class Fault(nn.Module):
+    """Identity that raises during training step ``fail_at_step`` (1-based) and may sleep.
+
+    With ``marker`` it fails only while the marker file does not exist (and creates it).
+    With ``stamp`` it writes the wall-clock time of the failure to that file first.
+    """
+
+    def __init__(
+        self,
+        fail_at_step: int | None = None,
+        microbatches: int = 4,
+        marker: str | None = None,
+        delay: float = 0.0,
+        stamp: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.fail_at_step = fail_at_step
+        self.microbatches = microbatches
+        self.marker = marker
+        self.delay = delay
+        self.stamp = stamp
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.calls += 1
+            step = (self.calls - 1) // self.microbatches + 1
+            failing = self.fail_at_step is not None and step == self.fail_at_step
+            if failing and (self.marker is None or not os.path.exists(self.marker)):
+                if self.marker is not None:
+                    open(self.marker, "w").close()
+                if self.stamp is not None:
+                    with open(self.stamp, "w") as fh:
+                        fh.write(repr(time.time()))
+                raise RuntimeError(f"injected failure at step {step}")
+        if self.delay:
+            time.sleep(self.delay)
+        return x
