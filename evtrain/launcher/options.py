@@ -14,10 +14,12 @@ import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from evtrain.errors import UsageError
-from evtrain.job import Job
+
+if TYPE_CHECKING:
+    from evtrain.job import Job
 
 __all__ = [
     "EVAL_FILE",

@@ -39,7 +39,6 @@ from evtrain.checkpoint import (
 from evtrain.errors import SpecError, UsageError
 from evtrain.hooks.hook import Hook
 from evtrain.hooks.registry import build_hook_from_spec
-from evtrain.job import Job
 from evtrain.launcher.options import (
     EVAL_FILE,
     EXIT_OK,
@@ -51,10 +50,9 @@ from evtrain.launcher.options import (
     is_bus_owner,
 )
 from evtrain.run_record import EVALS_DIR, describe_run
-from evtrain.spec import apply_overrides, load_job
-from evtrain.stages.partition import plan_split
 
 if TYPE_CHECKING:
+    from evtrain.job import Job
     from evtrain.stages.partition import SplitPlan
 
 __all__ = [
@@ -318,6 +316,11 @@ def make_plan(options: LaunchOptions, purpose: Purpose) -> LaunchPlan:
     local_addr = check_options(opts)
     if opts.job is not None and opts.job_source is None:
         raise UsageError("a Job object needs its job_source (see evtrain.api)")
+    # lazy: torch comes with the job spec, once the agent process is already
+    # starting (it imports torch too, at the same time).
+    from evtrain.spec import apply_overrides, load_job
+    from evtrain.stages.partition import plan_split
+
     job = apply_overrides(opts.job if opts.job is not None else load_job(opts.spec), opts.overrides)
     purpose.check_job(job)
     if job.world_size % opts.nnodes:

@@ -44,7 +44,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -58,10 +58,12 @@ from evtrain.failures import (
     find_root_cause,
     is_communication_error,
 )
-from evtrain.job import Job
 from evtrain.launcher.bus import RunBus
 from evtrain.progress import Progress
 from evtrain.stages.worker import StageReport, read_stage_reports
+
+if TYPE_CHECKING:
+    from evtrain.job import Job
 
 __all__ = [
     "BUS_QUIET_S",

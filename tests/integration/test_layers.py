@@ -68,3 +68,23 @@ def test_an_import_cycle_fails(tree: Path) -> None:
     result = check(tree)
     assert result.returncode == 1
     assert "import cycle: evtrain.errors -> evtrain.ratelimit -> evtrain.errors" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        "evtrain",  # the public names load lazily
+        "evtrain.cli",  # --help, and every hook process's start
+        "evtrain.launcher",  # the agent process starts before the launcher imports torch
+        "evtrain.bus.broker",  # evtrain bus
+        "evtrain.top",
+        "evtrain.stages",  # schedules as data
+        "evtrain.checkpoint",  # evtrain ckpt list
+    ],
+)
+def test_fast_paths_import_no_torch(module: str) -> None:
+    code = f"import sys, {module}\nassert 'torch' not in sys.modules, 'torch was imported'\n"
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
