@@ -1,4 +1,4 @@
-"""A job read through the DataLoader path, for tests/test_data_loading.py.
+"""A job read through the DataLoader path, for tests/integration/test_data_loading.py.
 
 Its data set augments every sample with noise and a random flip (seeded per
 sample and epoch by evtrain), and logs each read as ``RANK index draw`` to

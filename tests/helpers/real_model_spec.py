@@ -2,7 +2,7 @@
 input and output embeddings tied, given as a whole model split by module name
 (``KIND=model``) or as layers passing ``(hidden, mask)`` tuples (``KIND=layers``).
 
-Spec files written by tests/test_real_models.py set the module-level knobs
+Spec files written by tests/integration/test_real_models.py set the module-level knobs
 and then ``from real_model_spec import *``-style build the job with `make_job`.
 """
 

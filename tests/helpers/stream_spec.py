@@ -1,4 +1,5 @@
-"""A job streaming a token file through the DataLoader path, for tests/test_streaming.py.
+"""A job streaming a token file through the DataLoader path
+(for tests/integration/test_streaming.py).
 
 The windows are long (`SEQ_LEN` tokens, 256 KiB of file each) and the model
 is cheap: on the first stage a bag of the embeddings of each window's first

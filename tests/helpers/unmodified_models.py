@@ -3,7 +3,7 @@
 None of these forwards knows about pipelines: heads are called unconditionally,
 containers are indexed or sliced, masks and position ids are built inside
 ``forward``, and a U-Net's skip connections reach across the model. Spec files
-written by tests/test_unmodified_models.py call `make_job`.
+written by tests/integration/test_unmodified_models.py call `make_job`.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Models as their authors wrote them, launched: the other half of
-tests/test_unmodified_models.py's launches, and a Hugging Face model's round trip
+tests/integration/test_unmodified_models.py's launches, and a Hugging Face model's round trip
 through `evtrain ckpt export --hf` and ``from_pretrained``."""
 
 from __future__ import annotations
