@@ -194,19 +194,20 @@ def test_recorder_flushes_while_the_run_goes_on(bus: BusAddress, procs: Any, wor
 # -- TensorBoard ---------------------------------------------------------------------
 
 
-def test_tensorboard_without_the_package_is_a_usage_error() -> None:
-    try:
-        import tensorboard  # noqa: F401
-    except ImportError:
-        with pytest.raises(UsageError, match=r"pip install 'evtrain\[tensorboard\]'"):
-            build_hook("tensorboard")
-    else:
-        pytest.skip("tensorboard is installed")
+def test_tensorboard_without_the_package_is_a_usage_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # As if it were not installed: a None in sys.modules makes the import fail.
+    for name in [m for m in sys.modules if m == "tensorboard" or m.startswith("tensorboard.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    monkeypatch.delitem(sys.modules, "torch.utils.tensorboard", raising=False)
+    with pytest.raises(UsageError, match=r"pip install 'evtrain\[tensorboard\]'"):
+        build_hook("tensorboard")
 
 
 @pytest.mark.anyio
 async def test_tensorboard_scalars(bus: BusAddress, procs: Any, workdir: Path) -> None:
-    pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from evtrain.exporters import TensorBoardWriter
