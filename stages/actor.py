@@ -5,8 +5,9 @@ process. The actor's event loop publishes every event (heartbeats included)
 and handles the signals; it hands each blocking unit of work (process group
 setup, a training step, an evaluation pass) to one worker thread, where stage
 0 also reads the commands that arrived, for the step boundary's control
-exchange (`evtrain.stages.control`). So the loop stays responsive: heartbeats keep coming during a long step, and
-publishing never waits on the step nor the step on the bus. One thread hop
+exchange (`evtrain.stages.control`). So the loop stays responsive:
+heartbeats keep coming during a long step, and publishing never waits on the
+step nor the step on the bus. One thread hop
 per step costs far less than gloo waits inside the loop would (gloo work
 cannot be awaited: a wait would block the whole loop; figures:
 docs/benchmarks.md, "Measurements behind design choices").
