@@ -29,18 +29,18 @@ Breakdown of an evtrain launch, from the launch (Popen) to the launcher's exit,
 cut at markers in time order; each phase ends at its marker:
 
 * ``agent spawned`` — the elastic agent's process start (/proc): the launcher
-  starts it first thing in ``Launcher.run``, after the CLI's imports, which
-  include torch (``evtrain.cli.launch`` imports ``evtrain.spec``, which
-  imports ``evtrain.job``);
+  forks it first thing in ``Launcher.run``, after the CLI's imports and
+  torch's (with torch._dynamo, which the split's survey on the meta device
+  needs), so that the agent and its fork server import nothing more
+  (``evtrain.forking``);
 * ``run dir created`` — ``RUN_DIR/launches`` appears (polled), right after the
   launcher's ``prepare``: spec load and the preflight (split plan on the meta
-  device, which imports sympy / torch._dynamo), hook options;
+  device), hook options;
 * ``broker started``, ``hooks attached`` — the launcher's debug lines;
 * ``elastic operator``, ``rendezvous complete`` — elastic's INFO lines in the
-  agent (``Starting elastic_operator``: the agent's own torch import is done and
-  it has the config);
+  agent (``Starting elastic_operator``: it has the config);
 * ``workers forked`` — the stage processes' start (/proc; children of the fork
-  server, which preloads torch, torch._dynamo and the stage runtime);
+  server, a fork of the agent that imports the stage runtime);
 * ``StageStarted`` (the logging hook's line when it received the event),
   ``stage running`` (the workers' debug line after RunStarted and boundary 0),
   the logging hook's step-10 line, ``stage finished`` (the workers');
@@ -181,19 +181,20 @@ import evtrain.cli, evtrain.cli.launch, evtrain.launcher
 evtrain.cli.build_parser()
 t1 = time.perf_counter()
 h1 = heavy()
-# What `evtrain launch` imports before it starts the agent (overrides_from_args).
-import evtrain.spec
+# What `evtrain launch` imports before it forks the agent (evtrain.forking).
+import torch._dynamo
 t2 = time.perf_counter()
 h2 = heavy()
-job = evtrain.spec.apply_overrides(evtrain.spec.load_job(sys.argv[1]), {"steps": sys.argv[2]})
+import evtrain.overrides, evtrain.spec
+job = evtrain.overrides.apply_overrides(evtrain.spec.load_job(sys.argv[1]), {"steps": sys.argv[2]})
 t3 = time.perf_counter()
 from evtrain.stages.partition import plan_split
 plan_split(job)
 t4 = time.perf_counter()
 h4 = heavy()
 print(json.dumps({
-    "cli_imports_s": t1 - t0, "spec_module_import_s": t2 - t1, "spec_load_s": t3 - t2,
-    "split_plan_s": t4 - t3, "loaded_after_cli": h1, "loaded_after_spec_module": h2,
+    "cli_imports_s": t1 - t0, "torch_import_s": t2 - t1, "spec_load_s": t3 - t2,
+    "split_plan_s": t4 - t3, "loaded_after_cli": h1, "loaded_after_torch": h2,
     "loaded_after_split_plan": h4,
 }))
 """
@@ -361,19 +362,25 @@ class TreeWatch(threading.Thread):
             "other": [],
         }
 
-        # The fork server's children (the workers) carry its command line too.
-        def forked(proc: Proc) -> bool:
-            return "multiprocessing.forkserver" in proc.cmd
+        # By place in the tree: the agent and the fork server may be forks that
+        # carry the launcher's command line (evtrain.forking).
+        root_cmd = self.procs[self.root].cmd if self.root in self.procs else ""
 
+        def agent(proc: Proc) -> bool:
+            if proc.ppid != self.root:
+                return False
+            return "evtrain.elastic_agent" in proc.cmd or proc.cmd == root_cmd
+
+        agents = {p.pid for p in self.procs.values() if agent(p)}
         forkservers = {
             p.pid
             for p in self.procs.values()
-            if forked(p) and not (p.ppid in self.procs and forked(self.procs[p.ppid]))
+            if p.ppid in agents and ("multiprocessing.forkserver" in p.cmd or p.cmd == root_cmd)
         }
         for proc in sorted(self.procs.values(), key=lambda p: p.start):
             if proc.pid == self.root:
                 kind = "launcher"
-            elif "evtrain.elastic_agent" in proc.cmd:
+            elif proc.pid in agents:
                 kind = "agent"
             elif proc.pid in forkservers:
                 kind = "forkserver"
@@ -426,13 +433,13 @@ def _last(times: list[float]) -> float | None:
 # ------------------------------------------------------------------ phases
 
 EVTRAIN_PHASES: list[tuple[str, str]] = [
-    ("agent_spawned", "launcher: CLI imports, torch (via evtrain.spec)"),
+    ("agent_spawned", "launcher: CLI imports, torch and torch._dynamo, fork"),
     ("run_dir_created", "launcher: spec load + preflight split plan"),
     ("broker_started", "launcher: run dir, run.json, broker start"),
     ("hooks_attached", "hook process: start, imports, bus attach"),
-    ("elastic_operator", "agent: ready (its own torch import, if not done)"),
+    ("elastic_operator", "agent: ready (its imports, if not done)"),
     ("rendezvous_done", "agent: elastic c10d rendezvous"),
-    ("workers_forked", "fork server: preload (torch, _dynamo, actor) + fork"),
+    ("workers_forked", "fork server: preload (the stage runtime) + fork"),
     ("stage_started", "workers: spec load, gloo process group, stage build"),
     ("stage_running", "workers: data, shapes, optimizer, RunStarted, boundary 0"),
     ("steps_done", "workers: the 10 training steps"),
@@ -724,8 +731,8 @@ def main() -> None:
         isolated = isolated_launcher_costs(args.steps)
         print(
             "launcher alone (a process of its own): CLI imports {cli_imports_s:.2f} s "
-            "(loads {loaded_after_cli}), evtrain.spec import {spec_module_import_s:.2f} s "
-            "(loads {loaded_after_spec_module}), spec load {spec_load_s:.2f} s, split plan "
+            "(loads {loaded_after_cli}), torch and torch._dynamo {torch_import_s:.2f} s "
+            "(loads {loaded_after_torch}), spec load {spec_load_s:.2f} s, split plan "
             "{split_plan_s:.2f} s (then loaded: {loaded_after_split_plan})".format(**isolated),
             flush=True,
         )
@@ -779,6 +786,11 @@ def main() -> None:
         for k in sorted({k for r in torchrun_runs for k in r.cpu_s})
     }
     print(f"  CPU seconds by process (median): evtrain {cpu_ev}; torchrun {cpu_tr}")
+    launch_cpu = _median([sum(r.cpu_s.values()) for r in evtrain_runs])
+    torchrun_cpu = _median([sum(r.cpu_s.values()) for r in torchrun_runs])
+    print(
+        f"  CPU seconds per launch (median): evtrain {launch_cpu:.2f}, torchrun {torchrun_cpu:.2f}"
+    )
 
     ratio = ev_wall / tr_wall
     per_repeat = [e.wall_s / t.wall_s for e, t in zip(evtrain_runs, torchrun_runs, strict=False)]
@@ -800,6 +812,8 @@ def main() -> None:
 
     summary = {
         "launch_vs_torchrun_ratio": round(ratio, 3),
+        "launch_cpu_s": round(launch_cpu, 2),
+        "torchrun_cpu_s": round(torchrun_cpu, 2),
         "evtrain_wall_s": round(ev_wall, 3),
         "torchrun_wall_s": round(tr_wall, 3),
         "evtrain_wall_range_s": [

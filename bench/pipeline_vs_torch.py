@@ -614,8 +614,7 @@ def run_events(
     """Launch evtrain's stage workers with a live bus; the events of ``topics`` they
     published (a subscriber in this process plays the hook)."""
     from evtrain.bus import Broker, BusAddress, Subscriber
-    from evtrain.stages.actor import worker_main
-    from evtrain.stages.worker import WorkerConfig
+    from evtrain.stages.worker import WorkerConfig, worker_main
 
     address = BusAddress.new_ipc()
     with Broker(address), _removing(address.location):

@@ -22,7 +22,7 @@ _EXPORTS: dict[str, str] = {
     "accuracy": "evtrain.job",
     "metric": "evtrain.job",
     "load_job": "evtrain.spec",
-    "apply_overrides": "evtrain.spec",
+    "apply_overrides": "evtrain.overrides",
     "UsageError": "evtrain.errors",
     "SpecError": "evtrain.errors",
     "Hook": "evtrain.hooks.hook",
@@ -78,9 +78,10 @@ if TYPE_CHECKING:
     from evtrain.hooks.hook import Hook, on
     from evtrain.hooks.runner import HookRunner
     from evtrain.job import Job, accuracy, layer, metric
+    from evtrain.overrides import apply_overrides
     from evtrain.reporting import report
     from evtrain.run_state import RunState
-    from evtrain.spec import apply_overrides, load_job
+    from evtrain.spec import load_job
 
 
 def __getattr__(name: str) -> Any:

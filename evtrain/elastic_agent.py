@@ -72,8 +72,9 @@ from typing import Any
 
 import msgspec
 
+from evtrain.forking import start_fork_server
 from evtrain.run_record import mark_interrupted
-from evtrain.stages.worker import read_stage_reports
+from evtrain.stages.worker import read_stage_reports, worker_main
 
 __all__ = [
     "AgentConfig",
@@ -90,6 +91,9 @@ EXIT_FAILED = 1
 LAUNCHER_PID_ENV = "EVTRAIN_LAUNCHER_PID"
 """The launcher's pid, so that the agent knows whether it outlived it."""
 _FINISHED_STATUSES = ("completed", "stopped")
+FORK_SERVER_PRELOAD = ("torch._dynamo", "evtrain.stages.actor")
+"""What the fork server imports for the workers (torch._dynamo: every optimizer's
+first use imports it, 1-3 s per process)."""
 
 
 class LauncherCleanup(msgspec.Struct, kw_only=True, tag="cleanup"):
@@ -330,12 +334,8 @@ def run_agent(config: AgentConfig) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    # lazy: the agent imports torch and the stage runtime only once the fork
-    # server (`prestart_forkserver`) has started, so its workers fork from it.
-    from evtrain.stages.actor import worker_main
-
     if config.start_method == "forkserver":
-        prestart_forkserver()  # no-op when main() started it already
+        start_fork_server(FORK_SERVER_PRELOAD)  # no-op when main() started it already
     launch_config = LaunchConfig(
         min_nodes=config.min_nodes,
         max_nodes=config.max_nodes,
@@ -362,23 +362,6 @@ def run_agent(config: AgentConfig) -> int:
         status = 128 + int(exc.sigval)
     watch.finish(status)
     return status
-
-
-def prestart_forkserver() -> None:
-    """Start the fork server now, preloading torch and the stage runtime.
-
-    Every worker is then a fork of that server instead of a fresh interpreter
-    importing torch (P imports at once on a small machine take seconds). The
-    server is single-threaded, so forking it is safe, unlike forking this
-    agent. Started before the config arrives, its imports overlap the
-    launcher's hook startup.
-    """
-    import multiprocessing
-    import multiprocessing.forkserver
-
-    # torch._dynamo: the first optimizer a worker builds imports it (2-7 s each).
-    multiprocessing.set_forkserver_preload(["torch", "torch._dynamo", "evtrain.stages.actor"])
-    multiprocessing.forkserver.ensure_running()
 
 
 def _terminated(signum: int, frame: object) -> None:
@@ -430,7 +413,8 @@ def _read_cleanup(lines: str) -> LauncherCleanup | None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m evtrain.elastic_agent [START_METHOD]``: read, run, clean up.
 
-    With ``forkserver`` as the start method the fork server starts at once.
+    With ``forkserver`` as the start method the fork server starts at once, a
+    fork of this process once torch is imported (`evtrain.forking`).
     """
     args = sys.argv[1:] if argv is None else argv
     launcher = int(os.environ.get(LAUNCHER_PID_ENV) or os.getppid())
@@ -444,7 +428,11 @@ def main(argv: list[str] | None = None) -> int:
     status: int | None = None
     try:
         if args and args[0] == "forkserver":
-            prestart_forkserver()
+            # lazy: torch is imported once here (or was, in the launcher we are a
+            # fork of) and the fork server inherits it.
+            import torch
+
+            start_fork_server(FORK_SERVER_PRELOAD)
         # Import torch's launcher while the launcher still starts the hooks.
         import torch.distributed.launcher.api  # noqa: F401
 

@@ -215,6 +215,10 @@ class StepEnded(Event, kw_only=True, tag="step.ended"):
     metrics: dict[str, float] = msgspec.field(default_factory=dict)
 
 
+SPAN_MODES: tuple[str, ...] = ("all", "sampled", "off")
+"""Which steps publish microbatch spans (`evtrain.job.Job.microbatch_spans`)."""
+
+
 class MicrobatchSpan(Event, kw_only=True):
     """Base of the per-microbatch spans; ``start``/``end`` are wall-clock seconds."""
 

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from evtrain.errors import SpecError, UsageError
+from evtrain.events import SPAN_MODES
 from evtrain.schedule_names import Schedule, check_virtual_stages
 
 if TYPE_CHECKING:
@@ -27,7 +28,6 @@ __all__ = [
     "LOADER_OPTIONS",
     "PRECISIONS",
     "SCHEDULES",
-    "SPAN_MODES",
     "MetricFactory",
     "check_int",
     "check_job",
@@ -45,8 +45,6 @@ PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
 BALANCE_MODES: tuple[str, ...] = ("params", "compute")
 """Automatic `Job.balance` modes."""
 
-SPAN_MODES: tuple[str, ...] = ("all", "sampled", "off")
-"""Values of `Job.microbatch_spans`."""
 
 DEVICES: tuple[str, ...] = ("cpu", "cuda")
 """Values of `Job.device`."""

@@ -1,14 +1,14 @@
 """The stage actor: one pipeline stage as an async process (anyio on asyncio).
 
-`worker_main` (the elastic entrypoint) runs `run_worker` in every stage
-process. The actor's event loop publishes every event (heartbeats included)
-and handles the signals; it hands each blocking unit of work (process group
-setup, a training step, an evaluation pass) to one worker thread, where stage
-0 also reads the commands that arrived, for the step boundary's control
-exchange (`evtrain.stages.control`). So the loop stays responsive:
-heartbeats keep coming during a long step, and publishing never waits on the
-step nor the step on the bus. One thread hop
-per step costs far less than gloo waits inside the loop would (gloo work
+`evtrain.stages.worker.worker_main` (the elastic entrypoint) runs `serve` in
+every stage process. The actor's event loop publishes every event
+(heartbeats included) and handles the signals; it hands each blocking unit
+of work (process group setup, a training step, an evaluation pass) to one
+worker thread, where stage 0 also reads the commands that arrived, for the
+step boundary's control exchange (`evtrain.stages.control`). So the loop
+stays responsive: heartbeats keep coming during a long step, and publishing
+never waits on the step nor the step on the bus. One thread hop per step
+costs far less than gloo waits inside the loop would (gloo work
 cannot be awaited: a wait would block the whole loop; figures:
 docs/benchmarks.md, "Measurements behind design choices").
 
@@ -178,8 +178,9 @@ from evtrain.events import (
 from evtrain.failures import frame_location, is_communication_error, user_frames
 from evtrain.job import Job
 from evtrain.logs import configure_logging
+from evtrain.overrides import apply_overrides
 from evtrain.reporting import Reporter, reporting
-from evtrain.spec import apply_overrides, load_job
+from evtrain.spec import load_job
 from evtrain.stages.checkpointing import await_plan, await_the_end
 from evtrain.stages.control import ControlResult
 from evtrain.stages.executor import Span, StepStats
@@ -196,7 +197,7 @@ from evtrain.stages.setup import (
 )
 from evtrain.stages.worker import ReportStatus, StageReport, WorkerConfig
 
-__all__ = ["RankInfo", "StageActor", "run_worker", "spans_enabled", "worker_main"]
+__all__ = ["RankInfo", "StageActor", "run_worker", "serve", "spans_enabled"]
 
 log = structlog.get_logger("evtrain.stages.actor")
 
@@ -241,9 +242,8 @@ def run_worker(config: WorkerConfig) -> None:
     anyio.run(actor.run, backend="asyncio")
 
 
-def worker_main(config_json: str) -> None:
-    """Run one pipeline stage to the end: the elastic entrypoint, module-level so
-    elastic can import it in the child process (`evtrain.stages.worker`).
+def serve(config: WorkerConfig) -> None:
+    """Run one stage as a worker that elastic started (`evtrain.stages.worker.worker_main`).
 
     Tearing down an interpreter that imported torch (and, through the
     optimizers, torch._dynamo) takes 1-3 s on a small machine: a worker that
@@ -251,7 +251,7 @@ def worker_main(config_json: str) -> None:
     its process with ``os._exit(0)`` at interpreter exit instead, after
     elastic collected its return value and every bus message was flushed.
     """
-    run_worker(WorkerConfig.decode(config_json))
+    run_worker(config)
     if os.environ.get("TORCHELASTIC_RUN_ID"):
         atexit.register(_fast_exit)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from evtrain.cli.launch import _LaunchParser
+from evtrain.overrides import add_override_arguments, overrides_from_args
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -22,7 +22,6 @@ def register(sub: argparse._SubParsersAction) -> None:
             "override or checkpoint."
         ),
     )
-    parser.__class__ = _LaunchParser  # the spec override flags, added lazily
     parser.add_argument(
         "spec",
         metavar="SPEC",
@@ -55,6 +54,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="how elastic starts the workers (default forkserver)",
     )
     parser.add_argument("--quiet", "-q", action="store_true", help="no progress display")
+    add_override_arguments(parser)
     parser.set_defaults(func=run)
 
 
@@ -62,7 +62,6 @@ def run(args: argparse.Namespace) -> int:
     """Evaluate; returns the exit status."""
     # lazy: torch loads when the command runs, not when the CLI is built
     from evtrain.launcher import Launcher, LaunchOptions
-    from evtrain.spec import overrides_from_args
 
     spec = args.spec
     if spec is None:

@@ -6,38 +6,7 @@ import argparse
 import os
 
 from evtrain.bus.security import CURVE_DIR_ENV
-
-
-class _LaunchParser(argparse.ArgumentParser):
-    """The ``launch`` parser; it adds the spec override flags on first use.
-
-    They come from `evtrain.spec`, which imports torch, and building the CLI
-    must not: every ``evtrain hook`` process builds the whole parser, and
-    importing torch there would add ~2 s to each hook's start.
-    """
-
-    _overrides_added = False
-
-    def _add_overrides(self) -> None:
-        if not self._overrides_added:
-            # lazy: torch loads when the command runs, not when the CLI is built
-            from evtrain.spec import add_override_arguments
-
-            self._overrides_added = True
-            add_override_arguments(self)
-
-    def parse_known_args(self, args=None, namespace=None):  # type: ignore[no-untyped-def]
-        self._add_overrides()
-        return super().parse_known_args(args, namespace)
-
-    def format_usage(self) -> str:
-        self._add_overrides()
-        return super().format_usage()
-
-    def format_help(self) -> str:
-        self._add_overrides()
-        return super().format_help()
-
+from evtrain.overrides import add_override_arguments, overrides_from_args
 
 _DESCRIPTION = (
     "start the event bus, the spec's hooks (as supervised processes: the built-ins "
@@ -72,7 +41,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     """Every ``launch`` option but the spec (``evtrain demo`` shares them)."""
-    parser.__class__ = _LaunchParser  # see _LaunchParser: override flags come lazily
     group = parser.add_argument_group("launcher")
     group.add_argument(
         "--max-restarts",
@@ -185,6 +153,7 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         help="this machine's address as the others reach it (default: the local address "
         "of the route to --rdzv-endpoint)",
     )
+    add_override_arguments(parser)
     parser.set_defaults(func=run)
 
 
@@ -192,7 +161,6 @@ def run(args: argparse.Namespace) -> int:
     """Launch the job; returns the exit status."""
     # lazy: torch loads when the command runs, not when the CLI is built
     from evtrain.launcher import Launcher, LaunchOptions
-    from evtrain.spec import overrides_from_args
 
     spec = getattr(args, "spec", None)
     if spec is None:

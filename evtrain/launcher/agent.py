@@ -3,8 +3,9 @@
 The stage workers are started by torch.distributed.elastic, run by a child
 process (`evtrain.elastic_agent`; that module says why a process and not a
 thread). `AgentProcess.start` starts it first thing, idle until it is told
-what to run: its torch import (and the fork server's) overlaps the
-launcher's and the spec loading. It reads two messages on its stdin: a
+what to run: a fork of the launcher once torch is imported, or a fresh
+interpreter whose torch import overlaps the spec loading
+(`evtrain.forking` says when each). It reads two messages on its stdin: a
 `evtrain.elastic_agent.LauncherCleanup` as soon as the launcher has a run
 directory and a bus (what to undo should the launcher die), then the
 `evtrain.elastic_agent.AgentConfig` of this node's worker group
@@ -51,6 +52,7 @@ import os
 import signal
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +60,8 @@ import anyio
 import structlog
 
 from evtrain.elastic_agent import LAUNCHER_PID_ENV, AgentConfig, LauncherCleanup
+from evtrain.elastic_agent import main as agent_main
+from evtrain.forking import ForkedChild, can_fork_here, fork_agent
 from evtrain.launcher.bus import curve_env
 from evtrain.launcher.options import LaunchOptions
 from evtrain.launcher.plan import LaunchPlan
@@ -84,12 +88,18 @@ _POLL_S = 0.1
 class AgentProcess:
     """The running ``python -m evtrain.elastic_agent`` (module docstring)."""
 
-    def __init__(self, process: subprocess.Popen[bytes]) -> None:
+    def __init__(self, process: subprocess.Popen[bytes] | ForkedChild) -> None:
         self.process = process
 
     @classmethod
     def start(cls, options: LaunchOptions, console: RunConsole) -> AgentProcess:
-        """Start the agent, idle until `send` tells it what to run."""
+        """Start the agent, idle until `send` tells it what to run.
+
+        The ``evtrain`` command forks it once torch is imported, so that the
+        agent and its fork server import nothing more (`evtrain.forking`);
+        inside an application it is a fresh interpreter.
+        """
+        fork = can_fork_here()
         env = dict(os.environ)
         # The stage actor configures its logging from these (stages/actor.py).
         env["EVTRAIN_LOG_FORMAT"] = options.log_format
@@ -105,10 +115,24 @@ class AgentProcess:
         # evtrain.elastic_agent), and then tells it from a deliberate close by
         # whether we are still its parent.
         env[LAUNCHER_PID_ENV] = str(os.getpid())
+        env = curve_env(env, options)
+        if fork:
+            # lazy: the launcher needs torch for the spec, and torch._dynamo for
+            # the split's survey (meta kernels import it); the agent and its
+            # fork server inherit both instead of importing them again.
+            import torch._dynamo  # noqa: F401
+
+            return cls(
+                fork_agent(
+                    partial(agent_main, [options.start_method]),
+                    env=env,
+                    output_fd=console.child_output,
+                )
+            )
         return cls(
             subprocess.Popen(
                 [sys.executable, "-m", "evtrain.elastic_agent", options.start_method],
-                env=curve_env(env, options),
+                env=env,
                 stdin=subprocess.PIPE,
                 stdout=console.child_output,
                 stderr=console.child_output,
@@ -166,6 +190,11 @@ class AgentProcess:
             # The agent leads its session; its workers are in its process group.
             os.killpg(self.process.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            # A fork killed before it made its session has no group yet.
+            os.kill(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
             pass
         try:
             self.process.wait(timeout=5)

@@ -80,7 +80,7 @@ class LaunchOptions:
     """With `job`: that Job packed for the workers (`evtrain.api.JobPayload`); the
     launcher writes the spec that rebuilds it into the launch's report directory."""
     overrides: dict[str, str] = field(default_factory=dict)
-    """Override strings (`evtrain.spec.apply_overrides`), passed on to every worker."""
+    """Override strings (`evtrain.overrides.apply_overrides`), passed on to every worker."""
     max_restarts: int = 0
     """Elastic restarts of the worker group after a failure."""
     nnodes: int = 1

@@ -318,7 +318,8 @@ def make_plan(options: LaunchOptions, purpose: Purpose) -> LaunchPlan:
         raise UsageError("a Job object needs its job_source (see evtrain.api)")
     # lazy: torch comes with the job spec, once the agent process is already
     # starting (it imports torch too, at the same time).
-    from evtrain.spec import apply_overrides, load_job
+    from evtrain.overrides import apply_overrides
+    from evtrain.spec import load_job
     from evtrain.stages.partition import plan_split
 
     job = apply_overrides(opts.job if opts.job is not None else load_job(opts.spec), opts.overrides)

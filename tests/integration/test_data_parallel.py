@@ -24,7 +24,8 @@ from helpers.launch_helpers import kill_marked, new_marker, run_launch, start_la
 from safetensors.torch import load_file
 
 from evtrain.checkpoint import latest_committed, list_checkpoints
-from evtrain.spec import apply_overrides, load_job
+from evtrain.overrides import apply_overrides
+from evtrain.spec import load_job
 from evtrain.stages.job_data import job_data
 from evtrain.stages.partition import build_full_model
 

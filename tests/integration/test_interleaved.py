@@ -21,7 +21,8 @@ from test_data_parallel import launch, resume_and_compare, spec_file
 
 from evtrain.checkpoint import list_checkpoints
 from evtrain.checkpoint.storage import read_manifest
-from evtrain.spec import apply_overrides, load_job
+from evtrain.overrides import apply_overrides
+from evtrain.spec import load_job
 from evtrain.stages.partition import partition
 
 pytestmark = pytest.mark.slow

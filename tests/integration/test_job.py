@@ -19,7 +19,8 @@ from torch import nn
 from evtrain.data import DataStream, derive_seed, eval_microbatches, microbatches
 from evtrain.errors import SpecError, UsageError
 from evtrain.job import Job, accuracy, layer
-from evtrain.spec import add_override_arguments, apply_overrides, load_job, overrides_from_args
+from evtrain.overrides import add_override_arguments, apply_overrides, overrides_from_args
+from evtrain.spec import load_job
 from evtrain.stages.job_data import job_data
 from evtrain.stages.partition import (
     StageModule,

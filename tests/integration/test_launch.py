@@ -11,7 +11,6 @@ import io
 import json
 import os
 import signal
-import subprocess
 import time
 from pathlib import Path
 
@@ -20,11 +19,13 @@ import pytest
 import structlog
 from helpers.console_helpers import LOG_LINE, PROGRESS_TEXT, Terminal
 from helpers.launch_helpers import (
-    launch_cmd,
     launch_env,
     new_marker,
     read_records,
     run_launch,
+    start_launch,
+    steps_recorded,
+    wait_for_records,
     wait_no_marked,
     write_spec,
 )
@@ -394,21 +395,10 @@ def test_signal_stops_the_run_cleanly(tmp_path: Path, marker: str, signum: int) 
         delay=0.025,
         hooks=[{"type": "helpers.launch_hooks:StepRecorder", "path": str(steps_file)}],
     )
-    proc = subprocess.Popen(
-        launch_cmd(spec, "--quiet"),
-        env=launch_env(marker),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    proc = start_launch(spec, "--quiet", marker=marker)
     try:
         # A bound against a hang, not a timing: a loaded machine starts a launch slowly.
-        deadline = time.monotonic() + 240
-        while not any("step" in r for r in read_records(steps_file)):
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "no step within 240 s"
-            time.sleep(0.1)
+        wait_for_records(steps_file, lambda records: steps_recorded(records) > 0, proc, 240)
         proc.send_signal(signum)
         stdout, stderr = proc.communicate(timeout=120)
     finally:

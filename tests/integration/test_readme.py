@@ -34,7 +34,7 @@ from evtrain.cli import COMMANDS, build_parser
 from evtrain.events import MESSAGE_TYPES, Message
 from evtrain.exporters.prometheus_catalogue import CATALOGUE
 from evtrain.job import Job
-from evtrain.spec import OVERRIDES
+from evtrain.overrides import OVERRIDES
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"

@@ -53,7 +53,8 @@ from evtrain.events import (
     StepEnded,
     StopRun,
 )
-from evtrain.spec import apply_overrides, load_job
+from evtrain.overrides import apply_overrides
+from evtrain.spec import load_job
 from evtrain.stages.job_data import job_data
 from evtrain.stages.partition import build_full_model
 from evtrain.stages.worker import WorkerConfig
@@ -133,16 +134,19 @@ job = Job(
 
 # Runs each WorkerConfig of argv[1] (JSON list of [nproc, config_json]) under
 # elastic_launch in turn; exits 1 at the first failed launch. Workers fork from
-# a forkserver that already imported torch (and torch._dynamo, which the first
-# optimizer imports): seconds less per worker on a 2-core machine.
+# the agent's fork server, which has torch and the stage runtime imported
+# (evtrain.forking): seconds less per worker on a 2-core machine.
 DRIVER = """
-import json, multiprocessing, sys, uuid
+import json, sys, uuid
+import torch
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from evtrain.bus.address import free_port_block
-from evtrain.stages.actor import worker_main
+from evtrain.elastic_agent import FORK_SERVER_PRELOAD
+from evtrain.forking import start_fork_server
+from evtrain.stages.worker import worker_main
 
 if __name__ == "__main__":
-    multiprocessing.set_forkserver_preload(["torch", "torch._dynamo", "evtrain.stages.actor"])
+    start_fork_server(FORK_SERVER_PRELOAD)
     for nproc, config in json.loads(sys.argv[1]):
         launch = LaunchConfig(
             min_nodes=1, max_nodes=1, nproc_per_node=nproc, rdzv_backend="c10d",
