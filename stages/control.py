@@ -21,16 +21,23 @@ Only when stage 0 has commands does a second round follow: a broadcast of
 their msgpack bytes (a list of `evtrain.events.encode` payloads) in a uint8
 tensor. So every stage applies the same commands at the same step boundary.
 
-Why not ``all_reduce``: it is what this amounts to, but gloo's all-reduce
-runs its algorithm's message rounds only once the last stage arrives, and
-the last to arrive is the first stage (it runs the final backward), whose
-next forward the whole pipeline then waits for. Here every stage *posts its
-receives early* (`prepare`, called at the start of each step) and, at the
-boundary, sends its numbers to every other process: when the first stage
-arrives its peers' numbers are already there, so it does not wait at all.
-Every process adds the contributions in rank order, so the sums are bitwise
-identical everywhere. (PxD - 1 sends per process: fine for a few dozen
-processes; hundreds would want a tree.)
+The numbers travel along a binary tree over the ranks (rank r's parent is
+(r - 1) // 2): each process adds its children's subtree sums to its own and
+sends the result up; rank 0 (stage 0, replica 0) adds the last ones and
+sends the total down, and each process passes it on to its children. So a
+process sends and receives at most three small messages per step, however
+many processes run, and the total is computed once: bitwise the same
+everywhere.
+
+Why this shape: the last process to reach a boundary is stage 0 (it runs the
+final backward), whose next forward the whole pipeline then waits for. The
+tree's root is stage 0, and its children are higher ranks (later stages),
+which reached the boundary earlier: their subtree sums are already there
+when stage 0 arrives, so it does not wait (every receive is posted early,
+`prepare`, at the start of each step). The others learn the total a few
+hops later, while stage 0's next forward runs. gloo's ``all_reduce`` would
+instead start its message rounds only once stage 0 arrived, and an
+all-to-all exchange costs P x D - 1 messages per process.
 """
 
 from __future__ import annotations
@@ -53,6 +60,14 @@ _FIELDS = 4  # squared grad norm, command bytes, signal, loss share
 
 
 @dataclass
+class _Posted:
+    """The receives of one exchange: the children's subtree sums, the total from the parent."""
+
+    ups: list[tuple[torch.Tensor, dist.Work]]
+    down: tuple[torch.Tensor, dist.Work] | None
+
+
+@dataclass
 class ControlResult:
     """What every stage learned at a step boundary (identical on all stages)."""
 
@@ -72,28 +87,30 @@ class ControlExchange:
     def __init__(
         self,
         control: StepControl,
-        own: torch.Tensor,
-        receives: dict[int, tuple[torch.Tensor, dist.Work]],
+        *,
+        total: torch.Tensor | None,
+        down: tuple[torch.Tensor, dist.Work] | None,
         sends: list[dist.Work],
         payload: bytes,
     ) -> None:
         self._control = control
-        self._own = own
-        self._receives = receives
+        self._total = total
+        self._down = down
         self._sends = sends
         self._payload = payload
 
     def finish(self) -> ControlResult:
-        """Wait for the peers' numbers (and the command broadcast, if any); decode."""
+        """Wait for the total (and the command broadcast, if any); pass it on; decode."""
         control = self._control
-        total = torch.zeros(_FIELDS, dtype=torch.float64)
-        for rank in range(control.world_size):
-            if rank == control.rank:
-                total += self._own
-            else:
-                buffer, work = self._receives[rank]
-                work.wait()
-                total += buffer
+        total = self._total
+        if total is None:
+            assert self._down is not None
+            total, work = self._down
+            work.wait()
+            self._sends += [
+                p2p.posted(dist.isend(total, dst=child, group=control.group))
+                for child in control.children
+            ]
         for work in self._sends:
             work.wait()
         sq_norm, length, signals, loss = total.tolist()
@@ -128,7 +145,9 @@ class StepControl:
         self.group = group
         self.receiver = receiver if rank == 0 else None
         self.malformed = 0
-        self._posted: dict[int, tuple[torch.Tensor, dist.Work]] | None = None
+        self.parent = (rank - 1) // 2 if rank > 0 else None
+        self.children = [c for c in (2 * rank + 1, 2 * rank + 2) if c < world_size]
+        self._posted: _Posted | None = None
 
     def prepare(self) -> None:
         """Post the receives of the next exchange now (idempotent).
@@ -140,19 +159,21 @@ class StepControl:
         """
         if self._posted is not None or self.world_size == 1:
             return
-        posted = {}
-        for peer in range(self.world_size):
-            if peer != self.rank:
-                buffer = torch.empty(_FIELDS, dtype=torch.float64)
-                posted[peer] = (buffer, p2p.posted(dist.irecv(buffer, src=peer, group=self.group)))
-        self._posted = posted
+        ups = [self._receive(child) for child in self.children]
+        down = None if self.parent is None else self._receive(self.parent)
+        self._posted = _Posted(ups, down)
+
+    def _receive(self, peer: int) -> tuple[torch.Tensor, dist.Work]:
+        buffer = torch.empty(_FIELDS, dtype=torch.float64)
+        return buffer, p2p.posted(dist.irecv(buffer, src=peer, group=self.group))
 
     def start(
         self, local_sq_norm: float, signalled: bool, loss_share: float = 0.0
     ) -> ControlExchange:
-        """Send this stage's numbers to every peer without waiting.
+        """Add this stage's numbers to its children's and send them on.
 
-        The caller may do independent work (the optimizer step when no
+        Waits only for the children, which are later stages and got here
+        first. The caller may do independent work (the optimizer step when no
         clipping needs the global norm) before `ControlExchange.finish`.
         """
         payload = b""
@@ -160,18 +181,26 @@ class StepControl:
             commands = self.receiver.poll()
             if commands:
                 payload = msgspec.msgpack.encode([encode(c) for c in commands])
-        own = torch.tensor(
+        subtotal = torch.tensor(
             [local_sq_norm, float(len(payload)), 1.0 if signalled else 0.0, loss_share],
             dtype=torch.float64,
         )
+        if self.world_size == 1:
+            return ControlExchange(self, total=subtotal, down=None, sends=[], payload=payload)
         self.prepare()
-        receives, self._posted = self._posted or {}, None
-        sends = [
-            p2p.posted(dist.isend(own, dst=peer, group=self.group))
-            for peer in range(self.world_size)
-            if peer != self.rank
-        ]
-        return ControlExchange(self, own, receives, sends, payload)
+        posted, self._posted = self._posted, None
+        assert posted is not None
+        for buffer, work in posted.ups:
+            work.wait()
+            subtotal += buffer
+        if self.parent is None:
+            sends = [
+                p2p.posted(dist.isend(subtotal, dst=child, group=self.group))
+                for child in self.children
+            ]
+            return ControlExchange(self, total=subtotal, down=None, sends=sends, payload=payload)
+        sends = [p2p.posted(dist.isend(subtotal, dst=self.parent, group=self.group))]
+        return ControlExchange(self, total=None, down=posted.down, sends=sends, payload=payload)
 
     def exchange(self, local_sq_norm: float, signalled: bool = False) -> ControlResult:
         """`start` and `ControlExchange.finish` in one call."""
