@@ -614,7 +614,8 @@ def run_events(
     """Launch evtrain's stage workers with a live bus; the events of ``topics`` they
     published (a subscriber in this process plays the hook)."""
     from evtrain.bus import Broker, BusAddress, Subscriber
-    from evtrain.stages.worker import WorkerConfig, worker_main
+    from evtrain.stages.entry import worker_main
+    from evtrain.stages.worker import WorkerConfig
 
     address = BusAddress.new_ipc()
     with Broker(address), _removing(address.location):

@@ -74,7 +74,8 @@ import msgspec
 
 from evtrain.forking import start_fork_server
 from evtrain.run_record import mark_interrupted
-from evtrain.stages.worker import read_stage_reports, worker_main
+from evtrain.stages.entry import worker_main
+from evtrain.stages.worker import read_stage_reports
 
 __all__ = [
     "AgentConfig",

@@ -9,7 +9,7 @@ does not load torch:
 
 * partitioning: `evtrain.stages.partition` (`partition`,
   `build_stage_module`, `build_full_model`, `StageModule`);
-* runtime: `evtrain.stages.worker` (`WorkerConfig`, `worker_main`: the
+* runtime: `evtrain.stages.worker` (`WorkerConfig`; `evtrain.stages.entry.worker_main`: the
   elastic entrypoint the launcher starts once per stage),
   `evtrain.stages.actor`, `evtrain.stages.executor`.
 """

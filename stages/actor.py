@@ -1,6 +1,6 @@
 """The stage actor: one pipeline stage as an async process (anyio on asyncio).
 
-`evtrain.stages.worker.worker_main` (the elastic entrypoint) runs `serve` in
+`evtrain.stages.entry.worker_main` (the elastic entrypoint) runs `serve` in
 every stage process. The actor's event loop publishes every event
 (heartbeats included) and handles the signals; it hands each blocking unit
 of work (process group setup, a training step, an evaluation pass) to one
@@ -243,7 +243,7 @@ def run_worker(config: WorkerConfig) -> None:
 
 
 def serve(config: WorkerConfig) -> None:
-    """Run one stage as a worker that elastic started (`evtrain.stages.worker.worker_main`).
+    """Run one stage as a worker that elastic started (`evtrain.stages.entry.worker_main`).
 
     Tearing down an interpreter that imported torch (and, through the
     optimizers, torch._dynamo) takes 1-3 s on a small machine: a worker that

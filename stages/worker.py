@@ -3,7 +3,7 @@
 * `WorkerConfig` — everything a worker needs besides the environment,
   JSON-encoded into one string (`WorkerConfig.encode`) so it passes through
   ``elastic_launch(config, worker_main)(cfg.encode())`` without pickling any
-  object of ours. The entrypoint, `worker_main`, reads
+  object of ours. The entrypoint, `evtrain.stages.entry.worker_main`, reads
   ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and
   ``MASTER_PORT`` from the environment as torchrun / elastic set them; rank r
   runs pipeline stage ``r // D`` of replica ``r % D`` (world size PxD,
@@ -31,7 +31,7 @@ from typing import Literal
 
 import msgspec
 
-__all__ = ["ReportStatus", "StageReport", "WorkerConfig", "read_stage_reports", "worker_main"]
+__all__ = ["ReportStatus", "StageReport", "WorkerConfig", "read_stage_reports"]
 
 ReportStatus = Literal["starting", "running", "completed", "stopped", "failed"]
 
@@ -158,17 +158,3 @@ def read_stage_reports(directory: str | os.PathLike[str], attempt: int) -> dict[
             continue
         reports[report.rank] = report
     return reports
-
-
-def worker_main(config_json: str) -> None:
-    """Run one pipeline stage to the end: the elastic entrypoint.
-
-    Module-level in this torch-free module, so that the agent can name it to
-    elastic (which pickles it by name) without importing the stage runtime:
-    the fork server the workers are forked from has that preloaded
-    (`evtrain.forking`).
-    """
-    # lazy: the stage runtime imports torch; the agent only names this function.
-    from evtrain.stages.actor import serve
-
-    serve(WorkerConfig.decode(config_json))

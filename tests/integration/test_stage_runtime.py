@@ -143,7 +143,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from evtrain.bus.address import free_port_block
 from evtrain.elastic_agent import FORK_SERVER_PRELOAD
 from evtrain.forking import start_fork_server
-from evtrain.stages.worker import worker_main
+from evtrain.stages.entry import worker_main
 
 if __name__ == "__main__":
     start_fork_server(FORK_SERVER_PRELOAD)
