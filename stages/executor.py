@@ -8,12 +8,18 @@ its event loop free for heartbeats, signals and publishing.
 
 How instructions map to communication (see `evtrain.stages.p2p`):
 
-* At the start of every accumulation pass the stage *posts* the receives of
-  all its activations (non-first stages), and right after its first
-  activation send those of all its output gradients (non-last stages);
-  `RecvActivation` / `RecvGrad` then only wait for the data. gloo moves a
-  message only once its receive is posted, so a just-in-time receive would
-  cost a round trip. ``recv_window`` can bound how many are posted ahead.
+* Receives are *posted* ahead of the instructions that wait for them: gloo
+  moves a message only once its receive is posted, so a just-in-time
+  receive would cost a round trip. A pass posts the first
+  `RECEIVES_AT_START` activation receives of each chunk at its start (and
+  of its output gradients right after its first activation send), then one
+  more receive after every instruction, on the channel (activations or
+  gradients of a chunk) with the fewest posted ahead, up to ``recv_window``
+  ahead of the waits (default: all of a pass). Posting a receive costs tens
+  to hundreds of microseconds; posting a whole pass's at once would hold
+  the first forward of a step, which the whole pipeline waits for, by
+  milliseconds. `RecvActivation` / `RecvGrad` post their own receive if it
+  is not posted yet, then wait for the data.
 * 1F1B and zero bubble run with one extra warm-up forward on every stage
   but the last (`DEFAULT_LOOKAHEAD`), so activations arrive before they are
   needed.
@@ -138,6 +144,9 @@ class StepStats:
     """fp16: the step overflowed somewhere in the pipeline and no stage applied it."""
 
 
+RECEIVES_AT_START = 2
+"""Receives a channel posts when it opens; the rest follow one per instruction."""
+
 DEFAULT_LOOKAHEAD = 1
 """Extra 1F1B warm-up forwards on every stage but the last (`build_schedule`'s
 ``lookahead``). With the textbook warm-up (0), a 2-stage pipeline on gloo
@@ -167,6 +176,17 @@ class _Slot:
     grads: list[torch.Tensor] | None = None
     recv_act: PendingRecv | None = None
     recv_grad: PendingRecv | None = None
+
+
+@dataclass
+class _Channel:
+    """The receives of one chunk's activations or gradients from one peer, in a pass."""
+
+    peer: int
+    posted: int = 0
+    """Microbatches whose receive is posted (they are posted in order)."""
+    waited: int = 0
+    """Microbatches whose receive was waited for."""
 
 
 class StageExecutor:
@@ -264,7 +284,8 @@ class StageExecutor:
         # Per-pass state: chunk v's microbatch m is slot v * n + m in a pass of n.
         self._n = 0
         self._slots: list[_Slot] = []
-        self._grads_posted = True
+        self._posting: dict[tuple[str, int], _Channel] = {}
+        """This pass's receive channels (``("act" or "grad", chunk)``), grads once open."""
         self._batch_x: list[Any] = []
         self._batch_y: list[Any] = []
         self._mb_offset = 0
@@ -321,6 +342,7 @@ class StageExecutor:
             self._begin_pass([mb] * self.M)
             for handler, microbatch, chunk in self._pass_program:
                 handler(microbatch, chunk)
+                self._post_one()
         self._final_pass = False
         self._wait(self.update.reduce_grads(), "reduce")
         lr = float(self.optimizer.param_groups[0]["lr"]) if self.optimizer is not None else None
@@ -374,36 +396,57 @@ class StageExecutor:
             self._spans.append(Span("wait", -1, start, time.perf_counter(), "shapes"))
         specs = [self.shapes.specs(v, i) for v in range(self.V) for i in ids]
         self._slots = [_Slot(act, out, sizes[k % n]) for k, (act, out) in enumerate(specs)]
-        # Post receives early: gloo moves a send's data only once the receive
-        # is posted, so a just-in-time receive costs a round trip per message.
-        window = min(self.recv_window, n)
+        self._posting = {}
         for v in range(self.V):
             self._handed_acts[v].clear()
             self._handed_grads[v].clear()
-            peer = self.routes.prev[v]
-            if peer is not None and not self.routes.local(peer):
-                for m in range(window):
-                    k = v * n + m
-                    self._slots[k].recv_act = self.mailbox.post_recv_activation(
-                        self._slots[k].act_spec, peer[0], v
-                    )
-        # Gradient receives are posted right after the first activation send
-        # (`_post_grad_receives`): not needed before then, and posting them
-        # here would delay the first stage's first forward, which the whole
-        # pipeline waits for.
-        self._grads_posted = (self.last and self.V == 1) or not self._training
+            self._open("act", v)
+        # Gradient receives open right after the first activation send (or at
+        # the first gradient wait): not needed before then, and posting them
+        # here would delay the first stage's first forward.
 
-    def _post_grad_receives(self) -> None:
-        self._grads_posted = True
+    def _open(self, kind: str, v: int) -> None:
+        """Start posting chunk ``v``'s ``kind`` receives (when they come from another process)."""
+        peer = self.routes.prev[v] if kind == "act" else self.routes.next[v]
+        if peer is None or self.routes.local(peer) or (kind, v) in self._posting:
+            return
+        self._posting[kind, v] = _Channel(peer[0])
+        self._post_until(kind, v, RECEIVES_AT_START)
+
+    def _post_until(self, kind: str, v: int, stop: int) -> None:
+        """Post chunk ``v``'s ``kind`` receives of the microbatches below ``stop``."""
+        channel = self._posting[kind, v]
         n = self._n
-        for v in range(self.V):
-            peer = self.routes.next[v]
-            if peer is None or self.routes.local(peer):
-                continue
-            for m in range(min(self.recv_window, n)):
-                spec = self._slots[v * n + m].out_spec
-                if spec is not None and spec.carries_grad:
-                    self._slots[v * n + m].recv_grad = self.mailbox.post_recv_grad(spec, peer[0], v)
+        while channel.posted < min(stop, n):
+            slot = self._slots[v * n + channel.posted]
+            if kind == "act":
+                slot.recv_act = self.mailbox.post_recv_activation(slot.act_spec, channel.peer, v)
+            elif slot.out_spec is not None and slot.out_spec.carries_grad:
+                slot.recv_grad = self.mailbox.post_recv_grad(slot.out_spec, channel.peer, v)
+            channel.posted += 1
+
+    def _post_one(self) -> None:
+        """Post one more receive: on the channel with the fewest posted ahead of its waits."""
+        best: tuple[int, tuple[str, int]] | None = None
+        for key, channel in self._posting.items():
+            ahead = channel.posted - channel.waited
+            if (
+                channel.posted < self._n
+                and ahead < self.recv_window
+                and (best is None or ahead < best[0])
+            ):
+                best = (ahead, key)
+        if best is not None:
+            kind, v = best[1]
+            self._post_until(kind, v, self._posting[kind, v].posted + 1)
+
+    def _waiting(self, kind: str, v: int, m: int) -> None:
+        """Microbatch ``m``'s ``kind`` receive of chunk ``v`` is waited for now: posted
+        (with every one before it) and counted."""
+        channel = self._posting.get((kind, v))
+        if channel is not None:
+            self._post_until(kind, v, m + 1)
+            channel.waited = m + 1
 
     def _end_pass(self) -> None:
         self._slots = []
@@ -429,23 +472,19 @@ class StageExecutor:
             slot.target = self._batch_y[m]
 
     def _recv_activation(self, m: int, v: int) -> None:
-        n = self._n
-        k = v * n + m
-        slot = self._slots[k]
+        slot = self._slots[v * self._n + m]
         peer = self.routes.prev[v]
         assert peer is not None
         if self.routes.local(peer):
             leaves = self._handed_acts[v].popleft()
         else:
+            self._waiting("act", v, m)
             pending = slot.recv_act
             assert pending is not None, f"activation {m} of chunk {v} was never posted"
             slot.recv_act = None
             leaves, start, end = self.mailbox.wait(pending)
             if self._spans is not None:
                 self._spans.append(Span("wait", self._mb_offset + m, start, end, "recv_act", v))
-            if m + self.recv_window < n:
-                ahead = self._slots[k + self.recv_window]
-                ahead.recv_act = self.mailbox.post_recv_activation(ahead.act_spec, peer[0], v)
         spec = slot.act_spec
         if self._training:
             slot.in_leaves = [
@@ -506,32 +545,29 @@ class StageExecutor:
             return
         # Keep only what the backward needs.
         slot.outputs = [t for t, s in zip(leaves, spec.leaves, strict=True) if s.carries_grad]
-        if not self._grads_posted:
-            self._post_grad_receives()
+        self._open_grads()
+
+    def _open_grads(self) -> None:
+        if self._training:
+            for v in range(self.V):
+                self._open("grad", v)
 
     def _recv_grad_wait(self, m: int, v: int) -> None:
-        if not self._grads_posted:  # a program without SendActivation first
-            self._post_grad_receives()
-        n = self._n
-        k = v * n + m
-        slot = self._slots[k]
+        self._open_grads()  # a program without SendActivation first
+        slot = self._slots[v * self._n + m]
         peer = self.routes.next[v]
         assert peer is not None
         if self.routes.local(peer):
             spec = slot.out_spec
             slot.grads = self._handed_grads[v].popleft() if spec and spec.carries_grad else None
             return
+        self._waiting("grad", v, m)
         pending, slot.recv_grad = slot.recv_grad, None
         if pending is None:  # integer outputs carry no gradient
             return
         grads, start, end = self.mailbox.wait(pending)
         if self._spans is not None:
             self._spans.append(Span("wait", self._mb_offset + m, start, end, "recv_grad", v))
-        if m + self.recv_window < n:
-            ahead = self._slots[k + self.recv_window]
-            spec = ahead.out_spec
-            if spec is not None and spec.carries_grad:
-                ahead.recv_grad = self.mailbox.post_recv_grad(spec, peer[0], v)
         slot.grads = grads
 
     def _backward_roots(
@@ -656,3 +692,4 @@ class StageExecutor:
             self._eval_programs[len(batch)] = program
         for handler, microbatch, chunk in program:
             handler(microbatch, chunk)
+            self._post_one()
