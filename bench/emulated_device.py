@@ -1,190 +1,130 @@
 """evtrain's pipeline schedules on an emulated device: P = 4 and 8 stages on a 2-core machine.
 
-Two cores cannot run eight stages of real compute at once, but a GPU kernel
-does not occupy the host's CPU either: it occupies the device. This bench
-replaces every layer's compute by *sleeps* of fixed length
-(`EmulatedLayer`), so P stage processes wait side by side like P GPUs and
-what is left on the CPUs is mostly the engine's own work: Python, autograd,
-the point-to-point messages, the optimizer, the control exchange, the
-events. It measures how close each schedule comes to the step time an
-ideal engine would reach on such a device, how evtrain compares with
+Two cores cannot run eight stages of real compute at once, but a GPU does
+not run its kernels on the host's CPU either. This bench gives every stage
+process an emulated device (`Device`): a stream that runs kernels of fixed
+length in launch order while the host goes on, as a CUDA stream does. What
+is left on the CPUs is the engines' own work (Python, autograd on tiny
+tensors, the messages, the optimizer, the control exchange, the events),
+and it costs device time only where the host falls behind its device. The
+bench measures how close each schedule comes to the step time of an ideal
+engine on such a device, how evtrain compares with
 torch.distributed.pipelining on the same layers, and where evtrain's lost
-time goes.
+device time goes.
 
 The emulated device. `EmulatedLayer` holds a tiny real ``nn.Linear(16, 16)``
-(microbatches of 2 rows), so autograd, the messages and SGD stay real, and
-three kernels: forward ``--forward-ms`` (default 4), input gradient
-``--input-ms`` (4), weight gradient ``--weight-ms`` (4), so a backward is
-twice a forward; ``--layers-per-stage`` (2) layers per stage, one per model
-chunk under interleaved and zbv (two chunks per stage: the same model and
-the same work per stage under every schedule). The forward and
-input-gradient kernels are one autograd node (`_Kernel`) after the linear
-product: its forward sleeps the forward time, its backward the
-input-gradient time; it lies on the path to the stage's input, so both
-engines run it in their input half (I). The weight-gradient kernel sleeps
-where each engine computes d(weight):
+(microbatches of 2 rows, float64), so autograd, the messages and SGD stay
+real, and three kernels: forward ``--forward-ms`` (default 4), input
+gradient ``--input-ms`` (4), weight gradient ``--weight-ms`` (4), so a
+backward is twice a forward; ``--layers-per-stage`` (2) layers per stage, one
+per model chunk under interleaved and zbv (two chunks per stage: the same
+model and the same work per stage under every schedule).
 
-* torch.distributed.pipelining (and evtrain, on every linear it does not
-  split) gets a weight's gradient from autograd: the weight passes through
-  its own node (`_WeightKernel`), whose backward sleeps the weight-gradient
-  time. torch's input half asks autograd for the input's gradient only,
-  which skips that node; its weight half runs it.
-* evtrain splits a backward by routing each ``nn.Linear`` through
-  ``evtrain.stages.backward._DeferredLinear``, whose W computes d(weight)
-  from the kept (X, dY) *without* autograd (`evtrain.stages.backward` says
-  why), so no autograd node can run in it. A layer whose linear evtrain
-  routed (it replaced the linear's ``forward``) calls that linear, and the
-  layers wrap ``evtrain.stages.backward._weight_grads`` in the processes
-  that build them so that it sleeps the layer's weight-gradient time before
-  the real product: evtrain's d(weight) kernel. Nothing else of the engine
-  changes, and the wrapper raises if the function is gone rather than let a
-  W run without its kernel.
+* A launch returns at once; the kernel runs on the device from the later of
+  the device's end of its previous kernel, the launch and the kernel's
+  inputs being ready, and the device's clock advances by its length.
+* Messages are stream-ordered, as NCCL's are: an activation or a gradient
+  carries the device time at which it is ready in one extra column, which
+  the consumer's kernel waits for on its device. The host sends the values
+  at once (the tiny products are computed on the host), so a message's
+  host-to-host latency costs device time only when the consumer's host is
+  not ahead.
+* The host waits for its device once per step, where each engine does on a
+  GPU: evtrain at the start of its optimizer step (`WeightUpdate.step`, where
+  ``float()`` of the step's loss and gradient norm needs the device), the
+  torch twin after ``schedule.step()`` (where a training loop reads the
+  step's loss). The bench wraps evtrain's private ``WeightUpdate.step`` for
+  that, and ``evtrain.stages.backward._weight_grads`` (evtrain's d(weight)
+  of a linear it splits, computed without autograd, so no autograd node can
+  launch the weight kernel there); both wrappers raise if the function is
+  gone rather than time an engine without its kernels.
 
-On the model's first chunk (no input gradient) both engines leave I empty
-and run the whole backward in W, as evtrain's simulator assumes.
+Where each kernel runs: the forward and input-gradient kernels are one
+autograd node (`_Kernel`) after the linear product, on the path to the
+stage's input, so both engines run them in their input half (I). The
+weight-gradient kernel runs where each engine computes d(weight): a node on
+the weight's own path (`_WeightKernel`) for torch and for evtrain's
+unsplit backward, the wrapped ``_weight_grads`` for evtrain's split one. On
+the model's first chunk (no input gradient) both engines run the whole
+backward in W, as evtrain's simulator assumes.
 
 Contenders, for every (P, M) of ``--grid`` (default ``8x32``: P = 8, M =
 32), alternating within each of ``--repeats`` repeats (the order reversed
 every other repeat), ``--warmup`` untimed steps then ``--steps`` timed ones:
 
 * evtrain ``1f1b``, ``interleaved`` (2 chunks per stage), ``zb`` and
-  ``zbv``: real stage workers under torch.distributed.elastic (launched as
-  bench/pipeline_vs_torch.py launches them), one torch thread each,
-  publishing to a real broker with the default event settings
-  (``microbatch_spans="sampled"``: spans in steps 1-5 and every 50th); a
-  subscriber thread in this process drains the bus while they run (at P = 8
-  the spans outgrow the bus's queues otherwise). Step time: the last
-  stage's StepStarted of the first timed step to its StepEnded of the last.
-* their torch twins on the same layers with static shapes (the ranks of
-  bench/pipeline_vs_torch.py's ``torch_worker``), under elastic too, forked
-  from this process (spawned interpreters take half a minute to start and
-  to end at P = 8 on 2 cores; the timed steps are the same): Schedule1F1B,
-  ScheduleInterleaved1F1B (2 stages per rank), ScheduleInterleavedZeroBubble
-  with one stage per rank (ZB-H1, evtrain's ``zb`` order) and
-  ScheduleZBVZeroBubble (rank r holding chunks r and 2P-1-r). Step time:
-  rank 0's wall time between barriers.
+  ``zbv``: real stage workers under torch.distributed.elastic, one torch
+  thread each, publishing to a real broker with the default event settings
+  (``microbatch_spans="sampled"``), drained by a thread in this process.
+  Step time: the last stage's StepStarted of the first timed step to its
+  StepEnded of the last.
+* their torch twins on the same layers with static shapes, forked from this
+  process under elastic: Schedule1F1B, ScheduleInterleaved1F1B (2 stages per
+  rank), ScheduleInterleavedZeroBubble with one stage per rank (ZB-H1,
+  evtrain's ``zb`` order) and ScheduleZBVZeroBubble (rank r holding chunks r
+  and 2P-1-r). Step time: rank 0's wall time between barriers.
 
 The bound: each schedule's ideal step on this device is evtrain's simulator
-(`evtrain.stages.simulator.simulate`) run on the instruction lists the
-stages run (``lookahead=1``, ``reduce_grads=True``, as the executor builds
-them), each instruction costing its chunk's kernels. The simulator
-expresses all four schedules, so no closed form is used; the closed forms
+(`evtrain.stages.simulator.simulate`) on the instruction lists the stages
+run, each instruction costing its chunk's kernels; the closed forms
 (`evtrain.stages.simulator.bubble_fraction`) are printed beside it as a
-check, where they hold (I = W, a backward twice a forward). It counts no
-time for messages, the optimizer or Python: 1.0 is a perfect engine.
+check where they hold. It counts no time for messages, the optimizer, the
+step boundary or the host: 1.0 is a perfect engine.
 
-The device's own costs, measured in this process before the runs with no
-stage running (``--calibration`` times each) and stated in the output:
+Figures: ``emu_bound_fraction_<sched>`` = bound / measured step time;
+``emu_ratio_<sched>`` = evtrain steps/s / torch twin steps/s (medians over
+repeats); ``emu_zb_bubble_realised`` (and ``emu_zbv_...``) = (measured 1F1B
+step - measured zb step) / (simulated 1F1B step - simulated zb step): the
+share of the bubble reduction the simulator promises that evtrain realises.
 
-* the sleep overshoot: ``time.sleep(0.004)`` takes longer than 4 ms (timer
-  slack, the wake-up). The bound is *corrected* for it: it is what the
-  device's kernels take here whatever the engine does, so leaving it out
-  would charge the engine for the OS timer. Every kernel also measures its
-  own overshoot inside the stages (reported with `evtrain.report`, so it
-  arrives in each stage's ``StepEnded.metrics``; torch's ranks return
-  theirs); what a busy stage sees beyond the quiet figure is *reported*,
-  not corrected (its own line below): it is a sleeping kernel woken late
-  because the stages' processes compete for the cores, partly the
-  engine's CPU use, partly the emulation's density (P processes on 2
-  cores).
-* the layers' own compute: one chunk's forward and backward run in this
-  process, timed beyond their sleeps: autograd, the tiny products, and a
-  CPU woken from a sleep running them several times slower than a busy
-  one (cold caches, an idle virtual CPU: the same few torch calls take
-  several times as long right after a 4 ms sleep as in a tight loop).
-  Both engines pay it and neither can remove it, but it is the
-  emulation's rather than a GPU's. It is *reported*, not corrected: its
-  size depends on how idle the CPU was (a lone process wakes from deeper
-  idle than a stage among P busy ones, so this figure is an upper one),
-  and the stages' own figure is in the lost-time table ("compute beyond
-  the sleeps"). To isolate the engine's scheduling from it, a second
-  bound (``instr``) runs the simulator with every instruction as long as
-  evtrain's stages measured it (forward and backward instruction time per
-  chunk and microbatch, means over the stages; the weight half's share of
-  a backward from the spans): ``emu_instruction_fraction_<sched>`` =
-  instr / measured step time leaves out everything inside the
-  instructions and judges what is between them (messages, waits, the
-  boundary).
+Where the lost time goes, per stage and step (both engines' devices report
+it): the device's period is its kernels plus its idle time, and the idle
+time splits by what each kernel waited for: its inputs (a peer's device:
+the schedule's bubble, and a peer that is late), the host that launched it
+late within the step, and, before the step's first kernel, the step
+boundary. Lost = measured step - bound = input waits beyond the bubble
+(the simulated idle time) + host late + the boundary.
 
-Also stated: every contender's CPU time per step, all its processes
-together (the stages' kernels report their process's CPU time; torch's
-ranks return theirs), as a share of the cores. The emulation holds while
-that share stays well below 1; near 1 the stages queue for the CPU and the
-figures measure the machine.
+The boundary on the critical path (evtrain, every pair of timed steps):
+from the last kernel's end on any device to the next step's first launch,
+on the stage holding the model's first chunk (stage 0; P - 1 under zbv),
+split on that stage into the exchange (until its StepEnded: the
+host's wake-up, the control exchange, publishing the step's events; its
+``control`` span's end splits it where the step has spans), the actor's hop
+(StepEnded to StepStarted) and the start (StepStarted to the first launch:
+the hop to the step's thread, posting receives, loading the batch).
+``--exchange PxMxD`` (default ``8x8x4``: 32 processes) runs evtrain's 1F1B
+once more with D replicas of the pipeline, its kernels ``--exchange-scale``
+(4) times as long (32 hosts on 2 cores keep ahead of their devices only
+with longer kernels; the run's CPU share is printed), and prints the
+exchange's cost (its upper bound above: to stage 0's StepEnded) and its
+share of the step there (``emu_exchange_share_<N>``); ``--exchange ''``
+skips it.
 
-Figures: ``emu_bound_fraction_<sched>`` = bound step time / measured step
-time; ``emu_ratio_<sched>`` = evtrain steps/s / torch twin steps/s (medians
-over repeats); ``emu_zb_bubble_realised`` (and ``emu_zbv_...``) =
-(measured 1F1B step time - measured zb step time) / (simulated 1F1B step
-time - simulated zb step time): the share of the bubble reduction the
-simulator promises that evtrain realises.
+Also stated: the sleep overshoot of the host's one wait per step (quiet, in
+this process), the host's own time per microbatch and chunk (a quiet
+calibration), and every contender's CPU time per step, all its processes
+together, as a share of the cores: the emulation holds while that share
+stays well below 1, so that the hosts keep ahead of their devices.
 
-Where evtrain's lost time goes (ms per step, mean over stages and
-repeats): the measured step time minus the bound splits exactly, on every
-stage, into
-
-* sleep overshoot in the stage beyond the quiet one (the kernels' reports);
-* compute beyond the sleeps: ``StepEnded.forward_s + backward_s`` less the
-  kernels' actual sleeps: the layers' torch work (the calibration's figure
-  is printed below it for reference) and evtrain's bookkeeping inside the
-  instructions;
-* waits beyond the schedule's bubble: ``StepEnded.comm_wait_s`` (receives,
-  the send drain, the control exchange's wait) less the stage's idle time
-  in the simulated step;
-* the rest of the step: ``duration_s`` less compute and waits: the
-  optimizer, loading, posting sends and receives, Python between
-  instructions;
-* thread hops and publishing: StepStarted to StepEnded less ``duration_s``
-  (the actor's hop to the step's thread and back, the step's events);
-* the actor's boundary: the rest of the step period (StepEnded to the next
-  StepStarted; the period is the last stage's, so a stage's figure can dip
-  slightly below zero).
-
-The rest of the step is split further by the spans either side of each
-stretch without a span (``F>recv_grad``: after a forward, before the wait
-for a gradient: the activation's send and the Python around it), over the
-timed steps with spans.
-
-The waits are split by kind with the wait spans of the timed steps that
-carry them (steps <= 5 at ``--warmup`` < 5): receives of activations and of
-gradients, the send drain, and the control exchange (``comm_wait_s`` less
-the others); the ``control`` span less the exchange's wait is the
-optimizer step (and the exchange's sends), which evtrain overlaps with the
-exchange. Waits beyond the bubble are also given per stage.
-
-The step boundary's cost on the critical path, printed at the largest P:
-for each boundary between two timed steps with spans, from the step's last
-compute on any stage to the next step's first compute on any stage (the
-control exchange makes every stage wait for the last one, so nothing
-overlaps it), as a share of the step time; split on the stage that starts
-the next step into: until its control exchange ended (the exchange's
-latency after the last compute), until its StepEnded went out (the send
-drain, the hop back to the actor's loop, publishing the step's events,
-with what publishing the spans costs that stage beside it), the actor's
-boundary to its StepStarted, and until its first compute (the hop to the
-step's thread, posting the pass's receives, loading the batch).
-
-    python bench/emulated_device.py [--grid 8x32,4x16] [--steps 6] [--warmup 2]
+    python bench/emulated_device.py [--grid 8x32,4x16] [--steps 6] [--warmup 5]
         [--repeats 1] [--forward-ms 4] [--input-ms 4] [--weight-ms 4]
-        [--layers-per-stage 2] [--calibration 100] [--only evtrain_zb,torch_zb]
-        [--pin]
+        [--layers-per-stage 2] [--calibration 100] [--exchange 8x8x4]
+        [--exchange-scale 4]
+        [--only evtrain_zb,torch_zb] [--pin]
 
 Tables go to stdout; the last line printed is one JSON object whose
 top-level keys describe the first configuration of ``--grid``:
 ``emu_bound_fraction_<sched>``, ``emu_ratio_<sched>``,
-``emu_instruction_fraction_<sched>``, ``emu_zb_bubble_realised``,
-``emu_zbv_bubble_realised``, ``sleep_overshoot_ms`` (quiet, and per
-contender in the stages), ``layers_compute_ms`` (the calibration), ``cpu``
-(per contender), ``lost_ms`` (the breakdown per schedule),
-``between_spans_ms``, ``boundary`` (at the largest P), ``P``, ``M``,
-``steps``, ``warmup``, ``repeats``, the costs, ``wall_s`` (the bench's own
-wall time) and ``grid`` (every configuration in full).
+``emu_zb_bubble_realised``, ``emu_zbv_bubble_realised``, ``lost_ms`` (per
+engine and schedule), ``boundary``, ``emu_exchange_share_<N>``, ``cpu``,
+``calibration``, ``P``, ``M``, the settings, ``wall_s`` (the bench's own wall
+time) and ``grid`` (every configuration in full).
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import statistics
@@ -210,7 +150,7 @@ import pipeline_vs_torch as pvt
 import evtrain
 
 WIDTH = 16
-"""Features of the tiny linear in each layer (and of the messages between stages)."""
+"""Features of the tiny linear in each layer; messages carry one more column: the time."""
 MICROBATCH = 2
 """Rows per microbatch: the messages stay a few hundred bytes, as the bench means to
 time the engine, not the copying."""
@@ -229,6 +169,9 @@ TWINS = {
 CONTENDERS = tuple(f"{side}_{s}" for s in SCHEDULES for side in ("evtrain", "torch"))
 TOPICS = ("step.", "microbatch.")
 """What the bench process subscribes to: step starts and ends, and the spans."""
+TALLIES = ("busy", "input_wait", "host_late", "boundary", "overshoot", "cpu")
+"""What a device accounts per step (seconds): its kernels, its idle time by cause, the
+host's wake-up beyond the device's end, and the process's CPU time."""
 
 
 @dataclass(frozen=True)
@@ -251,58 +194,105 @@ class Costs:
 # ------------------------------------------------------------ the emulated device
 
 
-class _Tally:
-    """Sleep overshoot seen by this process: the torch twins read it at their end."""
+class Device:
+    """This process's emulated device: one stream, kernels in launch order.
+
+    ``free_at`` is the ``time.perf_counter`` at which the last launched kernel
+    ends. Each launch accounts the device's idle time before its kernel: the
+    part until the kernel's inputs were ready (``input_wait``) and the part
+    after both the device and the inputs were ready, until the host launched
+    it (``host_late``; ``boundary`` for the step's first kernel).
+    """
 
     def __init__(self) -> None:
-        self.count = 0
-        self.total = 0.0
+        self.free_at = 0.0
+        self.step: dict[str, float] = dict.fromkeys(TALLIES, 0.0)
+        self.first_launch = 0.0
         self.cpu_at = time.process_time()
-        """This process's CPU time at the last kernel's end."""
+        self.timed: list[dict[str, float]] = []
+        """Every synced step's tallies (the torch twins read them at their end)."""
 
-    def add(self, seconds: float) -> None:
-        self.count += 1
-        self.total += seconds
+    def launch(self, seconds: float, ready: float = 0.0) -> float:
+        """Run a kernel of ``seconds`` once ``ready``; the device time it ends at."""
+        now = time.perf_counter()
+        free = self.free_at or now
+        start = max(free, now, ready)
+        self.step["input_wait"] += max(0.0, ready - free)
+        late = max(0.0, now - max(free, ready))
+        if self.first_launch:
+            self.step["host_late"] += late
+        else:
+            self.step["boundary"] += late
+            self.first_launch = time.time()
+        self.step["busy"] += seconds
+        self.free_at = start + seconds
+        return self.free_at
 
-    def reset(self) -> None:
-        self.count, self.total = 0, 0.0
+    def sync(self) -> dict[str, float]:
+        """The host waits for the device; the step's tallies, then a new step."""
+        wait = self.free_at - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
+            self.step["overshoot"] = time.perf_counter() - self.free_at
+        cpu = time.process_time()
+        self.step["cpu"], self.cpu_at = cpu - self.cpu_at, cpu
+        # Wall-clock times, as the events carry: the offset read now, as the wall
+        # clock may be adjusted during a run.
+        figures = {
+            **self.step,
+            "device_end": self.free_at + time.time() - time.perf_counter(),
+            "first_launch": self.first_launch,
+        }
+        self.timed.append(figures)
+        self.step = dict.fromkeys(TALLIES, 0.0)
+        self.first_launch = 0.0
+        return figures
 
-    def mean(self) -> float | None:
-        return self.total / self.count if self.count else None
+
+DEVICE = Device()
 
 
-_TALLY = _Tally()
+def _stamp(t: torch.Tensor, ready: float) -> torch.Tensor:
+    """``t`` with the time column appended."""
+    return torch.cat([t, t.new_full((t.shape[0], 1), ready)], dim=1)
 
 
-def _device_sleep(seconds: float) -> None:
-    """One kernel: the device is busy for ``seconds``; the CPU is free meanwhile."""
-    if seconds <= 0:
-        return
-    start = time.perf_counter()
-    time.sleep(seconds)
-    over = time.perf_counter() - start - seconds
-    _TALLY.add(over)
-    cpu, _TALLY.cpu_at = _TALLY.cpu_at, time.process_time()
-    # Inside an evtrain stage these land in the step's StepEnded.metrics (means over
-    # the step's kernels); elsewhere they do nothing. The CPU deltas chain from
-    # kernel to kernel, so their sum over a step is the process's CPU time per step
-    # period (every thread: the step's, the event loop's, gloo's).
-    evtrain.report({"emu_overshoot_s": over, "emu_cpu_s": _TALLY.cpu_at - cpu})
+def _ready(t: torch.Tensor) -> float:
+    return float(t.detach()[:, WIDTH].max())
+
+
+class _Arrive(torch.autograd.Function):
+    """A layer's input: drops the time column going forward (the layer's kernel waits
+    for it) and stamps the input gradient's ready time coming back."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x[:, :WIDTH].clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        # Autograd runs this after the layer's other backward nodes (the latest
+        # created run first), so the stamp follows its weight kernel too, as a
+        # GPU's stream-ordered send after the whole backward does.
+        return _stamp(grad, DEVICE.free_at)
 
 
 class _Kernel(torch.autograd.Function):
     """The forward kernel (in forward) and the input-gradient kernel (in backward)."""
 
     @staticmethod
-    def forward(ctx: Any, y: torch.Tensor, forward_s: float, input_s: float) -> torch.Tensor:
+    def forward(
+        ctx: Any, y: torch.Tensor, ready: float, forward_s: float, input_s: float
+    ) -> torch.Tensor:
         ctx.input_s = input_s
-        _device_sleep(forward_s)
-        return y.clone()
+        if y.is_meta:  # evtrain's shape survey
+            return _stamp(y, 0.0)
+        return _stamp(y, DEVICE.launch(forward_s, ready))
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        _device_sleep(ctx.input_s)
-        return grad, None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        DEVICE.launch(ctx.input_s, _ready(grad))
+        return grad[:, :WIDTH], None, None, None
 
 
 class _WeightKernel(torch.autograd.Function):
@@ -316,44 +306,45 @@ class _WeightKernel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        _device_sleep(ctx.weight_s)
+        DEVICE.launch(ctx.weight_s)
         return grad, None
 
 
 _WEIGHT_KERNEL_ATTR = "_emulated_weight_s"
 
 
-def _install_weight_kernel() -> None:
-    """Make evtrain's d(weight) of a routed linear sleep the layer's weight-gradient time.
-
-    `evtrain.stages.backward._DeferredLinear` and ``SplitBackward.weight_half``
-    call the module-level ``_weight_grads(layer, x, dy)``; wrapping it is the
-    one place where evtrain's W computes a linear's weight gradient. Layers
-    other than ours (no attribute) pass through untouched. Raises if evtrain
-    no longer has that function, rather than silently timing a W without its
-    kernel.
-    """
-    from evtrain.stages import backward
+def _install_evtrain_hooks() -> None:
+    """Launch the weight kernel in evtrain's d(weight) of a split linear, and wait for
+    the device at the start of its optimizer step (see the module docstring)."""
+    from evtrain.stages import backward, update
 
     original = backward._weight_grads
     if getattr(original, "_emulated", False):
         return
 
     def weight_grads(layer: nn.Linear, x: torch.Tensor, dy: torch.Tensor) -> None:
-        _device_sleep(layer.__dict__.get(_WEIGHT_KERNEL_ATTR, 0.0))
+        DEVICE.launch(layer.__dict__.get(_WEIGHT_KERNEL_ATTR, 0.0))
         original(layer, x, dy)
 
     weight_grads._emulated = True  # type: ignore[attr-defined]
     backward._weight_grads = weight_grads
 
+    step = update.WeightUpdate.step
+
+    def synced_step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        evtrain.report({f"emu_{k}": v for k, v in DEVICE.sync().items()})
+        return step(self, *args, **kwargs)
+
+    update.WeightUpdate.step = synced_step  # type: ignore[method-assign]
+
 
 class EmulatedLayer(nn.Module):
     """A layer of the emulated device: a tiny real linear and three kernels of fixed length.
 
-    Forward sleeps ``forward_s``; the backward sleeps ``input_s`` in the part
-    that computes the input's gradient and ``weight_s`` in the part that
-    computes the weight's (see the module docstring for how each engine
-    splits them).
+    Forward launches ``forward_s``; the backward launches ``input_s`` in the
+    part that computes the input's gradient and ``weight_s`` in the part that
+    computes the weight's. Takes and returns ``WIDTH + 1`` columns: the last
+    is the device time at which the values are ready.
     """
 
     def __init__(
@@ -361,13 +352,15 @@ class EmulatedLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.forward_s, self.input_s, self.weight_s = forward_s, input_s, weight_s
-        self.linear = nn.Linear(width, width)
+        self.linear = nn.Linear(width, width, dtype=torch.float64)
         # Read by the wrapped _weight_grads (the instance dict: nn.Module's
         # __getattr__ is not consulted there).
         self.linear.__dict__[_WEIGHT_KERNEL_ATTR] = weight_s
-        _install_weight_kernel()
+        _install_evtrain_hooks()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ready = 0.0 if x.is_meta else _ready(x)
+        x = _Arrive.apply(x) if x.requires_grad else x[:, :WIDTH]
         linear = self.linear
         if "forward" in linear.__dict__:
             # evtrain's SplitBackward routed this linear (zb/zbv, a chunk whose
@@ -376,72 +369,64 @@ class EmulatedLayer(nn.Module):
         else:
             weight = _WeightKernel.apply(linear.weight, self.weight_s)
             y = F.linear(x, weight, linear.bias)
-        out: torch.Tensor = _Kernel.apply(y, self.forward_s, self.input_s)
+        out: torch.Tensor = _Kernel.apply(y, ready, self.forward_s, self.input_s)
         return out
 
 
 def samples() -> tuple[torch.Tensor, torch.Tensor]:
-    """The data set: random inputs and regression targets."""
+    """The data set: random inputs (ready at once) and regression targets."""
     g = torch.Generator().manual_seed(0)
-    return torch.randn(SAMPLES, WIDTH, generator=g), torch.randn(SAMPLES, WIDTH, generator=g)
+    x = torch.randn(SAMPLES, WIDTH, generator=g, dtype=torch.float64)
+    y = torch.randn(SAMPLES, WIDTH, generator=g, dtype=torch.float64)
+    return _stamp(x, 0.0), y
+
+
+def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean squared error of the values (not the time column)."""
+    return F.mse_loss(out[:, :WIDTH], target)
 
 
 @dataclass(frozen=True)
 class Calibration:
     """The device's own costs, measured in this process before the runs (no stage running)."""
 
-    overshoot: dict[float, float]
-    """Per kernel length: the mean time a sleep of it takes beyond its length."""
-    compute: dict[int, tuple[float, float]]
-    """Per layers in a chunk: the seconds a chunk's forward and its whole backward take
-    beyond their kernels' sleeps: autograd, the tiny products, and a CPU woken from a
-    sleep running them slower than a busy one would."""
+    overshoot: float
+    """The mean time a host's wait for its device takes beyond the device's end."""
+    host: dict[int, tuple[float, float]]
+    """Per layers in a chunk: the host's seconds for a chunk's forward and its whole
+    backward (autograd, the tiny products, the launches)."""
 
 
 def calibrate(costs: Costs, count: int) -> Calibration:
-    """Sleep ``count`` times per kernel length, and run ``count`` microbatches through
-    one chunk of every size the schedules use, with plain autograd."""
-    overshoot = {}
-    for seconds in sorted({s for s in costs.kernels if s > 0}):
-        total = 0.0
-        for _ in range(count):
-            start = time.perf_counter()
-            time.sleep(seconds)
-            total += time.perf_counter() - start - seconds
-        overshoot[seconds] = total / count
+    """Run ``count`` microbatches through one chunk of every size the schedules use,
+    waiting for the device after each (the quiet wake-up)."""
     torch.set_num_threads(1)
-    compute = {}
+    host = {}
+    over: list[float] = []
     for per in sorted({costs.per_chunk(s) for s in SCHEDULES}):
         chunk = nn.Sequential(*(EmulatedLayer(*costs.kernels) for _ in range(per)))
-        x = torch.randn(MICROBATCH, WIDTH, requires_grad=True)
+        x = samples()[0][:MICROBATCH].requires_grad_(True)
         forward = backward = 0.0
         # The first passes pay for autograd's and the allocator's first use.
         for i in range(-3, count):
-            if i == 0:
-                forward = backward = 0.0
-            _TALLY.reset()
             start = time.perf_counter()
             y = chunk(x)
             middle = time.perf_counter()
-            slept_forward = _TALLY.total
-            torch.autograd.backward([y], [torch.ones_like(y)])
+            torch.autograd.backward([y], [torch.zeros_like(y)])
             end = time.perf_counter()
-            forward += middle - start - slept_forward - per * costs.forward_s
-            backward += (
-                end
-                - middle
-                - (_TALLY.total - slept_forward)
-                - per * (costs.input_s + costs.weight_s)
-            )
-        compute[per] = (forward / count, backward / count)
-    _TALLY.reset()
-    return Calibration(overshoot, compute)
+            over.append(DEVICE.sync()["overshoot"])
+            if i >= 0:
+                forward += middle - start
+                backward += end - middle
+        host[per] = (forward / count, backward / count)
+    DEVICE.timed.clear()
+    return Calibration(statistics.fmean(over[3:]), host)
 
 
 # -------------------------------------------------------------------- evtrain side
 
 
-def spec_text(schedule: str, P: int, M: int, costs: Costs, run_dir: str) -> str:
+def spec_text(schedule: str, P: int, M: int, D: int, costs: Costs, run_dir: str) -> str:
     """The job spec of one evtrain contender: P x layers_per_stage emulated layers."""
     V = CHUNKS.get(schedule, 1)
     per_chunk = costs.per_chunk(schedule)
@@ -460,13 +445,14 @@ job = Job(
         layer(emu.EmulatedLayer, {costs.forward_s!r}, {costs.input_s!r}, {costs.weight_s!r})
         for _ in range({P * costs.layers_per_stage})
     ],
-    loss_fn=nn.functional.mse_loss,
+    loss_fn=emu.loss,
     optimizer=functools.partial(torch.optim.SGD, lr=1e-3),
     train_data=emu.samples,
-    batch_size={M * MICROBATCH},
+    batch_size={M * MICROBATCH * D},
     num_microbatches={M},
     max_steps=10,
     stages={P},
+    data_parallel={D},
     virtual_stages={V},
     schedule={schedule!r},
     balance={[per_chunk] * (P * V)},
@@ -476,12 +462,13 @@ job = Job(
 """
 
 
-def run_stages(spec: Path, stages: int, steps: int, run_id: str) -> list[Any]:
+def run_stages(spec: Path, processes: int, steps: int, run_id: str) -> list[Any]:
     """evtrain's stage workers on a live bus (as pipeline_vs_torch's ``run_events``),
     drained by a thread while they run: at P = 8 the sampled spans alone outgrow
     the broker's and the subscriber's queues."""
     from evtrain.bus import Broker, BusAddress, Subscriber
-    from evtrain.stages.worker import WorkerConfig, worker_main
+    from evtrain.stages.entry import worker_main
+    from evtrain.stages.worker import WorkerConfig
 
     address = BusAddress.new_ipc()
     events: list[Any] = []
@@ -512,7 +499,7 @@ def run_stages(spec: Path, stages: int, steps: int, run_id: str) -> list[Any]:
         thread.start()
         connected.wait()
         try:
-            pvt._launch(stages, worker_main, config.encode())
+            pvt._launch(processes, worker_main, config.encode())
         finally:
             finished.set()
             thread.join()
@@ -521,207 +508,95 @@ def run_stages(spec: Path, stages: int, steps: int, run_id: str) -> list[Any]:
     return events
 
 
-@dataclass
-class StageFigures:
-    """One stage's means per timed step (seconds)."""
-
-    duration: float
-    forward: float
-    backward: float
-    comm_wait: float
-    overshoot: float | None
-    """Mean overshoot of the stage's kernels (its own reports)."""
-    cpu: float | None
-    """The stage process's CPU time per step (its kernels' reports)."""
-    around: float
-    """StepStarted to StepEnded beyond ``duration_s``: the actor's thread hops and
-    publishing the step's events (spans included, when it has them)."""
-    publish_spans: float | None
-    """``around`` in the timed steps with spans less in those without: what
-    publishing a step's spans costs the stage."""
-    spans: dict[str, float] | None
-    """Waits by kind and the optimizer, over the timed steps with spans."""
-    gaps: dict[str, float] | None
-    """Time per step between consecutive spans, by the two spans' kinds (``F>recv_grad``):
-    the instructions that have no span of their own (sends, loads, posting receives)
-    and the Python around them; over the timed steps with spans."""
-
-
 @dataclass(frozen=True)
 class Boundary:
-    """The step boundary on the critical path: from the step's last compute on any
-    stage to the next step's first compute on any stage (seconds), split on the stage
-    that starts the next step."""
+    """One step boundary on the critical path (seconds): from the last kernel's end on
+    any device to the next step's first launch, split on the stage that makes it (the
+    one holding the model's first chunk: stage 0, or P - 1 under zbv)."""
 
     gap: float
-    stage: int
     exchange: float
-    """Until that stage's control exchange ended (its ``control`` span's end)."""
-    to_end: float
-    """Then until its StepEnded went out: the send drain, the hop back to the actor's
-    loop, publishing the step's spans."""
+    """Until that stage's StepEnded: the wake-up, the control exchange, the step's events."""
+    control: float | None
+    """Of ``exchange``, until that stage's control span ended (steps with spans)."""
     actor: float
-    """Then until its next StepStarted went out."""
+    """StepEnded to the next StepStarted: the actor's loop."""
     start: float
-    """Then until its first compute: the hop to the step's thread, posting the pass's
-    receives, loading the batch."""
-    publish_spans: float | None
-    """What publishing a step's spans costs that stage (`StageFigures.publish_spans`)."""
+    """StepStarted to the first launch: the hop to the step's thread, posting the
+    pass's receives, loading the batch."""
 
 
 @dataclass
-class EvtrainRun:
+class Run:
+    """One contender's run: its step time and its devices' tallies per step (means over
+    the timed steps, per process)."""
+
     step_s: float
-    stages: list[StageFigures]
+    devices: list[dict[str, float]]
     boundaries: list[Boundary]
-    """Every boundary between two timed steps with spans."""
 
 
-def _stage_spans(events: Sequence[Any], comm_wait: float) -> dict[str, float]:
-    from evtrain.events import MicrobatchBackward, MicrobatchWait
+def evtrain_run(
+    events: Sequence[Any], schedule: str, P: int, D: int, steps: int, warmup: int
+) -> Run:
+    """Step time, device tallies and boundaries from one run's events."""
+    from evtrain.events import MicrobatchWait, StepEnded, StepStarted
+    from evtrain.stages.schedules import chunk_place
 
-    waits: dict[str, float] = defaultdict(float)
-    backward = weight = 0.0
-    for e in events:
-        if isinstance(e, MicrobatchWait):
-            waits[e.op] += e.end - e.start
-        elif isinstance(e, MicrobatchBackward):
-            backward += e.end - e.start
-            weight += e.end - e.start if e.part == "weight" else 0.0
-    accounted = waits["recv_act"] + waits["recv_grad"] + waits["send"] + waits["reduce"]
-    control_wait = max(comm_wait - accounted, 0.0)
-    return {
-        "recv_act": waits["recv_act"],
-        "recv_grad": waits["recv_grad"],
-        "send_drain": waits["send"],
-        "control_wait": control_wait,
-        # The control span runs from the exchange's start over the optimizer
-        # (overlapped with the exchange) to the exchange's end.
-        "optimizer": max(waits["control"] - control_wait, 0.0),
-        "backward_all": backward,
-        "backward_weight": weight,
-    }
-
-
-def _span_label(e: Any) -> str:
-    from evtrain.events import MicrobatchBackward, MicrobatchForward
-
-    if isinstance(e, MicrobatchForward):
-        return "F"
-    if isinstance(e, MicrobatchBackward):
-        return {"input": "I", "weight": "W"}.get(e.part, "B")
-    return str(e.op)
-
-
-def _span_gaps(events: Sequence[Any]) -> dict[str, float]:
-    gaps: dict[str, float] = defaultdict(float)
-    ordered = sorted(events, key=lambda e: e.start)
-    for a, b in itertools.pairwise(ordered):
-        if b.start > a.end:
-            gaps[f"{_span_label(a)}>{_span_label(b)}"] += b.start - a.end
-    return gaps
-
-
-def evtrain_figures(
-    events: Sequence[Any], P: int, steps: int, warmup: int, kernels_per_step: int
-) -> EvtrainRun:
-    """Step time, per-stage means and the boundaries from one run's events."""
-    from evtrain.events import MicrobatchBackward, MicrobatchForward, StepEnded, StepStarted
+    entry = chunk_place(schedule, P, 0)[0]
+    """The stage that starts every step: it holds the model's first chunk."""
 
     first, final = warmup + 1, warmup + steps
     timed = range(first, final + 1)
-    starts = {
-        (e.stage, e.step): e.ts for e in events if isinstance(e, StepStarted) and e.replica == 0
+    starts = {(e.stage, e.replica, e.step): e.ts for e in events if isinstance(e, StepStarted)}
+    ends: dict[tuple[int, int, int], Any] = {
+        (e.stage, e.replica, e.step): e for e in events if isinstance(e, StepEnded)
     }
-    ends: dict[tuple[int, int], Any] = {
-        (e.stage, e.step): e for e in events if isinstance(e, StepEnded) and e.replica == 0
-    }
-    if any((s, k) not in ends or (s, k) not in starts for s in range(P) for k in timed):
+    places = [(s, r) for s in range(P) for r in range(D)]
+    if any((*p, k) not in ends or (*p, k) not in starts for p in places for k in timed):
         raise RuntimeError(f"missing step events of timed steps ({len(events)} received)")
-    step_s = (ends[P - 1, final].ts - starts[P - 1, first]) / steps
-    spans: dict[tuple[int, int], list[Any]] = defaultdict(list)
-    for e in events:
-        if hasattr(e, "start") and hasattr(e, "microbatch"):
-            spans[e.stage, e.step].append(e)
-    if not any(spans.get((s, k)) for s in range(P) for k in timed):
-        print("warning: no timed step carries spans (--warmup >= 5): waits are not split")
+    step_s = (ends[P - 1, 0, final].ts - starts[P - 1, 0, first]) / steps
 
-    figures = []
-    for s in range(P):
-        mine = [ends[s, k] for k in timed]
-        around = {k: ends[s, k].ts - starts[s, k] - ends[s, k].duration_s for k in timed}
-        with_spans = [k for k in timed if spans.get((s, k))]
-        plain = [around[k] for k in timed if k not in with_spans]
-        rich = [around[k] for k in with_spans]
-        reports = [e.metrics["emu_overshoot_s"] for e in mine if "emu_overshoot_s" in e.metrics]
-        cpu = [kernels_per_step * e.metrics["emu_cpu_s"] for e in mine if "emu_cpu_s" in e.metrics]
-        split = [_stage_spans(spans[s, k], ends[s, k].comm_wait_s) for k in with_spans]
-        gaps = [_span_gaps(spans[s, k]) for k in with_spans]
-        figures.append(
-            StageFigures(
-                duration=statistics.fmean(e.duration_s for e in mine),
-                forward=statistics.fmean(e.forward_s for e in mine),
-                backward=statistics.fmean(e.backward_s for e in mine),
-                comm_wait=statistics.fmean(e.comm_wait_s for e in mine),
-                overshoot=statistics.fmean(reports) if reports else None,
-                cpu=statistics.fmean(cpu) if cpu else None,
-                around=statistics.fmean(around.values()),
-                publish_spans=statistics.fmean(rich) - statistics.fmean(plain)
-                if rich and plain
-                else None,
-                spans={key: statistics.fmean(d[key] for d in split) for key in split[0]}
-                if split
-                else None,
-                gaps={
-                    key: sum(g.get(key, 0.0) for g in gaps) / len(gaps)
-                    for key in {k for g in gaps for k in g}
-                }
-                if gaps
-                else None,
-            )
-        )
+    def tally(place: tuple[int, int], k: int, key: str) -> float:
+        return float(ends[(*place, k)].metrics[f"emu_{key}"])
 
-    def compute(stage: int, step: int) -> list[Any]:
-        return [
-            e
-            for e in spans.get((stage, step), [])
-            if isinstance(e, MicrobatchForward | MicrobatchBackward)
-        ]
-
+    devices = [
+        {key: statistics.fmean(tally(p, k, key) for k in timed) for key in TALLIES} for p in places
+    ]
+    control_end = {
+        (e.stage, e.replica, e.step): e.end
+        for e in events
+        if isinstance(e, MicrobatchWait) and e.op == "control"
+    }
     boundaries = []
     for k in timed:
-        if k + 1 not in timed or not all(compute(s, k) and compute(s, k + 1) for s in range(P)):
+        if k + 1 not in timed:
             continue
-        last = max(e.end for s in range(P) for e in compute(s, k))
-        first, stage = min((e.start, s) for s in range(P) for e in compute(s, k + 1))
-        control = [e.end for e in spans[stage, k] if getattr(e, "op", "") == "control"]
-        if not control:
-            continue
-        ended, started = ends[stage, k].ts, starts[stage, k + 1]
+        device_end = max(tally(p, k, "device_end") for p in places)
+        launch = tally((entry, 0), k + 1, "first_launch")
+        ended, started = ends[entry, 0, k].ts, starts[entry, 0, k + 1]
+        control = control_end.get((entry, 0, k))
         boundaries.append(
             Boundary(
-                gap=first - last,
-                stage=stage,
-                exchange=control[0] - last,
-                to_end=ended - control[0],
+                gap=launch - device_end,
+                exchange=ended - device_end,
+                control=None if control is None else control - device_end,
                 actor=started - ended,
-                start=first - started,
-                publish_spans=figures[stage].publish_spans,
+                start=launch - started,
             )
         )
-    return EvtrainRun(step_s, figures, boundaries)
+    return Run(step_s, devices, boundaries)
 
 
 def run_evtrain(
-    tmp: Path, schedule: str, P: int, M: int, costs: Costs, steps: int, warmup: int
-) -> EvtrainRun:
+    tmp: Path, schedule: str, P: int, M: int, D: int, costs: Costs, steps: int, warmup: int
+) -> Run:
     """One evtrain contender: launch, collect, measure."""
     tag = uuid.uuid4().hex[:8]
-    spec = tmp / f"emu_{schedule}_{P}x{M}_{tag}.py"
-    spec.write_text(spec_text(schedule, P, M, costs, str(tmp / "runs")))
-    events = run_stages(spec, P, warmup + steps, f"bench-emulated-{schedule}-{tag}")
-    kernels = M * costs.layers_per_stage * sum(1 for k in costs.kernels if k > 0)
-    return evtrain_figures(events, P, steps, warmup, kernels)
+    spec = tmp / f"emu_{schedule}_{P}x{M}x{D}_{tag}.py"
+    spec.write_text(spec_text(schedule, P, M, D, costs, str(tmp / "runs")))
+    events = run_stages(spec, P * D, warmup + steps, f"bench-emulated-{schedule}-{tag}")
+    return evtrain_run(events, schedule, P, D, steps, warmup)
 
 
 # ---------------------------------------------------------------------- torch side
@@ -734,10 +609,10 @@ def torch_twin(
     warmup: int,
     kernels: tuple[float, float, float],
     layers_per_stage: int,
-) -> tuple[float | None, float | None, float]:
+) -> tuple[float | None, dict[str, float]]:
     """One rank of torch.distributed.pipelining on the emulated layers (the shapes of
-    pipeline_vs_torch's ``torch_worker``): rank 0's steps/s, and every rank's mean
-    kernel overshoot and CPU time per step over the timed steps."""
+    pipeline_vs_torch's ``torch_worker``): rank 0's steps/s, and every rank's device
+    tallies per timed step."""
     from torch.distributed.pipelining import (
         PipelineStage,
         Schedule1F1B,
@@ -760,6 +635,7 @@ def torch_twin(
     for index in held:
         module = nn.Sequential(*(EmulatedLayer(*kernels) for _ in range(per_chunk)))
         modules.append(module)
+        wide = {"dtype": torch.float64}
         stages.append(
             PipelineStage(
                 module,
@@ -768,13 +644,12 @@ def torch_twin(
                 torch.device("cpu"),
                 # requires_grad as at run time (see pipeline_vs_torch's torch_worker):
                 # without it a later stage would skip its input gradient.
-                input_args=(torch.empty(mb, WIDTH, requires_grad=index > 0),),
-                output_args=torch.empty(mb, WIDTH, requires_grad=True),
-                output_grads=(torch.empty(mb, WIDTH),),
-                input_grads=(torch.empty(mb, WIDTH),),
+                input_args=(torch.empty(mb, WIDTH + 1, requires_grad=index > 0, **wide),),
+                output_args=torch.empty(mb, WIDTH + 1, requires_grad=True, **wide),
+                output_grads=(torch.empty(mb, WIDTH + 1, **wide),),
+                input_grads=(torch.empty(mb, WIDTH + 1, **wide),),
             )
         )
-    loss = nn.functional.mse_loss
     schedule: Any
     if kind == "zb":
         schedule = ScheduleInterleavedZeroBubble(stages, n_microbatches=microbatches, loss_fn=loss)
@@ -787,12 +662,12 @@ def torch_twin(
     optimizer = torch.optim.SGD([p for m in modules for p in m.parameters()], lr=1e-3)
     x, y = samples()
     x, y = x[: microbatches * mb], y[: microbatches * mb]
-    start = cpu = 0.0
+    start = 0.0
     for i in range(warmup + steps):
         if i == warmup:
             dist.barrier()
-            _TALLY.reset()
-            start, cpu = time.perf_counter(), time.process_time()
+            DEVICE.timed.clear()
+            start = time.perf_counter()
         if kind == "zbv" and rank == 0:  # the V's two ends
             schedule.step(x, target=y, losses=[])
         elif rank == 0:
@@ -801,30 +676,24 @@ def torch_twin(
             schedule.step(target=y, losses=[])
         else:
             schedule.step()
+        DEVICE.sync()  # the training loop reads the step's loss
         optimizer.step()
         optimizer.zero_grad()
-    cpu = time.process_time() - cpu
     dist.barrier()
     elapsed = time.perf_counter() - start
     dist.destroy_process_group()
-    return (steps / elapsed if rank == 0 else None), _TALLY.mean(), cpu / steps
-
-
-@dataclass
-class TorchRun:
-    step_s: float
-    overshoot: float | None
-    cpu: float
-    """CPU time per step, summed over the ranks."""
+    means = {key: statistics.fmean(t[key] for t in DEVICE.timed) for key in TALLIES}
+    return (steps / elapsed if rank == 0 else None), means
 
 
 def _launch_forked(nproc: int, entrypoint: Callable[..., Any], *args: Any) -> dict[int, Any]:
     """pipeline_vs_torch's ``_launch``, its workers forked from this process.
 
     Eight spawned interpreters importing torch on two cores take about half a
-    minute to start and to end (evtrain's fast exit aside), more than the timed
-    steps; forked ones share the imports. A torch rank uses nothing of this
-    process's state but the functions it runs, so the timed steps are the same.
+    minute to start and to end, more than the timed steps; forked ones share
+    the imports. A torch rank uses nothing of this process's state but the
+    functions it runs (and a fresh `DEVICE`: the calibration's clears), so the
+    timed steps are the same.
     """
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -844,17 +713,12 @@ def _launch_forked(nproc: int, entrypoint: Callable[..., Any], *args: Any) -> di
     return elastic_launch(config, entrypoint)(*args)
 
 
-def run_torch(kind: str, P: int, M: int, costs: Costs, steps: int, warmup: int) -> TorchRun:
+def run_torch(kind: str, P: int, M: int, costs: Costs, steps: int, warmup: int) -> Run:
+    DEVICE.free_at = 0.0  # the forked ranks' devices start idle
     out = _launch_forked(
         P, torch_twin, kind, M, steps, warmup, costs.kernels, costs.layers_per_stage
     )
-    rate = out[0][0]
-    overshoots = [o for _, o, _ in out.values() if o is not None]
-    return TorchRun(
-        1 / rate,
-        statistics.fmean(overshoots) if overshoots else None,
-        sum(c for _, _, c in out.values()),
-    )
+    return Run(1 / out[0][0], [out[rank][1] for rank in range(P)], [])
 
 
 # ------------------------------------------------------------------------ the bound
@@ -863,175 +727,113 @@ def run_torch(kind: str, P: int, M: int, costs: Costs, steps: int, warmup: int) 
 @dataclass(frozen=True)
 class Bound:
     step_s: float
-    """The bound: the kernels with the quiet overshoot."""
     idle_s: tuple[float, ...]
-    """Each stage's idle time in that simulated step."""
-    nominal_step_s: float
-    """The kernels alone."""
+    """Each stage's idle time in the simulated step."""
     closed_form_s: float | None
     """Work per stage over one minus the closed-form bubble fraction (default costs)."""
 
 
-def _simulate(schedule: str, P: int, M: int, f: float, b: float, w: float) -> Any:
-    """evtrain's simulator on the instruction lists the executor builds: forward ``f``,
-    backward ``b`` of which its weight half ``w`` (seconds per instruction)."""
+def simulate_bound(schedule: str, P: int, M: int, costs: Costs) -> Bound:
+    """The schedule's ideal step on the device: evtrain's simulator on the instruction
+    lists the executor builds, each instruction costing its chunk's kernels."""
     from evtrain.stages.executor import DEFAULT_LOOKAHEAD
-    from evtrain.stages.simulator import simulate
+    from evtrain.stages.simulator import bubble_fraction, simulate
 
-    return simulate(
+    V = CHUNKS.get(schedule, 1)
+    per = costs.per_chunk(schedule)
+    f, i, w = (per * s for s in costs.kernels)
+    sim = simulate(
         schedule,
         P,
         M,
         f,
-        b,
-        weight_cost=min(w, b),
+        i + w,
+        weight_cost=w,
         reduce_grads=True,
         lookahead=DEFAULT_LOOKAHEAD,
-        virtual_stages=CHUNKS.get(schedule, 1),
+        virtual_stages=V,
     )
-
-
-def simulate_bound(schedule: str, P: int, M: int, costs: Costs, cal: Calibration) -> Bound:
-    """The schedule's ideal step on the device: each instruction costs its chunk's
-    kernels (with their quiet overshoot, and without for the nominal figure)."""
-    from evtrain.stages.simulator import bubble_fraction
-
-    V = CHUNKS.get(schedule, 1)
-    per = costs.per_chunk(schedule)
-
-    def run(overshoot: dict[float, float]) -> Any:
-        def kernel(s: float) -> float:
-            return per * (s + overshoot.get(s, 0.0)) if s > 0 else 0.0
-
-        f, i, w = (kernel(s) for s in costs.kernels)
-        return _simulate(schedule, P, M, f, i + w, w)
-
-    real, nominal = run(cal.overshoot), run({})
     closed = None
     f, i, w = costs.kernels
     if i == w and f > 0 and abs(i + w - 2 * f) < 1e-12:
         work = M * costs.layers_per_stage * (f + i + w)
         closed = work / (1 - bubble_fraction(P, M, schedule, V))
-    return Bound(
-        step_s=real.makespan,
-        idle_s=tuple(real.makespan - b for b in real.busy),
-        nominal_step_s=nominal.makespan,
-        closed_form_s=closed,
-    )
-
-
-def instruction_bound(schedule: str, P: int, M: int, runs: Sequence[EvtrainRun]) -> float | None:
-    """The same simulation with every instruction as long as evtrain's stages measured
-    it (means over stages and runs): what a perfect scheduler reaches with these
-    instructions. Its gap to the measured step is messages, waits and the boundary."""
-    if not runs:
-        return None
-    n = M * CHUNKS.get(schedule, 1)
-    stages = [st for r in runs for st in r.stages]
-    f = statistics.fmean(st.forward for st in stages) / n
-    b = statistics.fmean(st.backward for st in stages) / n
-    shares = [
-        st.spans["backward_weight"] / st.spans["backward_all"]
-        for st in stages
-        if st.spans is not None and st.spans["backward_all"] > 0
-    ]
-    w = b * statistics.fmean(shares) if shares else b / 2
-    return float(_simulate(schedule, P, M, f, b, w).makespan)
+    return Bound(sim.makespan, tuple(sim.makespan - b for b in sim.busy), closed)
 
 
 # ----------------------------------------------------------------- lost-time table
 
 
 LOST_ROWS = (
-    ("overshoot_extra", "sleep overshoot in stage, beyond quiet"),
-    ("compute_extra", "compute beyond the sleeps"),
-    ("wait_extra", "waits beyond the schedule's bubble"),
-    ("other_in_step", "rest of the step (optimizer, loads, sends, Python)"),
-    ("around_step", "thread hops, publishing the step's events"),
-    ("actor_boundary", "the actor's boundary (StepEnded to StepStarted)"),
-)
-WAIT_ROWS = (
-    ("idle_sim", "schedule's own idle (simulated)"),
-    ("comm_wait", "all waits (comm_wait_s)"),
-    ("recv_act", "  receive activations"),
-    ("recv_grad", "  receive gradients"),
-    ("send_drain", "  send drain"),
-    ("control_wait", "  control exchange"),
-    ("optimizer", "optimizer (+ exchange sends), in the control span"),
+    ("lost", "lost = measured - bound"),
+    ("input_extra", "  input waits beyond the bubble"),
+    ("host_late", "  host late within the step"),
+    ("boundary", "  the step boundary (before the step's first kernel)"),
+    ("input_wait", "input waits, all (bubble included)"),
+    ("idle_sim", "the schedule's own bubble (simulated)"),
+    ("overshoot", "host's wake-up beyond the device's end"),
 )
 
 
-def lost_time(
-    run: EvtrainRun, bound: Bound, schedule: str, M: int, costs: Costs, cal: Calibration
-) -> dict[str, Any]:
-    """Per stage, step time minus bound, split as the module docstring says (seconds)."""
-    kernels = [s for s in costs.kernels if s > 0]
-    sleeps = M * costs.layers_per_stage * len(kernels)
-    nominal = M * costs.layers_per_stage * sum(kernels)
-    quiet_over = M * costs.layers_per_stage * sum(cal.overshoot[s] for s in kernels)
-    layers = M * CHUNKS.get(schedule, 1) * sum(cal.compute[costs.per_chunk(schedule)])
-    per_stage = []
-    for st, idle in zip(run.stages, bound.idle_s, strict=True):
-        stage_over = sleeps * st.overshoot if st.overshoot is not None else quiet_over
-        compute = st.forward + st.backward - nominal - stage_over
-        row = {
-            "overshoot_extra": stage_over - quiet_over,
-            "compute_extra": compute,
-            "compute_layers": layers,
-            "wait_extra": st.comm_wait - idle,
-            "other_in_step": st.duration - st.forward - st.backward - st.comm_wait,
-            "around_step": st.around,
-            "actor_boundary": run.step_s - st.duration - st.around,
-            "idle_sim": idle,
-            "comm_wait": st.comm_wait,
-        }
-        if st.spans is not None:
-            row.update({k: st.spans[k] for k, _ in WAIT_ROWS if k in st.spans})
-        per_stage.append(row)
-    keys = {k for row in per_stage for k in row}
-    mean = {
-        k: statistics.fmean(row[k] for row in per_stage if k in row)
-        for k in keys
-        if all(k in row for row in per_stage)
+def lost_time(runs: Sequence[Run], bound: Bound, D: int) -> dict[str, float]:
+    """Means over stages (replica 0) and runs of the lost-time rows (seconds)."""
+    rows: dict[str, list[float]] = defaultdict(list)
+    for run in runs:
+        for stage, idle in enumerate(bound.idle_s):
+            dev = run.devices[stage * D]
+            rows["step"].append(run.step_s)
+            rows["bound"].append(bound.step_s)
+            rows["lost"].append(run.step_s - bound.step_s)
+            rows["input_extra"].append(dev["input_wait"] - idle)
+            rows["idle_sim"].append(idle)
+            for key in ("input_wait", "host_late", "boundary", "overshoot", "busy"):
+                rows[key].append(dev[key])
+    return {k: statistics.fmean(v) for k, v in rows.items()}
+
+
+def boundary_figures(runs: Sequence[Run]) -> dict[str, Any] | None:
+    """Means over every timed boundary of the runs (milliseconds) and the gap's share
+    of the step."""
+    crossings = [b for r in runs for b in r.boundaries]
+    if not crossings:
+        return None
+    controls = [b.control for b in crossings if b.control is not None]
+    step = statistics.fmean(r.step_s for r in runs)
+    gap = statistics.fmean(b.gap for b in crossings)
+    return {
+        "critical_ms": round(1e3 * gap, 3),
+        "share_of_step": round(gap / step, 4),
+        **{
+            f"{part}_ms": round(1e3 * statistics.fmean(getattr(b, part) for b in crossings), 3)
+            for part in ("exchange", "actor", "start")
+        },
+        "control_ms": round(1e3 * statistics.fmean(controls), 3) if controls else None,
+        "boundaries": len(crossings),
     }
-    return {"mean": mean, "per_stage": per_stage}
 
 
-def cpu_table(
-    evtrain_runs: dict[tuple[str, int, int], list[EvtrainRun]],
-    torch_runs: dict[tuple[str, int, int], list[TorchRun]],
-    P: int,
-    M: int,
-) -> dict[str, dict[str, float]]:
-    """CPU time per step of every contender's stages, and their share of the cores.
+def cpu_table(runs: dict[str, list[Run]], *, quiet: bool = False) -> dict[str, dict[str, float]]:
+    """CPU time per step of every contender's processes, and their share of the cores.
 
-    The emulation holds only while the cores keep up: a share near 1 means the
-    stages queue for the CPU and the figures above measure the machine.
+    The emulation holds only while the hosts keep ahead of their devices: a
+    share near 1 means the stages queue for the CPU and the figures measure
+    the machine.
     """
     cores = len(os.sched_getaffinity(0))
     out: dict[str, dict[str, float]] = {}
-    for schedule in SCHEDULES:
-        for side, runs in (
-            ("evtrain", evtrain_runs.get((schedule, P, M), [])),
-            ("torch", torch_runs.get((schedule, P, M), [])),
-        ):
-            cpu, step = [], []
-            for r in runs:
-                if isinstance(r, EvtrainRun):
-                    if any(st.cpu is None for st in r.stages):
-                        continue
-                    cpu.append(sum(st.cpu or 0.0 for st in r.stages))
-                else:
-                    cpu.append(r.cpu)
-                step.append(r.step_s)
-            if cpu:
-                mean_cpu, mean_step = statistics.fmean(cpu), statistics.fmean(step)
-                out[f"{side}_{schedule}"] = {
-                    "cpu_ms_per_step": round(1e3 * mean_cpu, 1),
-                    "share_of_cores": round(mean_cpu / (cores * mean_step), 3),
-                }
+    for kind, kind_runs in runs.items():
+        if not kind_runs:
+            continue
+        cpu = statistics.fmean(sum(d["cpu"] for d in r.devices) for r in kind_runs)
+        step = statistics.fmean(r.step_s for r in kind_runs)
+        out[kind] = {
+            "cpu_ms_per_step": round(1e3 * cpu, 1),
+            "share_of_cores": round(cpu / (cores * step), 3),
+        }
+    if quiet:
+        return out
     print(
-        f"CPU per step, all stages (ms) and its share of the {cores} cores: "
+        f"CPU per step, all processes (ms) and its share of the {cores} cores: "
         + ", ".join(
             f"{k} {v['cpu_ms_per_step']:.0f} ({v['share_of_cores']:.0%})" for k, v in out.items()
         )
@@ -1039,61 +841,36 @@ def cpu_table(
     return out
 
 
-def print_lost(lost: dict[str, dict[str, Any]], P: int, M: int) -> None:
-    """The lost-time table: one column per schedule."""
-    names = list(lost)
-    print()
-    print(f"evtrain's lost time per step at P={P} M={M} (ms, mean over stages)")
-    print(f"{'':52s}" + "".join(f"{n:>12s}" for n in names))
-
-    def line(label: str, key: str) -> None:
-        values = [lost[n]["mean"].get(key) for n in names]
-        print(f"{label:52s}" + "".join(_ms(v, 12) for v in values))
-
-    line("measured step", "step")
-    line("bound", "bound")
-    line("lost = measured - bound", "lost")
-    for key, label in LOST_ROWS:
-        line(f"  {label}", key)
-    line("    (the layers' compute alone, one quiet process)", "compute_layers")
-    print("waits, by kind (timed steps with spans for the kinds):")
-    for key, label in WAIT_ROWS:
-        line(f"  {label}", key)
-    print("waits beyond the bubble, per stage (ms):")
-    for n in names:
-        print(f"  {n:12s} " + " ".join(f"{1e3 * v:7.1f}" for v in lost[n]["wait_extra_per_stage"]))
-    print(
-        "between spans (instructions without a span: sends, loads, posting receives, "
-        "and the Python around them), by the spans either side; ms per step:"
-    )
-    for n in names:
-        gaps = sorted(lost[n]["gaps"].items(), key=lambda kv: -kv[1])
-        top = ", ".join(f"{k} {1e3 * v:.1f}" for k, v in gaps[:5])
-        print(f"  {n:12s} all {1e3 * sum(lost[n]['gaps'].values()):6.1f}: {top}")
-
-
 # ------------------------------------------------------------------------------ main
 
 
-def _grid(text: str) -> list[tuple[int, int]]:
+def _shape(text: str, *, replicas: bool) -> tuple[int, int, int]:
     from evtrain.errors import UsageError
     from evtrain.schedule_names import check_virtual_stages
 
-    configs = []
-    for item in text.split(","):
-        p, _, m = item.strip().partition("x")
-        if not (p.isdigit() and m.isdigit()) or int(p) < 2 or int(m) < 1:
-            raise argparse.ArgumentTypeError(f"{item!r}: expected PxM with P >= 2, e.g. 8x32")
-        P, M = int(p), int(m)
-        if M * MICROBATCH > SAMPLES:
-            raise argparse.ArgumentTypeError(f"{item!r}: M at most {SAMPLES // MICROBATCH}")
-        for schedule in SCHEDULES:
-            try:
-                check_virtual_stages(schedule, P, M, CHUNKS.get(schedule, 1))
-            except UsageError as exc:
-                raise argparse.ArgumentTypeError(f"{item!r}: {exc}") from None
-        configs.append((P, M))
-    return configs
+    parts = text.strip().split("x")
+    form = "PxMxD, e.g. 8x16x4" if replicas else "PxM, e.g. 8x32"
+    if len(parts) != (3 if replicas else 2) or not all(p.isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected {form}")
+    P, M, D = (int(p) for p in (*parts, "1")[:3])
+    if P < 2 or M < 1 or D < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected P >= 2, M >= 1, D >= 1")
+    if M * MICROBATCH * D > SAMPLES:
+        raise argparse.ArgumentTypeError(f"{text!r}: M x D at most {SAMPLES // MICROBATCH}")
+    for schedule in SCHEDULES:
+        try:
+            check_virtual_stages(schedule, P, M, CHUNKS.get(schedule, 1))
+        except UsageError as exc:
+            raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
+    return P, M, D
+
+
+def _grid(text: str) -> list[tuple[int, int]]:
+    return [_shape(item, replicas=False)[:2] for item in text.split(",")]
+
+
+def _exchange(text: str) -> tuple[int, int, int] | None:
+    return _shape(text, replicas=True) if text.strip() else None
 
 
 def _ms(x: float | None, width: int = 9) -> str:
@@ -1108,16 +885,18 @@ def _rounded(x: float | None, digits: int = 3) -> float | None:
     return None if x is None else round(x, digits)
 
 
-def _median(values: Sequence[float]) -> float | None:
-    return statistics.median(values) if values else None
-
-
 def main() -> None:
     wall_start = time.perf_counter()
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--grid", type=_grid, default=_grid("8x32"), help="PxM,... (8x32)")
     parser.add_argument("--steps", type=int, default=6, help="timed steps per contender (6)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (2)")
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=5,
+        help="untimed steps first (5: the timed ones publish no spans, as 49 of every "
+        "50 steps of a run do)",
+    )
     parser.add_argument("--repeats", type=int, default=1, help="alternating repeats (1)")
     parser.add_argument("--forward-ms", type=float, default=4.0, help="forward kernel (4)")
     parser.add_argument("--input-ms", type=float, default=4.0, help="input-gradient kernel (4)")
@@ -1126,10 +905,20 @@ def main() -> None:
         "--layers-per-stage", type=int, default=2, help="layers per stage, even (2)"
     )
     parser.add_argument(
-        "--calibration",
-        type=int,
-        default=100,
-        help="quiet sleeps per kernel length and microbatches per chunk size (100)",
+        "--calibration", type=int, default=100, help="quiet microbatches per chunk size (100)"
+    )
+    parser.add_argument(
+        "--exchange",
+        type=_exchange,
+        default=_exchange("8x8x4"),
+        help="PxMxD of the control exchange's run: evtrain 1F1B with D replicas "
+        "(8x8x4; '' skips it)",
+    )
+    parser.add_argument(
+        "--exchange-scale",
+        type=float,
+        default=4.0,
+        help="the exchange run's kernels are this many times as long (4)",
     )
     parser.add_argument(
         "--only",
@@ -1143,8 +932,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.layers_per_stage < 2 or args.layers_per_stage % 2:
         parser.error("--layers-per-stage must be even (two chunks per stage) and >= 2")
-    if args.steps < 1 or args.warmup < 0 or args.repeats < 1:
-        parser.error("--steps and --repeats must be >= 1, --warmup >= 0")
+    if args.steps < 2 or args.warmup < 0 or args.repeats < 1:
+        parser.error(
+            "--steps must be >= 2 (a boundary between timed steps), --repeats >= 1, --warmup >= 0"
+        )
     chosen = [c for c in args.only.split(",") if c] or list(CONTENDERS)
     if set(chosen) - set(CONTENDERS):
         parser.error(f"unknown contenders {sorted(set(chosen) - set(CONTENDERS))}")
@@ -1158,80 +949,72 @@ def main() -> None:
 
     cal = calibrate(costs, args.calibration)
     print(
-        f"the device, quiet (this process, mean of {args.calibration}): sleep overshoot "
-        + ", ".join(f"{1e3 * s:g} ms +{1e6 * o:.0f} us" for s, o in cal.overshoot.items())
-        + "; the layers' compute beyond the sleeps, forward / backward of a chunk of "
+        f"the device, quiet (this process, mean of {args.calibration}): the host's wake-up "
+        f"{1e6 * cal.overshoot:.0f} us after its device's end; the host's time per microbatch, "
+        "forward / backward of a chunk of "
         + ", ".join(
-            f"{per} layer(s) {1e6 * f:.0f} / {1e6 * b:.0f} us"
-            for per, (f, b) in cal.compute.items()
+            f"{per} layer(s) {1e6 * f:.0f} / {1e6 * b:.0f} us" for per, (f, b) in cal.host.items()
         ),
         flush=True,
     )
-    bounds = {(s, P, M): simulate_bound(s, P, M, costs, cal) for P, M in grid for s in SCHEDULES}
+    bounds = {(s, P, M): simulate_bound(s, P, M, costs) for P, M in grid for s in SCHEDULES}
 
     runs = [(kind, P, M) for P, M in grid for kind in CONTENDERS if kind in chosen]
-    evtrain_runs: dict[tuple[str, int, int], list[EvtrainRun]] = defaultdict(list)
-    torch_runs: dict[tuple[str, int, int], list[TorchRun]] = defaultdict(list)
+    results: dict[tuple[str, int, int], list[Run]] = defaultdict(list)
+    exchange_runs: list[Run] = []
     with tempfile.TemporaryDirectory(prefix="evt-emu-") as tmpdir:
         tmp = Path(tmpdir)
         for repeat in range(args.repeats):
             # Reversed every other repeat: slow drift of the machine's load cancels.
             for kind, P, M in runs if repeat % 2 == 0 else runs[::-1]:
                 side, schedule = kind.split("_", 1)
-                step_s: float
                 launched = time.perf_counter()
                 if side == "evtrain":
-                    ev = run_evtrain(tmp, schedule, P, M, costs, args.steps, args.warmup)
-                    evtrain_runs[schedule, P, M].append(ev)
-                    step_s = ev.step_s
+                    run = run_evtrain(tmp, schedule, P, M, 1, costs, args.steps, args.warmup)
                 else:
-                    tr = run_torch(schedule, P, M, costs, args.steps, args.warmup)
-                    torch_runs[schedule, P, M].append(tr)
-                    step_s = tr.step_s
-                bound = bounds[schedule, P, M]
+                    run = run_torch(schedule, P, M, costs, args.steps, args.warmup)
+                results[kind, P, M].append(run)
                 print(
                     f"repeat {repeat + 1}/{args.repeats}  P={P} M={M:<3d} {kind:19s} "
-                    f"{1 / step_s:6.3f} steps/s  {1e3 * step_s:7.1f} ms/step  "
-                    f"(bound {1e3 * bound.step_s:.1f}; {time.perf_counter() - launched:.0f} s "
-                    "with the launch)",
+                    f"{1 / run.step_s:6.3f} steps/s  {1e3 * run.step_s:7.1f} ms/step  "
+                    f"(bound {1e3 * bounds[schedule, P, M].step_s:.1f}; "
+                    f"{time.perf_counter() - launched:.0f} s with the launch)",
                     flush=True,
                 )
-    report(grid, bounds, evtrain_runs, torch_runs, costs, cal, args, wall_start)
+        if args.exchange is not None:
+            P, M, D = args.exchange
+            launched = time.perf_counter()
+            scale = args.exchange_scale
+            longer = Costs(
+                scale * costs.forward_s,
+                scale * costs.input_s,
+                scale * costs.weight_s,
+                costs.layers_per_stage,
+            )
+            run = run_evtrain(tmp, "1f1b", P, M, D, longer, args.steps, args.warmup)
+            exchange_runs.append(run)
+            print(
+                f"exchange     P={P} M={M} D={D} evtrain_1f1b  {1e3 * run.step_s:7.1f} ms/step "
+                f"({time.perf_counter() - launched:.0f} s with the launch)",
+                flush=True,
+            )
+    report(grid, bounds, results, exchange_runs, costs, cal, args, wall_start)
 
 
 def report(
     grid: list[tuple[int, int]],
     bounds: dict[tuple[str, int, int], Bound],
-    evtrain_runs: dict[tuple[str, int, int], list[EvtrainRun]],
-    torch_runs: dict[tuple[str, int, int], list[TorchRun]],
+    results: dict[tuple[str, int, int], list[Run]],
+    exchange_runs: list[Run],
     costs: Costs,
     cal: Calibration,
     args: argparse.Namespace,
     wall_start: float,
 ) -> None:
-    def step_time(schedule: str, P: int, M: int, side: str) -> float | None:
-        runs: Sequence[EvtrainRun | TorchRun] = (
-            evtrain_runs.get((schedule, P, M), [])
-            if side == "evtrain"
-            else torch_runs.get((schedule, P, M), [])
-        )
+    def step_time(kind: str, P: int, M: int) -> float | None:
+        runs = results.get((kind, P, M), [])
         # The median rate's step time: rates are what the repeats vary in.
-        rate = _median([1 / r.step_s for r in runs])
-        return None if rate is None else 1 / rate
-
-    def overshoot(schedule: str, P: int, M: int, side: str) -> float | None:
-        if side == "evtrain":
-            values = [
-                st.overshoot
-                for r in evtrain_runs.get((schedule, P, M), [])
-                for st in r.stages
-                if st.overshoot is not None
-            ]
-        else:
-            values = [
-                r.overshoot for r in torch_runs.get((schedule, P, M), []) if r.overshoot is not None
-            ]
-        return statistics.fmean(values) if values else None
+        return 1 / statistics.median(1 / r.step_s for r in runs) if runs else None
 
     rows: list[dict[str, Any]] = []
     for P, M in grid:
@@ -1244,55 +1027,44 @@ def report(
         )
         print(
             f"{'schedule':12s} {'evtrain':>8s} {'torch':>8s} {'ratio':>6s} {'bound':>8s} "
-            f"{'nominal':>8s} {'closed':>8s} {'instr':>8s} {'fraction':>8s} {'torch':>6s} "
-            f"{'instr':>6s}"
+            f"{'closed':>8s} {'fraction':>8s} {'torch':>6s}"
         )
         for schedule in SCHEDULES:
             bound = bounds[schedule, P, M]
-            ours = step_time(schedule, P, M, "evtrain")
-            theirs = step_time(schedule, P, M, "torch")
+            ours = step_time(f"evtrain_{schedule}", P, M)
+            theirs = step_time(f"torch_{schedule}", P, M)
             ratio = None if ours is None or theirs is None else theirs / ours
             fraction = None if ours is None else bound.step_s / ours
             torch_fraction = None if theirs is None else bound.step_s / theirs
-            instr = instruction_bound(schedule, P, M, evtrain_runs.get((schedule, P, M), []))
-            instr_fraction = None if ours is None or instr is None else instr / ours
             row[f"evtrain_{schedule}_step_ms"] = _rounded(None if ours is None else 1e3 * ours, 2)
             row[f"torch_{schedule}_step_ms"] = _rounded(None if theirs is None else 1e3 * theirs, 2)
             row[f"bound_{schedule}_step_ms"] = round(1e3 * bound.step_s, 2)
-            row[f"bound_nominal_{schedule}_step_ms"] = round(1e3 * bound.nominal_step_s, 2)
-            row[f"bound_instructions_{schedule}_step_ms"] = _rounded(
-                None if instr is None else 1e3 * instr, 2
-            )
             row[f"emu_ratio_{schedule}"] = _rounded(ratio)
             row[f"emu_bound_fraction_{schedule}"] = _rounded(fraction)
             row[f"torch_bound_fraction_{schedule}"] = _rounded(torch_fraction)
-            row[f"emu_instruction_fraction_{schedule}"] = _rounded(instr_fraction)
             row[f"emu_ratio_{schedule}_per_repeat"] = [
                 round(t.step_s / e.step_s, 3)
                 for e, t in zip(
-                    evtrain_runs.get((schedule, P, M), []),
-                    torch_runs.get((schedule, P, M), []),
+                    results.get((f"evtrain_{schedule}", P, M), []),
+                    results.get((f"torch_{schedule}", P, M), []),
                     strict=False,
                 )
             ]
             print(
                 f"{schedule:12s} {_ms(ours, 8)} {_ms(theirs, 8)} {_num(ratio, 6)} "
-                f"{_ms(bound.step_s, 8)} {_ms(bound.nominal_step_s, 8)} "
-                f"{_ms(bound.closed_form_s, 8)} {_ms(instr, 8)} "
-                f"{_num(fraction, 8)} {_num(torch_fraction, 6)} {_num(instr_fraction, 6)}"
+                f"{_ms(bound.step_s, 8)} {_ms(bound.closed_form_s, 8)} "
+                f"{_num(fraction, 8)} {_num(torch_fraction, 6)}"
             )
         print(
             "ms per step; ratio: evtrain / torch steps/s (twins: "
             + "; ".join(f"{s} {t}" for s, t in TWINS.items())
-            + ").\nbound: evtrain's simulator on the stages' instruction lists, the kernels "
-            "with their quiet overshoot; nominal: the kernels alone; closed: from the "
-            "closed-form bubble (default costs only); instr: the simulator with every "
-            "instruction as long as evtrain's stages measured it. fraction: bound / evtrain; "
-            "torch: bound / torch; instr: instr / evtrain."
+            + ").\nbound: evtrain's simulator on the stages' instruction lists, each "
+            "instruction its kernels; closed: from the closed-form bubble (default costs "
+            "only). fraction: bound / evtrain; torch: bound / torch."
         )
-        one_ms, one_sim = step_time("1f1b", P, M, "evtrain"), bounds["1f1b", P, M].step_s
+        one_ms, one_sim = step_time("evtrain_1f1b", P, M), bounds["1f1b", P, M].step_s
         for name in ("zb", "zbv"):
-            ms, sim = step_time(name, P, M, "evtrain"), bounds[name, P, M].step_s
+            ms, sim = step_time(f"evtrain_{name}", P, M), bounds[name, P, M].step_s
             promised = one_sim - sim
             realised = (
                 None if one_ms is None or ms is None or promised <= 0 else (one_ms - ms) / promised
@@ -1302,144 +1074,97 @@ def report(
                 f"{name} vs 1f1b: the simulator promises {_ms(promised, 0).strip()} ms/step "
                 f"less, evtrain realises {_num(realised, 0).strip()} of it"
             )
+        row["cpu"] = cpu_table({kind: results.get((kind, P, M), []) for kind in CONTENDERS})
 
-        over = {
-            f"{side}_{s}": round(1e3 * o, 4)
-            for s in SCHEDULES
-            for side in ("evtrain", "torch")
-            if (o := overshoot(s, P, M, side)) is not None
+        lost = {
+            kind: lost_time(results[kind, P, M], bounds[kind.split("_", 1)[1], P, M], 1)
+            for kind in CONTENDERS
+            if results.get((kind, P, M))
         }
-        row["sleep_overshoot_ms_in_stages"] = over
-        print(
-            "sleep overshoot in the stages (mean per kernel, us): "
-            + ", ".join(f"{k} {1e3 * v:.0f}" for k, v in over.items())
-        )
-        row["cpu"] = cpu_table(evtrain_runs, torch_runs, P, M)
-
-        lost: dict[str, dict[str, Any]] = {}
-        for schedule in SCHEDULES:
-            runs = evtrain_runs.get((schedule, P, M), [])
-            if not runs:
-                continue
-            parts = [lost_time(r, bounds[schedule, P, M], schedule, M, costs, cal) for r in runs]
-            keys = set.intersection(*(set(p["mean"]) for p in parts))
-            mean = {k: statistics.fmean(p["mean"][k] for p in parts) for k in keys}
-            mean["step"] = statistics.fmean(r.step_s for r in runs)
-            mean["bound"] = bounds[schedule, P, M].step_s
-            mean["lost"] = mean["step"] - mean["bound"]
-            per_stage_wait = [
-                statistics.fmean(p["per_stage"][s]["wait_extra"] for p in parts) for s in range(P)
-            ]
-            stage_gaps = [st.gaps for r in runs for st in r.stages if st.gaps is not None]
-            kinds = {k for g in stage_gaps for k in g}
-            lost[schedule] = {
-                "mean": mean,
-                "gaps": {
-                    k: sum(g.get(k, 0.0) for g in stage_gaps) / len(stage_gaps) for k in kinds
-                },
-                "wait_extra_per_stage": per_stage_wait,
-                "outside_step_per_stage": [
-                    statistics.fmean(
-                        p["per_stage"][s]["around_step"] + p["per_stage"][s]["actor_boundary"]
-                        for p in parts
-                    )
-                    for s in range(P)
-                ],
-            }
         if lost:
-            print_lost(lost, P, M)
+            print()
+            print(f"lost device time per step at P={P} M={M} (ms, mean over stages)")
+            names = list(lost)
+            print(f"{'':52s}" + "".join(f"{n.replace('evtrain_', 'ev_'):>11s}" for n in names))
+            for key, label in (("step", "measured step"), ("bound", "bound"), *LOST_ROWS):
+                print(f"{label:52s}" + "".join(_ms(lost[n].get(key), 11) for n in names))
         row["lost_ms"] = {
-            n: {k: round(1e3 * v, 2) for k, v in sorted(d["mean"].items())} for n, d in lost.items()
+            n: {k: round(1e3 * v, 2) for k, v in sorted(d.items())} for n, d in lost.items()
         }
-        row["between_spans_ms"] = {
-            n: {
-                k: round(1e3 * v, 2)
-                for k, v in sorted(d["gaps"].items(), key=lambda kv: -kv[1])
-                if v >= 1e-4
-            }
-            for n, d in lost.items()
+        row["boundary"] = {
+            s: b
+            for s in SCHEDULES
+            if (b := boundary_figures(results.get((f"evtrain_{s}", P, M), []))) is not None
         }
-        row["lost_ms_per_stage"] = {
-            n: {
-                "wait_extra": [round(1e3 * v, 2) for v in d["wait_extra_per_stage"]],
-                "outside_step": [round(1e3 * v, 2) for v in d["outside_step_per_stage"]],
-            }
-            for n, d in lost.items()
-        }
-
-        boundary: dict[str, Any] = {}
-        for schedule in SCHEDULES:
-            runs = evtrain_runs.get((schedule, P, M), [])
-            crossings = [b for r in runs for b in r.boundaries]
-            step = step_time(schedule, P, M, "evtrain")
-            if not crossings or step is None:
-                continue
-            gap = statistics.fmean(b.gap for b in crossings)
-            publish = [b.publish_spans for b in crossings if b.publish_spans is not None]
-            boundary[schedule] = {
-                "critical_ms": round(1e3 * gap, 2),
-                "share_of_step": round(gap / step, 4),
-                **{
-                    f"{part}_ms": round(
-                        1e3 * statistics.fmean(getattr(b, part) for b in crossings), 2
-                    )
-                    for part in ("exchange", "to_end", "actor", "start")
-                },
-                "publish_spans_ms": _rounded(1e3 * statistics.fmean(publish), 2)
-                if publish
-                else None,
-                "stages": sorted({b.stage for b in crossings}),
-            }
-        row["boundary"] = boundary
+        if row["boundary"]:
+            print()
+            print(f"evtrain's step boundary at P={P} M={M} (means over the timed boundaries)")
+            print(
+                f"{'schedule':12s} {'critical':>9s} {'share':>7s} {'exchange':>9s} "
+                f"{'control':>9s} {'actor':>9s} {'start':>9s}"
+            )
+            for schedule, b in row["boundary"].items():
+                print(
+                    f"{schedule:12s} {b['critical_ms']:9.2f} {b['share_of_step']:7.1%} "
+                    f"{b['exchange_ms']:9.2f} {_num(b['control_ms'])} {b['actor_ms']:9.2f} "
+                    f"{b['start_ms']:9.2f}"
+                )
+            print(
+                "ms; critical: the last kernel's end on any device to the next step's first "
+                "launch (on the stage holding chunk 0); exchange: to its StepEnded (wake-up, "
+                "control exchange, the step's events); control: of it, to the end of the control "
+                "span (steps with spans); actor: StepEnded to StepStarted; start: "
+                "StepStarted to the first launch"
+            )
         rows.append(row)
 
-    P, M = max(grid)
-    largest = next(r for r in rows if (r["P"], r["M"]) == (P, M))
-    print()
-    print(f"the step boundary at P={P} M={M} (evtrain, timed steps with spans)")
-    print(
-        f"{'schedule':12s} {'critical':>9s} {'share':>7s} {'exchange':>9s} {'to end':>9s} "
-        f"{'actor':>9s} {'start':>9s} {'spans':>9s}  next step starts on stage(s)"
-    )
-    for schedule, b in largest["boundary"].items():
+    exchange: dict[str, Any] = {}
+    if exchange_runs:
+        P, M, D = args.exchange
+        b = boundary_figures(exchange_runs)
+        assert b is not None
+        step = statistics.fmean(r.step_s for r in exchange_runs)
+        share = b["exchange_ms"] / 1e3 / step
+        cpu = cpu_table({"evtrain_1f1b_exchange": exchange_runs}, quiet=True)
+        scale = args.exchange_scale
+        exchange = {
+            f"emu_exchange_share_{P * D}": round(share, 4),
+            "exchange_run": {
+                "P": P,
+                "M": M,
+                "D": D,
+                "kernel_scale": scale,
+                "step_ms": round(1e3 * step, 2),
+                **b,
+                **cpu["evtrain_1f1b_exchange"],
+            },
+        }
+        print()
         print(
-            f"{schedule:12s} {b['critical_ms']:9.2f} {b['share_of_step']:7.1%} "
-            f"{b['exchange_ms']:9.2f} {b['to_end_ms']:9.2f} {b['actor_ms']:9.2f} "
-            f"{b['start_ms']:9.2f} {_num(b['publish_spans_ms'])}  {b['stages']}"
+            f"the control exchange at P={P} x D={D} = {P * D} processes (evtrain 1f1b, M={M}, "
+            f"kernels x{scale:g}): step {1e3 * step:.1f} ms; last kernel's end to stage 0's "
+            f"StepEnded {b['exchange_ms']:.2f} ms ({share:.2%} of the step); the whole boundary "
+            f"{b['critical_ms']:.2f} ms; CPU share of the cores "
+            f"{cpu['evtrain_1f1b_exchange']['share_of_cores']:.0%}"
         )
-    print(
-        "ms; critical: the step's last compute on any stage to the next step's first "
-        "compute on any stage; on the stage that starts the next step: exchange: until its "
-        "control exchange ended; to end: then until its StepEnded (send drain, hop back to "
-        "the actor, publishing the step's events); actor: then until its StepStarted; start: "
-        "then until its first compute (hop to the step's thread, posting receives, loading); "
-        "spans: of 'to end', what publishing a step's spans costs that stage (the boundaries "
-        "are measured in steps with spans)"
-    )
 
     headline = rows[0]
     summary: dict[str, Any] = {
         **{f"emu_bound_fraction_{s}": headline[f"emu_bound_fraction_{s}"] for s in SCHEDULES},
         **{f"emu_ratio_{s}": headline[f"emu_ratio_{s}"] for s in SCHEDULES},
-        **{
-            f"emu_instruction_fraction_{s}": headline[f"emu_instruction_fraction_{s}"]
-            for s in SCHEDULES
-        },
         "emu_zb_bubble_realised": headline["emu_zb_bubble_realised"],
         "emu_zbv_bubble_realised": headline["emu_zbv_bubble_realised"],
-        "sleep_overshoot_ms": {
-            "quiet": {f"{1e3 * s:g}": round(1e3 * o, 4) for s, o in cal.overshoot.items()},
-            "in_stages": headline["sleep_overshoot_ms_in_stages"],
-        },
-        "layers_compute_ms": {
-            f"{per}_per_chunk": {"forward": round(1e3 * f, 3), "backward": round(1e3 * b, 3)}
-            for per, (f, b) in cal.compute.items()
-        },
-        "cpu": headline["cpu"],
+        **exchange,
         "lost_ms": headline["lost_ms"],
-        "between_spans_ms": headline["between_spans_ms"],
-        "boundary": largest["boundary"],
-        "boundary_P": P,
+        "boundary": headline["boundary"],
+        "cpu": headline["cpu"],
+        "calibration": {
+            "wake_up_us": round(1e6 * cal.overshoot, 1),
+            "host_us_per_microbatch": {
+                f"{per}_per_chunk": {"forward": round(1e6 * f, 1), "backward": round(1e6 * b, 1)}
+                for per, (f, b) in cal.host.items()
+            },
+        },
         "P": headline["P"],
         "M": headline["M"],
         "steps": args.steps,
