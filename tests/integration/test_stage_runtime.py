@@ -19,22 +19,20 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
-import subprocess
 import sys
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from helpers.stage_driver import Bus, finish, start_driver
 from safetensors.torch import load_file
 
-from evtrain.bus import Broker, BusAddress, Publisher, Subscriber
 from evtrain.events import (
     CheckpointNow,
     CommandAcked,
@@ -132,35 +130,6 @@ job = Job(
 )
 """
 
-# Runs each WorkerConfig of argv[1] (JSON list of [nproc, config_json]) under
-# elastic_launch in turn; exits 1 at the first failed launch. Workers fork from
-# the agent's fork server, which has torch and the stage runtime imported
-# (evtrain.forking): seconds less per worker on a 2-core machine.
-DRIVER = """
-import json, sys, uuid
-import torch
-from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-from evtrain.bus.address import free_port_block
-from evtrain.elastic_agent import FORK_SERVER_PRELOAD
-from evtrain.forking import start_fork_server
-from evtrain.stages.entry import worker_main
-
-if __name__ == "__main__":
-    start_fork_server(FORK_SERVER_PRELOAD)
-    for nproc, config in json.loads(sys.argv[1]):
-        launch = LaunchConfig(
-            min_nodes=1, max_nodes=1, nproc_per_node=nproc, rdzv_backend="c10d",
-            rdzv_endpoint=f"127.0.0.1:{free_port_block()}", max_restarts=0,
-            monitor_interval=0.05, run_id=uuid.uuid4().hex, start_method="forkserver",
-        )
-        try:
-            elastic_launch(launch, worker_main)(config)
-        except Exception as exc:
-            print("LAUNCH FAILED:", type(exc).__name__, flush=True)
-            sys.exit(1)
-        print("LAUNCH OK", flush=True)
-"""
-
 
 def write_spec(directory: Path, *, grad_accum: int = 1, fail_at: int = 0) -> Path:
     path = directory / f"spec_a{grad_accum}_f{fail_at}.py"
@@ -170,67 +139,6 @@ def write_spec(directory: Path, *, grad_accum: int = 1, fail_at: int = 0) -> Pat
     return path
 
 
-class Bus:
-    """A broker in this process, a subscriber to every event, a command publisher."""
-
-    def __init__(self) -> None:
-        self.address = BusAddress.new_ipc()
-        self.broker = Broker(self.address)
-        self.broker.start()
-        self.sub = Subscriber(self.address.endpoint("events_out"))
-        self.events: list[Message] = []
-        self._commands: Publisher | None = None
-
-    def pump(self) -> list[Message]:
-        batch = self.sub.drain()
-        self.events.extend(batch)
-        return batch
-
-    def wait_for(self, predicate: Callable[[Message], bool], timeout: float) -> Message:
-        deadline = time.monotonic() + timeout
-        seen = 0
-        while time.monotonic() < deadline:
-            self.pump()
-            for msg in self.events[seen:]:
-                if predicate(msg):
-                    return msg
-            seen = len(self.events)
-            time.sleep(0.005)
-        raise AssertionError(f"no matching event within {timeout} s; got {self.summary()}")
-
-    def settle(self, quiet: float = 0.3, timeout: float = 5.0) -> None:
-        """Drain until nothing arrived for ``quiet`` seconds."""
-        deadline = time.monotonic() + timeout
-        last = time.monotonic()
-        while time.monotonic() < deadline and time.monotonic() - last < quiet:
-            if self.pump():
-                last = time.monotonic()
-            time.sleep(0.01)
-
-    def send(self, command: Message) -> None:
-        if self._commands is None:
-            self._commands = Publisher(self.address.endpoint("commands_in"), source="hook/test")
-        self._commands.publish(command)
-
-    def of(self, kind: type[Message], run_id: str | None = None) -> list:  # type: ignore[type-arg]
-        return [
-            e for e in self.events if isinstance(e, kind) and (run_id is None or e.run_id == run_id)
-        ]
-
-    def summary(self) -> str:
-        counts: dict[str, int] = {}
-        for e in self.events:
-            counts[type(e).__name__] = counts.get(type(e).__name__, 0) + 1
-        return str(counts)
-
-    def close(self) -> None:
-        if self._commands is not None:
-            self._commands.close(linger=0)
-        self.sub.close()
-        self.broker.stop()
-        shutil.rmtree(self.address.location, ignore_errors=True)
-
-
 @pytest.fixture
 def bus() -> Iterator[Bus]:
     b = Bus()
@@ -238,26 +146,6 @@ def bus() -> Iterator[Bus]:
         yield b
     finally:
         b.close()
-
-
-def start_driver(procs: Any, runs: list[tuple[int, WorkerConfig]]) -> subprocess.Popen:  # type: ignore[type-arg]
-    payload = json.dumps([[nproc, cfg.encode()] for nproc, cfg in runs])
-    env = {**os.environ, "EVTRAIN_LOG_LEVEL": "warning", "PYTHONUNBUFFERED": "1"}
-    return procs.python(
-        "-c", DRIVER, payload, env=env, cwd=str(Path(__file__).resolve().parents[2])
-    )
-
-
-def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:  # type: ignore[type-arg]
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        raise AssertionError(
-            f"launch did not finish in {timeout} s:\n{out}\n{err[-4000:]}"
-        ) from None
-    return proc.returncode, out + err
 
 
 # ------------------------------------------------------------------ reference
