@@ -248,6 +248,17 @@ class Job:
     ``None`` weights by the samples in the microbatch. A microbatch of weight 0
     adds nothing. Metric objects are not weighted: they see every microbatch."""
 
+    loss_weight: EvalWeight | None = None
+    """``loss_weight(target) -> count``: how many units `loss_fn` averages over in one
+    training microbatch, e.g. the tokens that are not padding, ``lambda y: (y !=
+    -100).sum()``. The step's loss and gradients are then the mean over every unit
+    of the step's batch (all microbatches, accumulation passes and replicas): what
+    one process computes on the whole batch, at any ``num_microbatches``,
+    ``data_parallel`` and ``grad_accum``, as Megatron and torchtitan normalise by
+    the global token count. ``None``: the mean of the microbatches' losses. The
+    total travels in the step boundary's control exchange, so the optimizer step
+    waits for it."""
+
     grad_clip: float | None = None
     """Clip the global L2 norm of all gradients (across stages) to this value."""
 

@@ -398,10 +398,10 @@ def _metrics(job: Job) -> None:
                 f"metric {key!r} cannot be called as fn(output, target); a factory of a "
                 "metric object is given as metric(factory, ...)",
             )
-    if job.eval_weight is not None and not callable(job.eval_weight):
-        raise SpecError(
-            "eval_weight", f"expected a callable target -> count, got {job.eval_weight!r}"
-        )
+    for name in ("eval_weight", "loss_weight"):
+        weight = getattr(job, name)
+        if weight is not None and not callable(weight):
+            raise SpecError(name, f"expected a callable target -> count, got {weight!r}")
 
 
 def _eval_data(job: Job) -> None:

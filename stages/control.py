@@ -2,14 +2,18 @@
 
 At the `OptimizerStep` of every step all processes (every stage of every
 data-parallel replica) share, over the gloo *control group* (gloo even on
-CUDA, so it never queues behind NCCL work), four numbers:
+CUDA, so it never queues behind NCCL work), five numbers:
 
 * the squared L2 norm of their gradients — the sum is the squared *global*
   gradient norm, used for clipping and reported as ``grad_norm``. The
   replicas of a stage hold the same averaged gradients, so only replica 0
   contributes its stage's;
 * each replica's step loss divided by the number of replicas, from the last
-  stages — the sum is the global mean loss, reported as ``loss``;
+  stages — the sum is the global mean loss, reported as ``loss``; with
+  `evtrain.job.Job.loss_weight`, each replica's weighted loss sum instead;
+* with ``loss_weight``, each replica's total weight (its step's units, e.g.
+  tokens), from the last stages — the sum divides the weighted loss sum and
+  scales every stage's gradients (`evtrain.stages.update`);
 * the byte length of the commands stage 0 received since the last boundary
   (only stage 0 polls the bus, so only it contributes; repeats of earlier
   commands too, so that every stage can answer a retry — see
@@ -56,7 +60,7 @@ from evtrain.stages import p2p
 __all__ = ["ControlExchange", "ControlResult", "StepControl"]
 
 _list_of_bytes = msgspec.msgpack.Decoder(list[bytes])
-_FIELDS = 4  # squared grad norm, command bytes, signal, loss share
+_FIELDS = 5  # squared grad norm, command bytes, signal, loss share, loss weight
 
 
 @dataclass
@@ -79,6 +83,9 @@ class ControlResult:
     """Some stage received SIGTERM/SIGINT: stop after this step."""
     loss: float = 0.0
     """The step's loss, averaged over the data-parallel replicas (0 at boundary 0)."""
+    weight: float = 0.0
+    """The step's total loss weight over the replicas (`evtrain.job.Job.loss_weight`;
+    0 without it)."""
 
 
 class ControlExchange:
@@ -113,7 +120,7 @@ class ControlExchange:
             ]
         for work in self._sends:
             work.wait()
-        sq_norm, length, signals, loss = total.tolist()
+        sq_norm, length, signals, loss, weight = total.tolist()
         commands: list[Command] = []
         if int(length):
             commands = control._broadcast_commands(self._payload, int(length))
@@ -122,6 +129,7 @@ class ControlExchange:
             commands=commands,
             signalled=signals > 0,
             loss=loss,
+            weight=weight,
         )
 
 
@@ -168,7 +176,11 @@ class StepControl:
         return buffer, p2p.posted(dist.irecv(buffer, src=peer, group=self.group))
 
     def start(
-        self, local_sq_norm: float, signalled: bool, loss_share: float = 0.0
+        self,
+        local_sq_norm: float,
+        signalled: bool,
+        loss_share: float = 0.0,
+        weight: float = 0.0,
     ) -> ControlExchange:
         """Add this stage's numbers to its children's and send them on.
 
@@ -182,7 +194,7 @@ class StepControl:
             if commands:
                 payload = msgspec.msgpack.encode([encode(c) for c in commands])
         subtotal = torch.tensor(
-            [local_sq_norm, float(len(payload)), 1.0 if signalled else 0.0, loss_share],
+            [local_sq_norm, float(len(payload)), 1.0 if signalled else 0.0, loss_share, weight],
             dtype=torch.float64,
         )
         if self.world_size == 1:

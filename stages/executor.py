@@ -51,7 +51,10 @@ How instructions map to communication (see `evtrain.stages.p2p`):
 The last stage computes ``loss_fn(output, target)`` per microbatch and
 back-propagates ``loss / (M * grad_accum)``, so with a mean-reduced loss a
 step equals one single-process step on all the step's samples (DDP divides
-by the D replicas, each of which reads ``1/D`` of every batch).
+by the D replicas, each of which reads ``1/D`` of every batch). With
+`evtrain.job.Job.loss_weight` it back-propagates ``loss * weight / (M *
+grad_accum)`` and sums the weights; `evtrain.stages.update` divides by the
+step's total, so a step is the mean over every unit of its batch.
 
 Evaluation (`StageExecutor.evaluate`) runs one set at a time, forward only;
 the last stage tallies its metrics (`evtrain.stages.evaluation`).
@@ -173,6 +176,8 @@ class _Slot:
     outputs: list[torch.Tensor] | None = None
     """The output leaves: all of them until sent, then those that take a gradient."""
     loss: torch.Tensor | None = None
+    weight: torch.Tensor | None = None
+    """The microbatch's `Job.loss_weight` (training, last chunk)."""
     grads: list[torch.Tensor] | None = None
     recv_act: PendingRecv | None = None
     recv_grad: PendingRecv | None = None
@@ -293,6 +298,8 @@ class StageExecutor:
         self._forward_s = 0.0
         self._backward_s = 0.0
         self._loss_sum: torch.Tensor | None = None
+        """The step's loss sum on the last stage (weighted, with `Job.loss_weight`)."""
+        self._weight_sum: torch.Tensor | None = None
         self._tally: EvalTally | None = None
         self._training = True
 
@@ -330,7 +337,7 @@ class StageExecutor:
         self.control.prepare()
         self._spans = [] if record_spans else None
         self._forward_s = self._backward_s = 0.0
-        self._loss_sum = None
+        self._loss_sum = self._weight_sum = None
         self.mailbox.reset_wait()
         self._training = True
         index = step - 1
@@ -346,10 +353,13 @@ class StageExecutor:
         self._final_pass = False
         self._wait(self.update.reduce_grads(), "reduce")
         lr = float(self.optimizer.param_groups[0]["lr"]) if self.optimizer is not None else None
-        local_loss = None
+        local_loss, local_weight = None, 0.0
         if self.last and self._loss_sum is not None:
-            local_loss = float(self._loss_sum) / (self.M * self.job.grad_accum)
-        control, timed = self.update.step(local_loss, self.stop_requested)
+            if self._weight_sum is None:
+                local_loss = float(self._loss_sum) / (self.M * self.job.grad_accum)
+            else:
+                local_loss, local_weight = float(self._loss_sum), float(self._weight_sum)
+        control, timed = self.update.step(local_loss, self.stop_requested, local_weight)
         self._wait(timed, "control")
         drain_start, drain_end = self.mailbox.drain_sends()
         if self._spans is not None and drain_end - drain_start > 1e-4:
@@ -516,6 +526,17 @@ class StageExecutor:
             if loss is not None:
                 slot.loss = loss
                 detached = loss.detach()
+                if self.job.loss_weight is not None:
+                    weight = torch.as_tensor(
+                        self.job.loss_weight(slot.target), device=loss.device
+                    ).detach()
+                    slot.weight = weight
+                    detached = detached.double() * weight.double()
+                    self._weight_sum = (
+                        weight.double()
+                        if self._weight_sum is None
+                        else self._weight_sum + weight.double()
+                    )
                 self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
             else:
                 assert self._tally is not None
@@ -580,6 +601,9 @@ class StageExecutor:
             loss, slot.loss = slot.loss, None
             assert loss is not None
             scale = self._loss_scale * (self.scaler.scale if self.scaler is not None else 1.0)
+            if slot.weight is not None:
+                loss = loss * slot.weight.to(loss.dtype)
+                slot.weight = None
             return [loss * scale], None
         outs, received = slot.outputs or [], slot.grads or []
         slot.outputs = slot.grads = None

@@ -251,6 +251,9 @@ def prepare_stage(
         replicas=parts.replicas,
         # The replicas average at ReduceGrads rather than in DDP's last backward.
         average_at_reduce=split is not None or V > 1,
+        weight_scale=None
+        if job.loss_weight is None
+        else float(job.data_parallel * job.num_microbatches * job.grad_accum),
     )
     executor = StageExecutor(
         job=job,

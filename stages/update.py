@@ -6,10 +6,20 @@ the LR scheduler.
 `OptimizerStep`. The global gradient norm and the fp16 skip decision come from
 the control exchange (`evtrain.stages.control`), so every stage clips by the
 same norm and skips the same steps.
+
+With `evtrain.job.Job.loss_weight` the last stages back-propagate each
+microbatch's loss times its weight (and the executor's ``1 / (M *
+grad_accum)``), the replicas average, and the exchange sums the weights: every
+stage then multiplies its gradients by ``weight_scale / W`` (``weight_scale =
+D * M * grad_accum``, W the step's total weight), which makes them the
+gradient of the mean over every unit of the step's batch. The gradient norm
+(for clipping and reporting) scales with them, and the step's loss is the
+weighted loss sum over W. A step of weight 0 applies no gradient.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Sequence
@@ -42,6 +52,8 @@ class WeightUpdate:
     ``average_at_reduce``: the replicas' gradients are averaged at
     `reduce_grads` (a split backward, or several chunks) rather than by DDP
     at the end of the last backward. ``scaler``: fp16's dynamic loss scale.
+    ``weight_scale``: with `Job.loss_weight`, what the gradients are multiplied
+    by before dividing by the step's weight (module docstring); None without.
     """
 
     def __init__(
@@ -57,6 +69,7 @@ class WeightUpdate:
         tied: TiedWeights | None,
         replicas: Replicas | None,
         average_at_reduce: bool,
+        weight_scale: float | None = None,
     ) -> None:
         self.params = list(params)
         self.optimizer = optimizer
@@ -68,6 +81,7 @@ class WeightUpdate:
         self.tied = tied
         self.replicas = replicas
         self._average = average_at_reduce and replicas is not None
+        self.weight_scale = weight_scale
         self.skipped = False
         """fp16: the last step overflowed somewhere in the pipeline and was dropped."""
 
@@ -85,12 +99,15 @@ class WeightUpdate:
         end = time.perf_counter()
         return Timed(start, end, end - start)
 
-    def step(self, local_loss: float | None, stop_requested: bool) -> tuple[ControlResult, Timed]:
+    def step(
+        self, local_loss: float | None, stop_requested: bool, local_weight: float = 0.0
+    ) -> tuple[ControlResult, Timed]:
         """`OptimizerStep`: the control exchange, then scaling, clipping, the optimizer
         and the scheduler.
 
         ``local_loss`` is this replica's step loss (last stage only); the
-        exchange returns the mean over the replicas.
+        exchange returns the mean over the replicas. With ``weight_scale`` it is
+        the replica's weighted loss sum and ``local_weight`` its total weight.
         """
         self.skipped = False
         grads = [p.grad for p in self.params if p.grad is not None]
@@ -105,10 +122,13 @@ class WeightUpdate:
         if counted and self.place.replica == 0:
             norms = torch._foreach_norm(counted)
             sq_norm = float(torch.stack(norms).double().square().sum())
-        loss_share = 0.0 if local_loss is None else local_loss / self.place.replicas
+        weighted = self.weight_scale is not None
+        loss_share = 0.0 if local_loss is None else local_loss
+        if not weighted:
+            loss_share /= self.place.replicas
         start = time.perf_counter()
-        exchange = self.control.start(sq_norm, stop_requested, loss_share)
-        if self.grad_clip is None and self.scaler is None:
+        exchange = self.control.start(sq_norm, stop_requested, loss_share, local_weight)
+        if self.grad_clip is None and self.scaler is None and not weighted:
             # Nothing here needs the global norm: overlap the exchange's
             # latency with the optimizer step.
             started = time.perf_counter()
@@ -120,6 +140,16 @@ class WeightUpdate:
         result = exchange.finish()
         end = time.perf_counter()
         timed = Timed(start, end, end - start)
+        if self.weight_scale is not None:
+            total = result.weight
+            coef = self.weight_scale / total if total > 0 else 0.0
+            if grads:
+                torch._foreach_mul_(grads, coef)
+            result = dataclasses.replace(
+                result,
+                grad_norm=result.grad_norm * coef,
+                loss=result.loss / total if total > 0 else 0.0,
+            )
         norm = result.grad_norm
         if self.scaler is not None and self.scaler.update(not math.isfinite(norm)):
             # Overflow on some stage: every stage drops this step's gradients.
