@@ -43,6 +43,7 @@ from evtrain.events import (
     CheckpointNow,
     Command,
     CommandAcked,
+    EpochEnded,
     EvaluateNow,
     Event,
     Message,
@@ -95,6 +96,11 @@ class EventFilter:
     * ``stage=S``: those whose ``stage`` is S, or one of S;
     * ``replica=R``: those of data-parallel replica R (or one of R); with
       replicas, ``replica=0`` sees each stage's step once.
+
+    On `EpochEnded` ``every`` and ``once`` count epochs, as ignite's
+    ``EPOCH_COMPLETED(every=N)`` does: ``every=2`` passes the end of the 2nd,
+    4th, ... epoch, ``once=1`` the end of the first (``EpochEnded.epoch`` counts
+    from 0).
 
     ``every`` and ``once`` exclude each other; either combines with ``stage``
     and ``replica``. An object whose ``step`` (or ``stage``) is None does not
@@ -149,12 +155,12 @@ class EventFilter:
             return False
         if self.replica is not None and msg.replica not in self.replica:
             return False
+        if self.every is None and self.once is None:
+            return True
+        count = msg.epoch + 1 if isinstance(msg, EpochEnded) else msg.step
         if self.every is not None:
-            step = msg.step
-            return step is not None and step % self.every == 0
-        if self.once is not None:
-            return bool(msg.step == self.once)
-        return True
+            return count is not None and count % self.every == 0
+        return bool(count == self.once)
 
 
 def _any_of(filters: tuple[EventFilter, ...]) -> Accepts:

@@ -16,6 +16,7 @@ from evtrain.bus.address import BusAddress
 from evtrain.bus.publisher import Publisher
 from evtrain.events import (
     MESSAGE_TYPES,
+    EpochEnded,
     EvalEnded,
     Event,
     Heartbeat,
@@ -197,6 +198,15 @@ def test_a_filter_is_a_value_that_works_on_anything_with_a_step() -> None:
     assert not EventFilter(stage=0)(Heartbeat(stage=None))
     with pytest.raises(AttributeError):
         every5.every = 3  # type: ignore[misc]
+
+
+def test_on_epoch_ended_every_and_once_count_epochs() -> None:
+    # Epochs of 4 steps after a first one of 3: the epoch ends fall on odd steps.
+    ends = [EpochEnded(epoch=e, step=4 * e + 3) for e in range(6)]
+    assert [e.epoch for e in ends if EventFilter(every=2)(e)] == [1, 3, 5]
+    assert [e.epoch for e in ends if EventFilter(every=3)(e)] == [2, 5]
+    assert [e.epoch for e in ends if EventFilter(once=1)(e)] == [0]
+    assert [e.epoch for e in ends if EventFilter(once=7)(e)] == []  # not step 7
 
 
 def test_the_filtered_path_leaves_unfiltered_types_alone() -> None:
