@@ -28,6 +28,12 @@ blocks (or awaits long) delays the other hooks' events, never the stages.
 
 Sequence gaps are published as `BusGaps` at most once a second, for at most
 `MAX_GAP_SOURCES` sources at a time (the ones that lost most).
+
+A lost bus is said, not waited out in silence: after `BUS_QUIET_S` without
+any message the runner sends itself a `HookProbe` through the broker (once a
+second while it stays quiet); when nothing at all arrived for
+`BUS_LOST_AFTER_S` more it logs one warning that the bus is lost, keeps
+listening (ZeroMQ reconnects by itself), and logs again once the bus answers.
 """
 
 from __future__ import annotations
@@ -76,6 +82,10 @@ _Bound = Callable[[Message], Any]
 
 _YIELD_EVERY = 256
 """Messages the reader queues, or dispatch handles, before letting the other task run."""
+BUS_QUIET_S = 5.0
+"""Seconds without any message after which the runner probes its bus."""
+BUS_LOST_AFTER_S = 10.0
+"""Seconds of unanswered probes after which the bus counts as lost (a warning)."""
 HOOK_TRACEBACKS = 3
 """Raises of one kind reported with their traceback before only counts are."""
 ERROR_REPORT_INTERVAL = 10.0
@@ -145,6 +155,8 @@ class HookRunner:
         self._queue: deque[Message] = deque()
         self._queued = anyio.Event()
         self._replayed: dict[tuple[str, bytes], tuple[int, float]] = {}
+        self._heard = time.monotonic()
+        """When the reader last got a message (anything: the bus is alive)."""
 
     def _bind(self, hooks: Sequence[Hook]) -> None:
         """Build the dispatch tables of ``hooks`` (in priority order)."""
@@ -232,6 +244,7 @@ class HookRunner:
                 # awaits, and live events queue up behind the snapshot meanwhile.
                 tg.start_soon(self._read)
                 tg.start_soon(self._attach, snapshot, failed)
+                tg.start_soon(self._watch_bus)
                 await self._stop.wait()
                 tg.cancel_scope.cancel()
             if failed:
@@ -322,11 +335,16 @@ class HookRunner:
         assert self._subscriber is not None
         receive = self._subscriber.receive
         queue = self._queue
+        own = self._publisher.source if self._publisher is not None else None
         while True:
             batch = await receive()
+            self._heard = time.monotonic()
             for msg in batch:
                 if type(msg) is CommandAcked:
                     self._resolve(msg)
+            if any(type(m) is HookProbe and m.source == own for m in batch):
+                # Our own liveness probes: they proved the bus, there is nothing to handle.
+                batch = [m for m in batch if not (type(m) is HookProbe and m.source == own)]
             queue.extend(batch)
             self._queued.set()
             self._report_gaps()
@@ -337,6 +355,29 @@ class HookRunner:
                 # Dispatch is behind: leave the rest queued in ZeroMQ (the broker
                 # drops beyond its HWM, and the gap is reported).
                 await anyio.sleep(0.005)
+
+    async def _watch_bus(self) -> None:
+        """Probe a quiet bus; say when it is lost and when it answers again."""
+        lost = False
+        while True:
+            await anyio.sleep(1.0)
+            quiet = time.monotonic() - self._heard
+            if quiet < BUS_QUIET_S:
+                if lost:
+                    lost = False
+                    log.warning("the bus answers again", hooks=self.name, bus=str(self.address))
+                continue
+            if self._publisher is not None:
+                self._publisher.publish(HookProbe(pid=os.getpid()))
+            if not lost and quiet >= BUS_QUIET_S + BUS_LOST_AFTER_S:
+                lost = True
+                log.warning(
+                    f"the bus is lost: nothing arrived for {quiet:.0f} s, not even this "
+                    "runner's own probe; still listening (a run that ended has taken its "
+                    "bus with it: end this hook, or start it with --exit-on-run-end)",
+                    hooks=self.name,
+                    bus=str(self.address),
+                )
 
     async def _dispatch_all(self) -> None:
         # `_handle` inlined: a coroutine per message costs as much as a handler call.

@@ -17,6 +17,7 @@ import zmq
 from helpers.bus_procs import SCRIPT, Lines, connect
 
 from evtrain import events
+from evtrain.bus import Broker
 from evtrain.bus.address import BusAddress
 from evtrain.bus.publisher import Publisher
 from evtrain.bus.sequence import MAX_GAP, SequenceTracker
@@ -39,7 +40,7 @@ from evtrain.events import (
 )
 from evtrain.hooks import CommandTimeout, Hook, HookRunner, on
 from evtrain.hooks.checkpoint import CheckpointHook
-from evtrain.hooks.runner import HOOK_TRACEBACKS
+from evtrain.hooks.runner import BUS_LOST_AFTER_S, BUS_QUIET_S, HOOK_TRACEBACKS
 from evtrain.ratelimit import RateLimitedLog
 
 pytestmark = pytest.mark.anyio
@@ -519,3 +520,33 @@ def test_rate_limited_log_counts_every_occurrence_and_logs_a_few_lines() -> None
     assert len(lines) <= 2 + 1 + 100 / 10 + 1
     assert sum(more for kind, more in summaries if kind == "a") == 998
     assert ("b", 1) not in summaries  # logged in full: nothing left to count
+
+
+async def test_a_runner_says_when_its_bus_is_lost_and_when_it_answers_again(
+    ipc_bus: BusAddress,
+) -> None:
+    broker = Broker(ipc_bus)
+    broker.start()
+
+    async def logged(text: str, logs: list[dict[str, Any]]) -> None:
+        # Bounds for a failure: the runner probes after BUS_QUIET_S and gives up
+        # BUS_LOST_AFTER_S later.
+        with anyio.fail_after(BUS_QUIET_S + BUS_LOST_AFTER_S + 60):
+            while not any(text in str(e["event"]) for e in logs):
+                await anyio.sleep(0.1)
+
+    try:
+        with structlog.testing.capture_logs() as logs:
+            async with attached(Ender(), bus=ipc_bus):
+                await anyio.sleep(BUS_QUIET_S + 2)  # quiet, yet answering: no word
+                assert not [e for e in logs if "bus" in str(e["event"])], logs
+                broker.stop()
+                await logged("the bus is lost", logs)
+                broker = Broker(ipc_bus)
+                broker.start()
+                await logged("the bus answers again", logs)
+        lost = [e for e in logs if "the bus is lost" in str(e["event"])]
+        assert len(lost) == 1 and lost[0]["log_level"] == "warning", logs
+        assert lost[0]["bus"] == str(ipc_bus)
+    finally:
+        broker.stop()
