@@ -9,8 +9,12 @@ hook sends cannot reach a recorded run: they are logged and collected in
 collected in `ReplayRunner.published`.
 
 Output files: replay points the run's ``run_dir`` (from `RunStarted`) at
-``out_dir`` — by default ``RUN_DIR/replay`` — so a hook that writes into the
-run directory never appends to the live run's files.
+``out_dir`` — by default ``RUN_DIR/replay`` — and every event's ``path``
+inside the recorded run directory (a checkpoint's) at the same place under
+``out_dir``, so a hook that writes into the run directory never appends to
+the live run's files, and a replayed checkpoint hook neither commits nor
+prunes the recorded run's checkpoints (it finds no shards under ``out_dir``
+and says so).
 """
 
 from __future__ import annotations
@@ -125,11 +129,33 @@ class ReplayResult:
     published: list[Event] = field(default_factory=list)
 
 
-def _redirect(messages: Iterator[Message], out_dir: Path | None) -> Iterator[Message]:
+def _redirect(
+    messages: Iterator[Message], out_dir: Path | None, recorded: Path
+) -> Iterator[Message]:
+    """``messages`` with the run directory, and paths inside it, moved to ``out_dir``.
+
+    ``recorded`` is where the recording lies; the run directory the events
+    name (`RunStarted.run_dir`, maybe relative to the launch's directory)
+    counts too.
+    """
+    roots = [recorded]
     for msg in messages:
-        if out_dir is not None and isinstance(msg, RunStarted):
-            msg = msgspec.structs.replace(msg, run_dir=str(out_dir))
+        if out_dir is not None:
+            if isinstance(msg, RunStarted):
+                roots.append(Path(msg.run_dir))
+                msg = msgspec.structs.replace(msg, run_dir=str(out_dir))
+            else:
+                path = getattr(msg, "path", None)
+                if isinstance(path, str):
+                    msg = msgspec.structs.replace(msg, path=_moved(Path(path), roots, out_dir))
         yield msg
+
+
+def _moved(path: Path, roots: list[Path], out_dir: Path) -> str:
+    for root in roots:
+        if path.is_relative_to(root):
+            return str(out_dir / path.relative_to(root))
+    return str(path)
 
 
 async def replay(
@@ -153,7 +179,7 @@ async def replay(
     if target is not None:
         target.mkdir(parents=True, exist_ok=True)
     runner = ReplayRunner(hooks)
-    await runner.replay(_redirect(read_events(path), target))
+    await runner.replay(_redirect(read_events(path), target, path.parent))
     return ReplayResult(
         events=runner.dispatched,
         errors=runner.errors,

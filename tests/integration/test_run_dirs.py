@@ -23,6 +23,7 @@ from evtrain.errors import UsageError
 from evtrain.events import RunStarted, StepEnded
 from evtrain.exporters import MetricsLog
 from evtrain.exporters.recorder import read_recording
+from evtrain.hooks.checkpoint import CheckpointHook
 from evtrain.launcher import Launcher, LaunchOptions
 from evtrain.replay import replay
 from evtrain.run_record import read_run_record, without_redone
@@ -150,3 +151,18 @@ def test_resume_auto_starts_fresh_then_continues_the_run_as_one_history(
     said = launch_ok(spec, *args[1:], marker=marker)
     assert f"the run in {run} has trained its 6 steps" in said
     assert (run / "run.json").read_bytes() == recorded
+
+    # A replayed checkpoint hook (one that would keep only the last) leaves the
+    # recorded run's checkpoints as they are, one that never got committed too.
+    newest = max(list_checkpoints(run), key=lambda c: c.step)
+    (newest.path / "MANIFEST.json").unlink()
+
+    def checkpoints() -> list[tuple[str, int, int]]:
+        files = [(f, f.stat()) for f in (run / "checkpoints").rglob("*")]
+        return sorted((str(f.relative_to(run)), st.st_size, st.st_mtime_ns) for f, st in files)
+
+    before = checkpoints()
+    assert before
+    hook = CheckpointHook(every_steps=3, keep_last=1)
+    anyio.run(lambda: replay(run, [hook], out_dir=tmp_path / "replayed-checkpoints"))
+    assert checkpoints() == before
