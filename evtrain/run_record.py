@@ -27,7 +27,7 @@ the same run's files, so readers see one history, not several:
   later launch redid (`without_redone`), so each step appears once, from
   the launch whose weights went on.
 
-Torch-free and bus-free: ``evtrain ckpt`` reads it.
+Torch-free: ``evtrain ckpt`` reads it.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from evtrain.events import DecodeError, RunStarted, from_builtins
+from evtrain.hooks.run_output import rewind_json_lines
 
 if TYPE_CHECKING:
     from evtrain.events import Message
@@ -224,35 +225,9 @@ def rewind_metrics(run_dir: str | os.PathLike[str], step: int) -> int:
     """Drop the ``metrics.jsonl`` lines of steps after ``step``; how many were dropped.
 
     For a launch that resumes the run at ``step`` (0: a run that starts from
-    scratch in its own directory again). The file is rewritten in place, so
-    a hook holding it open for append goes on at its new end. Lines that
-    are not a metrics record are kept, except a last line without its
-    newline (a writer killed mid-line), which the next line would corrupt.
+    scratch in its own directory again); see `rewind_json_lines`.
     """
-    path = Path(run_dir) / METRICS_FILE
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        return 0
-    lines = data.splitlines(keepends=True)
-    if lines and not lines[-1].endswith(b"\n"):
-        lines.pop()
-    kept = [line for line in lines if not _after(line, step)]
-    if len(kept) == len(lines) and len(data) == sum(map(len, lines)):
-        return 0
-    with path.open("r+b") as fh:
-        fh.write(b"".join(kept))
-        fh.truncate()
-    return len(lines) - len(kept)
-
-
-def _after(line: bytes, step: int) -> bool:
-    try:
-        record = msgspec.json.decode(line)
-    except msgspec.DecodeError:
-        return False
-    value = record.get("step") if isinstance(record, dict) else None
-    return isinstance(value, int) and value > step
+    return rewind_json_lines(Path(run_dir) / METRICS_FILE, step)
 
 
 def without_redone(

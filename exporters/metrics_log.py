@@ -29,8 +29,13 @@ One JSON object per line:
      "metrics": {"val/loss": 0.38, "val/accuracy": 0.91, "test/loss": 0.41, ...}}
 
 ``step`` is the 0-based step index of the events; ``time`` the event's wall
-clock. Every value comes from the events, so replaying a recorded run
-(``evtrain replay RUN_DIR --hook metrics``) writes the same lines.
+clock. When the stages start over from a checkpoint within one launch (an
+elastic restart: a `RunStarted` whose ``start_step`` is below the steps
+written), the lines of the steps after it are dropped first, as a resumed
+launch's are (`evtrain.run_record.rewind_metrics`): each step appears once,
+from the attempt whose weights went on. Every value comes from the events,
+so replaying a recorded run (``evtrain replay RUN_DIR --hook metrics``) writes
+the same lines.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from evtrain.events import EvalEnded, RunEnded, RunStarted, StepEnded
 from evtrain.formatting import safe_text
 from evtrain.hooks.hook import Hook, on
 from evtrain.hooks.options import path_option
-from evtrain.hooks.run_output import JsonLinesFile, RunOutput
+from evtrain.hooks.run_output import JsonLinesFile, RunOutput, rewind_json_lines
 from evtrain.steps import MergedStep, StepMerger
 
 FILENAME = "metrics.jsonl"
@@ -124,6 +129,8 @@ class MetricsLog(Hook):
         )
         self.file: JsonLinesFile | None = None
         self._merger = StepMerger(lambda: self.state)
+        self._last_step = 0
+        """The last step written to the open file."""
 
     def _writer(self) -> JsonLinesFile | None:
         if self.file is None:
@@ -141,12 +148,21 @@ class MetricsLog(Hook):
             if new != self.file.path:
                 self.file.close()
                 self.file = None
+                self._last_step = 0
+        if self.file is not None and ev.start_step < self._last_step:
+            self.file.flush()
+            dropped = rewind_json_lines(self.file.path, ev.start_step)
+            self.log.info(
+                "metrics rewound to the restart", step=ev.start_step, lines_dropped=dropped
+            )
+            self._last_step = ev.start_step
 
     @on(StepEnded)
     def step_ended(self, ev: StepEnded) -> None:
         """Write the steps this event completed."""
         for merged in self._merger.add(ev):
             self._write(step_record(merged))
+            self._last_step = max(self._last_step, merged.step)
 
     @on(EvalEnded)
     def eval_ended(self, ev: EvalEnded) -> None:
@@ -162,6 +178,7 @@ class MetricsLog(Hook):
             return
         for merged in self._merger.flush():
             self._write(step_record(merged))
+            self._last_step = max(self._last_step, merged.step)
         if self.file is not None:
             self.file.flush()
 

@@ -10,6 +10,7 @@ one warning and no output, not an error on every event.
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import IO, Any
@@ -114,3 +115,38 @@ class JsonLinesFile:
         if not self._file.closed:
             self._file.flush()
             self._file.close()
+
+
+def rewind_json_lines(path: str | os.PathLike[str], step: int) -> int:
+    """Drop the lines of the JSON-lines log at ``path`` whose ``step`` is after ``step``;
+    how many were dropped.
+
+    The file is rewritten in place, so a writer holding it open for append
+    goes on at its new end. Lines without a step are kept, except a last line
+    without its newline (a writer killed mid-line), which the next line would
+    corrupt.
+    """
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return 0
+    lines = data.splitlines(keepends=True)
+    if lines and not lines[-1].endswith(b"\n"):
+        lines.pop()
+    kept = [line for line in lines if not _after(line, step)]
+    if len(kept) == len(lines) and len(data) == sum(map(len, lines)):
+        return 0
+    with path.open("r+b") as fh:
+        fh.write(b"".join(kept))
+        fh.truncate()
+    return len(lines) - len(kept)
+
+
+def _after(line: bytes, step: int) -> bool:
+    try:
+        record = msgspec.json.decode(line)
+    except msgspec.DecodeError:
+        return False
+    value = record.get("step") if isinstance(record, dict) else None
+    return isinstance(value, int) and value > step

@@ -754,3 +754,29 @@ def test_prometheus_waits_at_most_two_scrape_intervals() -> None:
     assert interval is not None
     assert 2 * interval - 0.1 <= waited <= 2 * interval + SHUTDOWN_S + 1.0
     assert _linger(PrometheusExporter(port=0, linger=0), 0.3, scrapes=2) < SHUTDOWN_S + 0.5
+
+
+def test_metrics_log_writes_each_step_once_across_an_elastic_restart(tmp_path: Path) -> None:
+    import anyio
+
+    from evtrain.replay import ReplayRunner
+
+    # Steps 1-5, then the stages restart from the checkpoint of step 3 (same run,
+    # a new RunStarted) and redo steps 4-6.
+    first = _run_started(num_stages=1)
+    first.run_dir = str(tmp_path)
+    again = _run_started(num_stages=1)
+    again.run_dir, again.start_step = str(tmp_path), 3
+    events = _through_schema(
+        first,
+        *(StepEnded(step=s, stage=0, samples=8, loss=float(s)) for s in range(1, 6)),
+        again,
+        *(StepEnded(step=s, stage=0, samples=8, loss=10.0 + s) for s in range(4, 7)),
+        RunEnded(status="completed", step=6),
+    )
+    runner = ReplayRunner([MetricsLog()])
+    anyio.run(runner.replay, events)
+    assert runner.errors == 0
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [(r["step"], r["loss"]) for r in lines if r["type"] == "step"]
+    assert steps == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 14.0), (5, 15.0), (6, 16.0)]
