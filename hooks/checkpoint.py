@@ -96,6 +96,8 @@ class CheckpointHook(Hook):
         super().__init__(priority=priority)
         hook = self.hook_name()
         self.run_dir: Path | None = path_option(hook, "run_dir", run_dir)
+        self._given_dir = self.run_dir
+        """The ``run_dir`` option: without it each run's own directory (`RunStarted`)."""
         self.every_steps = (
             None if every_steps is None else int_option(hook, "every_steps", every_steps)
         )
@@ -138,11 +140,16 @@ class CheckpointHook(Hook):
     @on(RunStarted)
     async def run_started(self, ev: RunStarted) -> None:
         """Settle what the last start left, recover, and send the stages the plan."""
-        if self.run_dir is None and ev.run_dir:
-            self.run_dir = Path(ev.run_dir)
-        if self.run_dir is None:
+        run_dir = self._given_dir or (Path(ev.run_dir) if ev.run_dir else None)
+        if run_dir is None:
             self.log.warning("no run directory known; pass run_dir=... to the checkpoint hook")
             return
+        if self.coordinator is not None and run_dir != self.run_dir:
+            # Another run in another directory (a hook that outlives runs, as
+            # under compose): its own checkpoints, its own best value.
+            self.coordinator = None
+            self._started_at = None
+        self.run_dir = run_dir
         coordinator = self.coordinator
         if coordinator is None:
             coordinator = self.coordinator = Coordinator(

@@ -258,3 +258,36 @@ def test_coordinator_killed_mid_run_and_at_the_last_steps_commits_everything(
     assert kinds.index("run.ended") > max(
         i for i, k in enumerate(kinds) if k == "checkpoint.committed"
     )
+
+
+def test_a_hook_that_outlives_its_run_keeps_the_books_of_each_run_apart(tmp_path: Path) -> None:
+    import anyio
+
+    from evtrain.events import CheckpointPlan, RunEnded, RunStarted
+    from evtrain.replay import ReplayRunner
+
+    def started(run_id: str, run_dir: Path) -> RunStarted:
+        return RunStarted(
+            name="r",
+            num_stages=1,
+            num_microbatches=1,
+            schedule="1f1b",
+            max_steps=10,
+            batch_size=1,
+            run_id=run_id,
+            run_dir=str(run_dir),
+        )
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    hook = CheckpointHook(every_steps=5)
+    runner = ReplayRunner([hook])
+    events = [
+        started("run-a", first),
+        RunEnded(status="completed", step=10, run_id="run-a"),
+        started("run-b", second),
+    ]
+    anyio.run(runner.replay, events)
+    plans = [c for c in runner.commands if isinstance(c, CheckpointPlan)]
+    assert [Path(p.path).parents[1] for p in plans] == [first, second]
+    assert hook.run_dir == second
+    assert hook.coordinator is not None and hook.coordinator.run_dir == second
