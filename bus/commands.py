@@ -25,7 +25,10 @@ through its `CommandLedger`), with ``step`` = the boundary it applies at:
 What the work itself produced is reported by its own events
 (``EvalEnded``, ``CheckpointShardSaved``/``CheckpointFailed``, ``RunEnded``),
 not by the acknowledgement. Commands that arrive after a run's final boundary
-are neither applied nor acknowledged: the issuer's wait times out.
+are neither applied nor acknowledged; every acknowledgement a run gave comes
+before its ``RunEnded``, so an issuer stops waiting there
+(`evtrain.hooks.runner.HookRunner.send_command` raises `CommandTimeout`
+saying that the run ended).
 
 Retries. The issuer publishes the command again every `RETRY_S` until every
 stage acknowledged it (`Delivery` keeps that account, for a hook's

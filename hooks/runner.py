@@ -140,6 +140,8 @@ class HookRunner:
         self._command_publisher: Publisher | None = None
         self._subscriber: Subscriber | None = None
         self._pending: dict[str, tuple[anyio.Event, Delivery, list[CommandAcked]]] = {}
+        self._ended: set[str] = set()
+        """Pending commands whose run ended before they were acknowledged."""
         self._reported_gaps = 0
         self._last_gap_report = -GAP_REPORT_INTERVAL
         self._errors = RateLimitedLog(
@@ -185,11 +187,17 @@ class HookRunner:
     async def send_command(
         self, command: Command, *, timeout: float = 60.0, acks: int | None = None
     ) -> list[CommandAcked]:
-        """Publish ``command`` until ``acks`` stages acknowledged it or ``timeout`` passed."""
+        """Publish ``command`` until ``acks`` stages acknowledged it or ``timeout`` passed.
+
+        Raises `CommandTimeout` then, and at once when the run ends first: a run
+        acknowledges nothing after its final boundary, and every acknowledgement
+        it gave comes before its `RunEnded`.
+        """
         if self._subscriber is None:
             raise RuntimeError("the hook runner is not running")
         if self._command_publisher is None:
             self._subscriber.subscribe(CommandAcked.topic.decode())
+            self._subscriber.subscribe(RunEnded.topic.decode())
             self._command_publisher = Publisher(
                 self.address.endpoint("commands_in"), source=f"hook/{self.name}", curve=self._curve
             )
@@ -203,7 +211,16 @@ class HookRunner:
                     self._command_publisher.publish(command)
                     with anyio.move_on_after(delivery.retry_s):
                         await done.wait()
-                return received
+                    if command.command_id in self._ended and not delivery.done:
+                        break
+            if not delivery.done:
+                raise CommandTimeout(
+                    f"{command.topic.decode()} {command.command_id}: the run ended with "
+                    f"{len(received)} of {delivery.wanted} acknowledgements"
+                )
+            return received
+        except CommandTimeout:
+            raise
         except TimeoutError:
             raise CommandTimeout(
                 f"{command.topic.decode()} {command.command_id}: {len(received)} of "
@@ -211,6 +228,7 @@ class HookRunner:
             ) from None
         finally:
             self._pending.pop(command.command_id, None)
+            self._ended.discard(command.command_id)
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -342,6 +360,10 @@ class HookRunner:
             for msg in batch:
                 if type(msg) is CommandAcked:
                     self._resolve(msg)
+                elif type(msg) is RunEnded and self._pending and of_run(msg, self.state):
+                    self._ended.update(self._pending)
+                    for done, _, _ in self._pending.values():
+                        done.set()
             if any(type(m) is HookProbe and m.source == own for m in batch):
                 # Our own liveness probes: they proved the bus, there is nothing to handle.
                 batch = [m for m in batch if not (type(m) is HookProbe and m.source == own)]

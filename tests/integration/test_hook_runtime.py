@@ -197,6 +197,25 @@ async def test_an_unacknowledged_command_times_out(bus: BusAddress) -> None:
                 await hook.send_command(EvaluateNow(command_id="lost"), timeout=0.5, acks=2)
 
 
+async def test_a_command_waits_no_longer_once_its_run_ended(bus: BusAddress) -> None:
+    hook = Commander()
+    failure: list[CommandTimeout] = []
+
+    async def send() -> None:
+        with pytest.raises(CommandTimeout, match="the run ended with 0 of 2") as caught:
+            await hook.send_command(EvaluateNow(command_id="after-the-end"), timeout=600, acks=2)
+        failure.append(caught.value)
+
+    async with attached(hook, bus=bus, retry_interval=0.1):
+        with anyio.fail_after(30), stage_pub(bus) as pub:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(send)
+                # Until the runner's subscription to run.ended reached the broker.
+                while not failure:
+                    pub.publish(RunEnded(status="completed", reason="done"))
+                    await anyio.sleep(0.2)
+
+
 class StateWatcher(Hook):
     def __init__(self) -> None:
         super().__init__()
