@@ -27,13 +27,17 @@ Stage 1 then receives that tuple as ``forward(h, attention_mask)``.
 The data are samples as a Hugging Face data set yields them: ``input_ids``,
 ``attention_mask`` and ``labels``, one line of verse each, character by
 character, padded to `SEQ_LEN` with ``labels == -100`` at the padding so the
-loss ignores it. The padding mask travels from stage 0 to stage 1 beside the
+loss ignores it. Lines differ in length, so microbatches hold different
+numbers of characters: ``loss_weight`` and ``eval_weight`` count each
+microbatch's labelled ones, which makes every step's and every evaluation's
+loss the mean over all their characters, at any number of microbatches or
+replicas. The padding mask travels from stage 0 to stage 1 beside the
 hidden state, because the attention there needs it too.
 
 The text is three public-domain poems (Blake's "The Tyger" and "The Lamb",
 Dickinson's "Hope is the thing with feathers"): 51 training lines and 10
 held out. This demonstrates the mechanics, not a useful language model: in
-100 steps the training loss falls from ln(53) = 4.0 to about 1.8 nats per
+100 steps the training loss falls from ln(53) = 4.0 to about 1.6 nats per
 character, while the held-out lines, never seen, stay near 2.5.
 """
 
@@ -325,6 +329,11 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE)
 
 
+def labelled(labels: torch.Tensor) -> torch.Tensor:
+    """The positions a microbatch's loss averages over."""
+    return (labels != IGNORE).sum()
+
+
 def token_accuracy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Share of labelled positions whose most likely next character is the right one."""
     keep = labels != IGNORE
@@ -353,6 +362,8 @@ def make_job() -> Job:
         input_keys=("input_ids", "attention_mask"),
         target_keys="labels",
         loss_fn=lm_loss,
+        loss_weight=labelled,
+        eval_weight=labelled,
         optimizer=functools.partial(torch.optim.AdamW, lr=3e-3, weight_decay=0.01),
         lr_scheduler=cosine,
         train_data=functools.partial(samples, "train"),
