@@ -11,6 +11,7 @@ must equal one process stepping on each whole batch, and the same job without
 from __future__ import annotations
 
 import dataclasses
+import math
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -95,23 +96,28 @@ def write_spec(directory: Path, *, weighted: bool, grad_accum: int) -> Path:
     return path
 
 
-def whole_batch_training(spec: Path) -> tuple[list[float], dict[str, torch.Tensor]]:
+def whole_batch_training(
+    spec: Path, clip: str = "none"
+) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
     """One process, one optimizer step per step on the step's whole batch (every
-    accumulation pass), its loss the mean over the batch's tokens."""
-    job = apply_overrides(load_job(spec), {"stages": "1"})
+    accumulation pass), its loss the mean over the batch's tokens: the losses, the
+    gradient norms before clipping and the final weights."""
+    job = apply_overrides(load_job(spec), {"stages": "1", "grad_clip": clip})
     model = build_full_model(job)
     optimizer = job.optimizer(model.parameters())
     data = job_data(job).train_tensors()
     stream = job_data(job).train_stream()
-    losses = []
+    losses, norms = [], []
     for step in range(1, job.max_steps + 1):
         idx = torch.cat([stream.indices(step - 1, a) for a in range(job.grad_accum)])
         loss = job.loss_fn(model(data.inputs[idx]), data.targets[idx])
         loss.backward()
+        limit = job.grad_clip if job.grad_clip is not None else math.inf
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), limit)))
         optimizer.step()
         optimizer.zero_grad()
         losses.append(float(loss.detach()))
-    return losses, model.state_dict()
+    return losses, norms, model.state_dict()
 
 
 @pytest.fixture
@@ -123,12 +129,13 @@ def bus() -> Iterator[Bus]:
         b.close()
 
 
-# (schedule, microbatches, replicas, grad_accum, weighted)
+# (schedule, microbatches, replicas, grad_accum, grad_clip, weighted); the clip
+# binds in most steps, so the global norm must be the weighted gradients'.
 RUNS = [
-    ("1f1b", 2, 1, 1, True),
-    ("zb", 8, 1, 1, True),
-    ("1f1b", 4, 2, 2, True),
-    ("1f1b", 8, 1, 1, False),
+    ("1f1b", 2, 1, 1, "none", True),
+    ("zb", 8, 1, 1, "0.3", True),
+    ("1f1b", 4, 2, 2, "none", True),
+    ("1f1b", 8, 1, 1, "none", False),
 ]
 
 
@@ -136,7 +143,7 @@ def test_token_weighted_steps_equal_whole_batch_training(
     tmp_path: Path, bus: Bus, procs: object
 ) -> None:
     runs = []
-    for schedule, microbatches, replicas, grad_accum, weighted in RUNS:
+    for schedule, microbatches, replicas, grad_accum, clip, weighted in RUNS:
         spec = write_spec(tmp_path, weighted=weighted, grad_accum=grad_accum)
         run_id = f"{schedule}-m{microbatches}-d{replicas}-{uuid.uuid4().hex[:6]}"
         config = WorkerConfig(
@@ -146,24 +153,26 @@ def test_token_weighted_steps_equal_whole_batch_training(
                 "schedule": schedule,
                 "microbatches": str(microbatches),
                 "data_parallel": str(replicas),
+                "grad_clip": clip,
             },
             bus=str(bus.address),
             run_id=run_id,
             dump_weights_dir=str(tmp_path / run_id),
         )
-        runs.append((2 * replicas, config, spec, weighted))
+        runs.append((2 * replicas, config, spec, clip, weighted))
     proc = start_driver(procs, [(nproc, config) for nproc, config, *_ in runs])
     code, output = finish(proc, timeout=600)
     assert code == 0, output[-4000:]
     bus.settle()
 
-    reference = whole_batch_training(write_spec(tmp_path, weighted=True, grad_accum=1))
-    accumulated = whole_batch_training(write_spec(tmp_path, weighted=True, grad_accum=2))
-    for _nproc, config, spec, weighted in runs:
+    for _nproc, config, spec, clip, weighted in runs:
         what = f"{config.overrides} weighted={weighted} {spec.name}"
-        ref_losses, ref_weights = accumulated if "_a2" in spec.name else reference
+        whole = write_spec(tmp_path, weighted=True, grad_accum=2 if "_a2" in spec.name else 1)
+        ref_losses, ref_norms, ref_weights = whole_batch_training(whole, clip)
         ended = [e for e in bus.of(StepEnded, config.run_id) if e.stage == 1 and e.replica == 0]
-        losses = [e.loss for e in sorted(ended, key=lambda e: e.step)]
+        ended.sort(key=lambda e: e.step)
+        losses = [e.loss for e in ended]
+        norms = [e.grad_norm for e in ended]
         weights: dict[str, torch.Tensor] = {}
         for stage in range(2):
             dump = Path(config.dump_weights_dir or "")
@@ -171,6 +180,9 @@ def test_token_weighted_steps_equal_whole_batch_training(
         assert sorted(weights) == sorted(ref_weights), what
         if weighted:
             assert losses == pytest.approx(ref_losses, abs=ATOL), what
+            assert norms == pytest.approx(ref_norms, rel=1e-4), what
+            if clip != "none":
+                assert sum(n > float(clip) for n in ref_norms) >= 5, "the clip must bind"
             for name, ref in ref_weights.items():
                 torch.testing.assert_close(weights[name], ref, atol=ATOL, rtol=0, msg=what)
         else:
