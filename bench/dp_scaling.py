@@ -1,7 +1,7 @@
 """Data and pipeline parallelism vs torch DDP on two processes, then the bus's fan-in.
 
     python bench/dp_scaling.py [--steps 100] [--warmup 10] [--repeats 2]
-        [--dp-microbatches 1] [--fanin-events 192000] [--pin]
+        [--dp-microbatches 1] [--eval-samples 16384] [--fanin-events 192000] [--pin]
 
 Model: bench/pipeline_vs_torch.py's MLP (8 Linear(512, 512) + ReLU), MSE
 loss, SGD (lr 1e-3), a global batch of 256 from the same 1,024 random
@@ -28,11 +28,19 @@ launcher that ignored ``--dp`` would otherwise time one process on the whole
 batch. Samples/s are steps/s times the global batch. Contenders alternate
 within each repeat; medians over repeats are reported.
 
+Then evaluation (``--eval-samples``, default 16,384; 0 skips it): the same
+job with an eval set, launched at P=1 and P=2, each at D=1 and D=2, two
+steps with an evaluation after each; the second evaluation's duration (from
+``metrics.jsonl``) counts. At D=2 the replicas share every eval set.
+``eval_d2_vs_d1`` is D=2's time over D=1's at P=1 (two processes against
+one, on two cores); ``eval_p2_d2_vs_d1`` the same at P=2 (four processes
+against two: on two cores this measures oversubscription, not sharing).
+
 Then the bus: bench/fanin.py's `fanin_capacity` with 64 publishers (a burst,
 then paced trials up to the first that loses events).
 
 The last line printed is one JSON object: ``dp2_vs_ddp_ratio`` (evtrain P=1
-D=2 samples/s over torch DDP's), ``p2_vs_ddp_ratio``, ``fanin_publishers``,
+D=2 samples/s over torch DDP's), ``p2_vs_ddp_ratio``, ``eval_d2_vs_d1``, ``fanin_publishers``,
 ``fanin_events_per_s`` and ``fanin_dropped`` (the fastest lossless paced
 trial), the burst figures and the rest. The machine may be shared: repeat.
 """
@@ -77,6 +85,19 @@ import dataclasses
 job = dataclasses.replace(job, name="bench-dp", hooks=[{"type": "metrics"}])
 """
 )
+
+EVAL_SPEC = (
+    SPEC
+    + """
+def eval_data(n=EVAL_SAMPLES):
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(n, WIDTH, generator=g), torch.randn(n, WIDTH, generator=g)
+
+job = dataclasses.replace(job, name="bench-dp-eval", eval_data=eval_data)
+"""
+)
+EVAL_CONFIGS = {"p1_d1": (1, 1), "p1_d2": (1, 2), "p2_d1": (2, 1), "p2_d2": (2, 2)}
+"""Evaluation contenders: (P, D)."""
 
 
 # ------------------------------------------------------------------ torch DDP
@@ -165,6 +186,42 @@ def step_times(run_dir: Path) -> dict[int, float]:
     return times
 
 
+def _launch_evtrain(
+    spec: Path, run_dir: Path, log_path: Path, *args: str
+) -> tuple[int | None, str]:
+    """``evtrain launch SPEC -q --run-dir RUN_DIR ARGS``: its exit status (None: timed
+    out) and the last lines of its output."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    argv = [*evtrain_command(), "launch", str(spec), "-q", "--run-dir", str(run_dir), *args]
+    with log_path.open("wb") as log:
+        # A session of its own: Ctrl-C here does not reach the workers half-way, and
+        # _end_group stops the whole launch in order whatever happens.
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc: int | None = proc.wait(timeout=LAUNCH_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            rc = None
+        finally:
+            _end_group(proc)
+    tail = log_path.read_text(errors="replace").strip().splitlines()[-6:]
+    return rc, " | ".join(tail)
+
+
+def _checked(run_dir: Path, rc: int | None, tail: str, result: dict[str, Any]) -> str | None:
+    """Why the launch does not count (failed, or not P x D processes), or None."""
+    if rc != 0:
+        why = "timed out" if rc is None else f"exit status {rc}"
+        return f"launch {why}: {tail}"
+    processes = launched_processes(run_dir)
+    result["processes"] = processes
+    if processes != result["stages"] * result["dp"]:
+        return (
+            f"the launch ran {processes} stage process(es), not P x D = "
+            f"{result['stages'] * result['dp']}: data parallelism was not in effect"
+        )
+    return None
+
+
 def run_evtrain(
     spec: Path,
     work: Path,
@@ -181,52 +238,22 @@ def run_evtrain(
     start P x D processes.
     """
     run_dir = work / label
-    shutil.rmtree(run_dir, ignore_errors=True)
-    log_path = work / f"{label}.log"
-    argv = [
-        *evtrain_command(),
-        "launch",
-        str(spec),
-        "-q",
-        "--stages",
-        str(stages),
-        "--dp",
-        str(dp),
-        "--microbatches",
-        str(microbatches),
-        "--steps",
-        str(warmup + steps),
-        "--run-dir",
-        str(run_dir),
-    ]
-    with log_path.open("wb") as log:
-        # A session of its own: Ctrl-C here does not reach the workers half-way, and
-        # _end_group stops the whole launch in order whatever happens.
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=LAUNCH_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            rc = None
-        finally:
-            _end_group(proc)
-    tail = log_path.read_text(errors="replace").strip().splitlines()[-6:]
+    rc, tail = _launch_evtrain(
+        spec,
+        run_dir,
+        work / f"{label}.log",
+        *("--stages", str(stages), "--dp", str(dp), "--microbatches", str(microbatches)),
+        *("--steps", str(warmup + steps)),
+    )
     result: dict[str, Any] = {
         "ran": False,
         "stages": stages,
         "dp": dp,
         "microbatches": microbatches,
     }
-    if rc != 0:
-        why = "timed out" if rc is None else f"exit status {rc}"
-        return {**result, "reason": f"launch {why}: " + " | ".join(tail)}
-    processes = launched_processes(run_dir)
-    result["processes"] = processes
-    if processes != stages * dp:
-        return {
-            **result,
-            "reason": f"the launch ran {processes} stage process(es), not P x D = {stages * dp}: "
-            "data parallelism was not in effect",
-        }
+    reason = _checked(run_dir, rc, tail, result)
+    if reason is not None:
+        return {**result, "reason": reason}
     times = step_times(run_dir)
     first, last = warmup, warmup + steps
     if first not in times or last not in times:
@@ -235,7 +262,72 @@ def run_evtrain(
     return {**result, "ran": True, "steps_per_s": rate, "samples_per_s": rate * BATCH}
 
 
+def run_evaluation(spec: Path, work: Path, label: str, stages: int, dp: int) -> dict[str, Any]:
+    """One ``evtrain launch`` of two steps evaluating after each; the second
+    evaluation's duration (the first pays for first use)."""
+    run_dir = work / label
+    rc, tail = _launch_evtrain(
+        spec,
+        run_dir,
+        work / f"{label}.log",
+        *("--stages", str(stages), "--dp", str(dp), "--steps", "2", "--eval-every", "1"),
+    )
+    result: dict[str, Any] = {"ran": False, "stages": stages, "dp": dp}
+    reason = _checked(run_dir, rc, tail, result)
+    if reason is not None:
+        return {**result, "reason": reason}
+    with (run_dir / "metrics.jsonl").open() as f:
+        evals = [r for r in map(json.loads, f) if r.get("type") == "eval"]
+    if len(evals) < 2:
+        return {**result, "reason": f"metrics.jsonl holds {len(evals)} evaluation(s), not 2"}
+    loss = evals[-1]["metrics"]["loss"]
+    return {**result, "ran": True, "eval_s": float(evals[-1]["duration_s"]), "loss": loss}
+
+
 # ------------------------------------------------------------------------ main
+
+
+def evaluation_part(samples: int, repeats: int) -> dict[str, Any]:
+    """Evaluation of ``samples`` samples at D=1 and D=2 (P=1 and P=2), medians over
+    ``repeats``: the replicas share every eval set."""
+    print()
+    print(f"evaluation of {samples} samples, batches of {BATCH}, after each of 2 steps:")
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in EVAL_CONFIGS}
+    with tempfile.TemporaryDirectory(prefix="evt-dp-eval-", dir="/tmp") as tmp:
+        work = Path(tmp)
+        spec = work / "eval_spec.py"
+        text = EVAL_SPEC.replace("EVAL_SAMPLES", str(samples)).replace("WIDTH", str(WIDTH))
+        spec.write_text(text)
+        for repeat in range(repeats):
+            for name, (stages, dp) in EVAL_CONFIGS.items():
+                result = run_evaluation(spec, work, f"eval-{name}-{repeat}", stages, dp)
+                runs[name].append(result)
+                line = (
+                    f"{result['eval_s']:6.3f} s  (loss {result['loss']:.6f})"
+                    if result["ran"]
+                    else f"did not run: {result['reason']}"
+                )
+                print(f"repeat {repeat + 1}/{repeats}  eval P={stages} D={dp}  {line}", flush=True)
+    seconds = {
+        name: statistics.median(r["eval_s"] for r in rs if r["ran"])
+        for name, rs in runs.items()
+        if any(r["ran"] for r in rs)
+    }
+
+    def ratio(a: str, b: str) -> float | None:
+        return round(seconds[a] / seconds[b], 3) if a in seconds and b in seconds else None
+
+    out = {
+        "eval_d2_vs_d1": ratio("p1_d2", "p1_d1"),
+        "eval_p2_d2_vs_d1": ratio("p2_d2", "p2_d1"),
+        "eval_samples": samples,
+        **{f"eval_s_{name}": round(value, 4) for name, value in seconds.items()},
+    }
+    print(
+        f"evaluation time D=2 / D=1: P=1 {out['eval_d2_vs_d1']}, P=2 {out['eval_p2_d2_vs_d1']} "
+        f"({os.cpu_count()} cores)"
+    )
+    return out
 
 
 def main() -> None:
@@ -255,6 +347,12 @@ def main() -> None:
         type=int,
         default=fanin.TOTAL_EVENTS,
         help="events per fan-in trial over 64 publishers (0: skip the fan-in part)",
+    )
+    parser.add_argument(
+        "--eval-samples",
+        type=int,
+        default=16384,
+        help="samples of the evaluation part's eval set (0: skip the evaluation part)",
     )
     parser.add_argument(
         "--pin",
@@ -362,6 +460,9 @@ def main() -> None:
         "warmup": args.warmup,
         "repeats": args.repeats,
     }
+
+    if args.eval_samples:
+        summary.update(evaluation_part(args.eval_samples, args.repeats))
 
     if args.fanin_events:
         print()

@@ -255,7 +255,8 @@ class MicrobatchWait(MicrobatchSpan, kw_only=True, tag="microbatch.wait"):
 
 
 class EvalStarted(Event, kw_only=True, tag="eval.started"):
-    """Evaluation began at training step ``step``; ``num_batches`` over all its sets."""
+    """Evaluation began at training step ``step``; ``num_batches`` over all its sets (with
+    data parallelism, replica 0's share: the replicas evaluate side by side)."""
 
     step: Count
     stage: StageIndex

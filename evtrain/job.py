@@ -289,6 +289,12 @@ class Job:
     equals one on the whole batch; `batch_size` is the global batch and must be a
     multiple of ``num_microbatches * data_parallel``."""
 
+    find_unused_parameters: bool = False
+    """With `data_parallel` > 1: trainable parameters may get no gradient in a step
+    (a branch not taken, an unused head); the replicas then find them in every step's
+    last backward (DDP's ``find_unused_parameters``, a walk of the autograd graph)
+    and average the rest. Without it such a step fails naming the parameters."""
+
     balance: Sequence[int] | str | None = None
     """Layers (or units of `model`) per stage, e.g. ``[3, 2]``; or ``"params"`` to balance
     the parameter count, ``"compute"`` to balance estimated training FLOPs (measured on

@@ -67,10 +67,16 @@ class Reporter:
 
     def collect(self) -> dict[str, float]:
         """The mean of every name since the last `collect`, then start afresh."""
+        sums, counts = self.take()
+        return {name: total / counts[name] for name, total in sums.items()}
+
+    def take(self) -> tuple[dict[str, float], dict[str, int]]:
+        """The sum and the number of calls of every name since the last `collect`, then
+        start afresh."""
         with self._lock:
             sums, counts = self._sums, self._counts
             self._sums, self._counts = {}, {}
-        return {name: float(total) / counts[name] for name, total in sums.items()}
+        return {name: float(total) for name, total in sums.items()}, counts
 
     def clear(self) -> None:
         """Forget everything reported so far."""

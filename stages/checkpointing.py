@@ -10,6 +10,9 @@ boundary and delegates *how* to its `ShardWriter`:
   already saved at this step is only announced again;
 * the plan's on-stop checkpoint when the run ends without failure;
 * replica 0 writes its stage's shard (the replicas' weights are equal);
+  before a save the replicas make their BatchNorm statistics their mean and
+  hand their random states to replica 0, which saves them with its own
+  (``REPLICA_RNG``), so a resume at the same D draws what the run would have;
   rank 0 announces every save (``CheckpointRequested``) and, with a plan,
   remembers it until the coordinator's verdict (`awaiting`);
 * finished writes are published whenever the stage looks (`publish_done`),
@@ -30,15 +33,18 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import anyio.to_thread
 import structlog
+import torch.distributed as dist
 from torch import nn
 
 from evtrain.bus.commands import CommandReceiver
 from evtrain.bus.subscriber import Subscriber
 from evtrain.checkpoint import CheckpointError, format_checkpoint_path
 from evtrain.checkpoint.plan import ON_STOP, PlanState
+from evtrain.checkpoint.state_tree import rng_state
 from evtrain.checkpoint.writer import ShardWriter
 from evtrain.events import (
     CheckpointCommitted,
@@ -49,11 +55,13 @@ from evtrain.events import (
     Event,
     StageStopped,
 )
+from evtrain.stages.data_parallel import average_running_stats
 from evtrain.stages.executor import StageExecutor
 
 __all__ = [
     "COORDINATOR_TIMEOUT_ENV",
     "FAILURE_WRITE_WAIT_S",
+    "REPLICA_RNG",
     "StageCheckpointing",
     "await_plan",
     "await_the_end",
@@ -63,6 +71,9 @@ log = structlog.get_logger()
 
 FAILURE_WRITE_WAIT_S = 60.0
 """Seconds a failing stage waits for its shard write in flight before it reports."""
+
+REPLICA_RNG = "replica_rng"
+"""The key in a shard's extra state of replicas 1..D-1's random states, in order."""
 
 COORDINATOR_TIMEOUT_ENV = "EVTRAIN_COORDINATOR_TIMEOUT_S"
 """Seconds stage 0 waits for the checkpoint coordinator, at most: for its plan before
@@ -99,7 +110,8 @@ class StageCheckpointing:
 
     ``writer`` is None where the stage saves nothing (evaluation only, and
     replicas other than 0); ``lead`` is global rank 0, which announces the
-    saves; ``publish`` puts an event on the bus.
+    saves; ``replicas`` is the stage's replica group (None without replicas);
+    ``publish`` puts an event on the bus.
     """
 
     def __init__(
@@ -110,6 +122,7 @@ class StageCheckpointing:
         writer: ShardWriter | None,
         module: nn.Module,
         executor: StageExecutor,
+        replicas: dist.ProcessGroup | None,
         publish: Callable[[Event], None],
     ) -> None:
         self._stage = stage
@@ -117,6 +130,7 @@ class StageCheckpointing:
         self._writer = writer
         self._module = module
         self._executor = executor
+        self._replicas = replicas
         self._publish = publish
         self._saved: dict[tuple[int, str], str] = {}
         """(step, directory) already saved -> the checkpoint id that saved it."""
@@ -147,17 +161,34 @@ class StageCheckpointing:
             else:
                 save.fulfils.append(command.checkpoint_id)
                 save.reasons.append(command.reason)
+        if saves:
+            replica_rng = await anyio.to_thread.run_sync(self._agree_replicas)
         for save in saves.values():
-            await self._save(step, save, planned=plan is not None)
+            await self._save(step, save, replica_rng, planned=plan is not None)
 
     async def save_on_stop(self, step: int, plan: PlanState | None) -> None:
         """The plan's on-stop checkpoint after ``step`` (nothing when this step is saved)."""
         if plan is None or not plan.plan.on_stop:
             return
         path = format_checkpoint_path(plan.plan.path, step)
-        await self._save(step, _Save(plan.checkpoint_id(step), path, [ON_STOP], None), planned=True)
+        replica_rng = await anyio.to_thread.run_sync(self._agree_replicas)
+        save = _Save(plan.checkpoint_id(step), path, [ON_STOP], None)
+        await self._save(step, save, replica_rng, planned=True)
 
-    async def _save(self, step: int, save: _Save, *, planned: bool) -> None:
+    def _agree_replicas(self) -> list[dict[str, Any]]:
+        """Every replica (blocking, collective): BatchNorm statistics made their mean;
+        replicas 1..D-1's random states, for replica 0 to save."""
+        if self._replicas is None:
+            return []
+        average_running_stats(self._module, self._replicas)
+        states: list[Any] = [None] * dist.get_world_size(self._replicas)
+        device = self._executor.device
+        dist.all_gather_object(states, rng_state(device), group=self._replicas)
+        return states[1:]
+
+    async def _save(
+        self, step: int, save: _Save, replica_rng: list[dict[str, Any]], *, planned: bool
+    ) -> None:
         """Start (or, when this directory holds this step already, re-announce) one save."""
         if self._writer is None:
             return
@@ -172,17 +203,24 @@ class StageCheckpointing:
             self._publish(save.requested(step, save.checkpoint_id, save.fulfils))
             if planned:
                 self.awaiting.add(save.checkpoint_id)
-        error = await anyio.to_thread.run_sync(self._write, self._writer, step, save)
+        error = await anyio.to_thread.run_sync(self._write, self._writer, step, save, replica_rng)
         if error is not None:
             for cid in (save.checkpoint_id, *save.fulfils):
                 self._publish(
                     CheckpointFailed(checkpoint_id=cid, step=step, stage=self._stage, error=error)
                 )
 
-    def _write(self, writer: ShardWriter, step: int, save: _Save) -> str | None:
+    def _write(
+        self, writer: ShardWriter, step: int, save: _Save, replica_rng: list[dict[str, Any]]
+    ) -> str | None:
         """Capture this stage's shard and hand it to the writer (blocking, short); the
         write continues in the writer's thread. The error of a refused save, or None."""
         executor = self._executor
+        extra: dict[str, Any] = {}
+        if executor.scaler is not None:
+            extra["loss_scaler"] = executor.scaler.state_dict()
+        if replica_rng:
+            extra[REPLICA_RNG] = replica_rng
         try:
             writer.save(
                 save.path,
@@ -194,11 +232,7 @@ class StageCheckpointing:
                 data_position=executor.stream.batch_index(step),
                 reason=save.reason,
                 metric=save.metric,
-                extra=(
-                    {"loss_scaler": executor.scaler.state_dict()}
-                    if executor.scaler is not None
-                    else None
-                ),
+                extra=extra or None,
             )
         except CheckpointError as exc:
             log.error("checkpoint refused", stage=self._stage, error=str(exc))

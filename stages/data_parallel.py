@@ -35,9 +35,10 @@ design choices"):
   further pays only for a stage too big for one device.
 
 Buffers are synchronized at start only (``forward_sync_buffers=False``):
-syncing them at every forward is a collective per microbatch. BatchNorm running statistics
-therefore differ between replicas; replica 0's are the ones evaluated and
-saved.
+syncing them at every forward is a collective per microbatch. BatchNorm
+running statistics therefore drift apart between replicas, and are made
+their mean before every evaluation and every save (`average_running_stats`),
+so what is evaluated and saved does not depend on the replica.
 """
 
 from __future__ import annotations
@@ -52,21 +53,67 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.parallel.distributed import _find_tensors
 
-__all__ = ["Replicas"]
+from evtrain.errors import UsageError
+
+__all__ = ["Replicas", "average_running_stats"]
+
+
+def average_running_stats(module: nn.Module, group: dist.ProcessGroup) -> None:
+    """Make every replica's BatchNorm running mean and variance their mean over ``group``
+    (blocking, collective over the stage's replicas; nothing without such layers)."""
+    stats = [
+        buffer
+        for layer in module.modules()
+        if isinstance(layer, nn.modules.batchnorm._NormBase) and layer.track_running_stats
+        for buffer in (layer.running_mean, layer.running_var)
+        if buffer is not None
+    ]
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for buffer in stats:
+        by_dtype.setdefault(buffer.dtype, []).append(buffer)
+    for buffers in by_dtype.values():
+        flat = _flatten_dense_tensors(buffers)
+        dist.all_reduce(flat, group=group)
+        flat /= dist.get_world_size(group)
+        for buffer, mean in zip(buffers, _unflatten_dense_tensors(flat, buffers), strict=True):
+            buffer.copy_(mean)
 
 
 class Replicas:
     """One stage's DDP wrapper; construct it on every replica (collective: DDP
     broadcasts replica 0's parameters and buffers to the others)."""
 
-    def __init__(self, module: nn.Module, group: dist.ProcessGroup, device: torch.device) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        group: dist.ProcessGroup,
+        device: torch.device,
+        *,
+        find_unused: bool = False,
+    ) -> None:
         self.group = group
+        self.find_unused = find_unused
         self.ddp = DistributedDataParallel(
             module,
             device_ids=[device] if device.type == "cuda" else None,
             process_group=group,
             forward_sync_buffers=False,
+            find_unused_parameters=find_unused,
         )
+        self._names = {p: name for name, p in module.named_parameters() if p.requires_grad}
+
+    def check_used(self, params: Sequence[nn.Parameter]) -> None:
+        """Raise `UsageError` naming the trainable parameters that got no gradient in this
+        step (unless the job lets them: `Job.find_unused_parameters`)."""
+        if self.find_unused:
+            return
+        unused = [self._names.get(p, "?") for p in params if p.grad is None]
+        if unused:
+            shown = ", ".join(unused[:5]) + (f" and {len(unused) - 5} more" if unused[5:] else "")
+            raise UsageError(
+                f"parameters {shown} got no gradient in this step: set "
+                "Job(find_unused_parameters=True) or freeze them (requires_grad=False)"
+            )
 
     @property
     def module(self) -> nn.Module:
@@ -90,6 +137,18 @@ class Replicas:
         the step's last W (the reducer's hooks never see them): as fast as
         DDP's buckets at the step end (see the module docstring).
         """
+        self.check_used(params)
+        if self.find_unused and params:
+            # A parameter unused here may have a gradient on another replica: every
+            # replica adds the same tensors (zeros for its own missing ones), and
+            # one unused everywhere keeps no gradient, as on one replica.
+            used = torch.tensor(
+                [p.grad is not None for p in params], dtype=torch.int32, device=params[0].device
+            )
+            dist.all_reduce(used, group=self.group)
+            for p, anywhere in zip(params, used.tolist(), strict=True):
+                if anywhere and p.grad is None:
+                    p.grad = torch.zeros_like(p)
         grads = [p.grad for p in params if p.grad is not None]
         if not grads:
             return

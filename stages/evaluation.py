@@ -7,8 +7,20 @@ executor, publishes ``EvalStarted``/``EvalEnded`` and, with the heartbeats,
 microbatch's `Job.eval_weight` (its samples by default), divided once by the
 set's total weight; metric objects (`Job.metrics` with ``update`` /
 ``compute`` / ``reset``) see every microbatch and are computed once at the
-end of the set. The sums stay tensors on the device: one conversion per set,
+end of the set. The terms stay tensors on the device: one conversion per set,
 not a device synchronization per microbatch.
+
+With data parallelism the replicas share every set: replica r evaluates the
+set's batches r, r + D, ... (`replica_share`), and the last stage's replicas
+combine what they saw. The sums are exact (`math.fsum` over every
+microbatch's term, so the result is the same bits at any D); metric objects
+sync their state over the replicas (torchmetrics' own ``sync``, on the
+stage's replica group); reported values add their sums and counts. A metric
+object that cannot sync (no torchmetrics ``process_group``) makes replica 0
+evaluate every set whole, as one replica would. Before each evaluation the
+replicas' BatchNorm running statistics are made their mean
+(`evtrain.stages.data_parallel.average_running_stats`), so every replica
+evaluates the same model.
 """
 
 from __future__ import annotations
@@ -21,14 +33,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio.to_thread
+import structlog
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from evtrain.data import eval_microbatches
 from evtrain.events import EvalEnded, EvalProgress, EvalStarted, Event
 from evtrain.job import Job
 from evtrain.job_checks import MetricFactory, is_metric_object
 from evtrain.reporting import Reporter
+from evtrain.stages.data_parallel import average_running_stats
 from evtrain.stages.executor import StageExecutor
 from evtrain.stages.loading import Reader
 
@@ -39,17 +53,66 @@ __all__ = [
     "EvalTally",
     "MetricObjects",
     "StageEvaluator",
+    "replica_share",
+    "replicas_share_evaluation",
 ]
+
+log = structlog.get_logger()
+
+Plan = list[list[range]]
+"""Batches of microbatch sample ranges (`evtrain.data.eval_microbatches`)."""
 
 
 @dataclass(frozen=True)
 class EvalSet:
     """One evaluation set as a stage sees it: its name (``""`` for the single unnamed
-    set), the reader of what this stage consumes (None: it reads nothing) and its size."""
+    set), the reader of what this stage consumes (None: it reads nothing), its size
+    and the batches this replica evaluates (`replica_share`)."""
 
     name: str
     reader: Reader | None
     num_samples: int
+    plan: Plan
+
+
+def replica_share(plan: Plan, replica: int, replicas: int, shared: bool) -> Plan:
+    """The batches of ``plan`` that ``replica`` evaluates: every D-th from its own
+    (``shared``), else all of them on replica 0 and none elsewhere."""
+    if shared:
+        return plan[replica::replicas]
+    return plan if replica == 0 else []
+
+
+def replicas_share_evaluation(job: Job) -> bool:
+    """Whether the replicas of a D > 1 job can share its evaluations: every metric
+    object can sync over a process group (`_syncable`)."""
+    if job.data_parallel < 2:
+        return False
+    for name, value in job.metrics.items():
+        if isinstance(value, MetricFactory):
+            value = value()
+        elif not is_metric_object(value):
+            continue
+        if not _syncable(value):
+            log.warning(
+                "replica 0 evaluates every set whole: a metric object cannot combine "
+                "the replicas' shares (it is no torchmetrics Metric)",
+                metric=name,
+                kind=type(value).__name__,
+            )
+            return False
+    return True
+
+
+def _metric_modules(obj: Any) -> list[Any]:
+    """The torchmetrics metrics inside ``obj`` (itself, or a collection's members)."""
+    modules = obj.modules() if isinstance(obj, nn.Module) else [obj]
+    return [m for m in modules if hasattr(m, "distributed_available_fn")]
+
+
+def _syncable(obj: Any) -> bool:
+    metrics = _metric_modules(obj)
+    return bool(metrics) and all(hasattr(m, "process_group") for m in metrics)
 
 
 @dataclass
@@ -67,11 +130,14 @@ class EvalStats:
 
 class MetricObjects:
     """The job's metric objects, this stage's own copies: one set of them per eval set,
-    built on first use."""
+    built on first use, syncing over ``group`` (None: computed on this stage alone)."""
 
-    def __init__(self, job: Job, device: torch.device) -> None:
+    def __init__(
+        self, job: Job, device: torch.device, group: dist.ProcessGroup | None = None
+    ) -> None:
         self._job = job
         self._device = device
+        self._group = group
         self._by_set: dict[str, dict[str, Any]] = {}
 
     def fresh(self, name: str) -> dict[str, Any]:
@@ -81,9 +147,9 @@ class MetricObjects:
             objects = {}
             for key, value in self._job.metrics.items():
                 if isinstance(value, MetricFactory):
-                    objects[key] = _stage_local(value(), self._device)
+                    objects[key] = _placed(value(), self._device, self._group)
                 elif is_metric_object(value):
-                    objects[key] = _stage_local(copy.deepcopy(value), self._device)
+                    objects[key] = _placed(copy.deepcopy(value), self._device, self._group)
             self._by_set[name] = objects
         for obj in objects.values():
             obj.reset()
@@ -98,15 +164,17 @@ class EvalTally:
     device: torch.device
     objects: dict[str, Any]
     """The set's metric objects, reset (`MetricObjects.fresh`)."""
-    _sums: dict[str, torch.Tensor] = field(default_factory=dict)
-    _weight: torch.Tensor | None = None
+    group: dist.ProcessGroup | None = None
+    """The last stage's replicas that share the set (None: this stage saw it whole)."""
+    _terms: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    """Per name, every microbatch's weighted mean (its weight under ``""``)."""
 
     def add(self, output: Any, target: Any, samples: int) -> None:
         """One microbatch of ``samples`` samples: its model output and targets."""
         job = self.job
         raw = samples if job.eval_weight is None else job.eval_weight(target)
         weight = torch.as_tensor(raw, device=self.device).detach().double()
-        self._weight = weight if self._weight is None else self._weight + weight
+        self._terms.setdefault("", []).append(weight)
         values: dict[str, float | torch.Tensor] = {"loss": job.loss(output, target)}
         for name, fn in job.metrics.items():
             obj = self.objects.get(name)
@@ -118,34 +186,42 @@ class EvalTally:
             mean = torch.as_tensor(value, device=self.device).detach().double()
             # A microbatch of weight 0 (all padding) has a mean of 0/0: it adds nothing.
             weighted = torch.where(weight > 0, mean * weight, torch.zeros_like(mean))
-            previous = self._sums.get(name)
-            self._sums[name] = weighted if previous is None else previous + weighted
+            self._terms.setdefault(name, []).append(weighted)
 
     def results(self) -> dict[str, float]:
-        """``loss`` and the job's metrics over the whole set, in the job's order."""
-        weight = float(self._weight) if self._weight is not None else 0.0
+        """``loss`` and the job's metrics over the whole set, in the job's order
+        (collective over ``group``)."""
+        terms = {name: torch.stack(ts).tolist() for name, ts in self._terms.items()}
+        if self.group is not None:
+            shares: list[dict[str, list[float]]] = [{}] * dist.get_world_size(self.group)
+            dist.all_gather_object(shares, terms, group=self.group)
+            names = dict.fromkeys(name for share in shares for name in share)
+            terms = {name: [t for share in shares for t in share.get(name, [])] for name in names}
+        # An exactly rounded sum: the same bits whichever replica added which term.
+        sums = {name: math.fsum(ts) for name, ts in terms.items()}
+        weight = sums.pop("", 0.0)
         results: dict[str, float] = {}
         for name in ("loss", *self.job.metrics):
             obj = self.objects.get(name)
             if obj is not None:
                 results[name] = _one_number(name, obj.compute())
-            elif name in self._sums:
-                results[name] = float(self._sums[name]) / weight if weight else math.nan
+            elif name in sums:
+                results[name] = sums[name] / weight if weight else math.nan
         return results
 
 
-def _stage_local(obj: Any, device: torch.device) -> Any:
-    """A metric object made to compute on this stage alone, on its device.
+def _placed(obj: Any, device: torch.device, group: dist.ProcessGroup | None) -> Any:
+    """A metric object on this stage's device, syncing over ``group`` only.
 
     torchmetrics gathers a metric's state over the default process group when
-    one exists; here that group is the pipeline, whose other stages take no
-    part in the evaluation, so the gather would wait for peers that never
-    join it (until the process group's timeout).
+    one exists; that group holds every stage, whose others take no part in
+    the evaluation, so the gather would wait for peers that never join it
+    (until the process group's timeout).
     """
-    modules = obj.modules() if isinstance(obj, nn.Module) else [obj]
-    for module in modules:
-        if hasattr(module, "distributed_available_fn"):
-            module.distributed_available_fn = _not_distributed
+    for module in _metric_modules(obj):
+        module.distributed_available_fn = _not_distributed if group is None else _distributed
+        if group is not None:
+            module.process_group = group
     if isinstance(obj, nn.Module):
         obj = obj.to(device)
     return obj
@@ -153,6 +229,10 @@ def _stage_local(obj: Any, device: torch.device) -> Any:
 
 def _not_distributed() -> bool:
     return False
+
+
+def _distributed() -> bool:
+    return True
 
 
 def _one_number(name: str, value: Any) -> float:
@@ -184,9 +264,11 @@ class EvalResult:
 class StageEvaluator:
     """The evaluations of one stage (see the module docstring).
 
-    Replica 0's pipeline evaluates every set whole, once; other replicas
-    skip. ``reporter`` holds what the model reported (`evtrain.report`)
-    during the evaluation: it joins the set's metrics.
+    Each replica evaluates its share of every set (`EvalSet.plan`);
+    ``group`` is the stage's replica group (None without replicas), over
+    which the last stage combines the shares when ``shared``. ``reporter``
+    holds what the model reported (`evtrain.report`) during the evaluation:
+    it joins the set's metrics.
     """
 
     def __init__(
@@ -196,6 +278,8 @@ class StageEvaluator:
         sets: Sequence[EvalSet],
         last: bool,
         replica: int,
+        group: dist.ProcessGroup | None,
+        shared: bool,
         publish: Callable[[Event], None],
         reporter: Reporter,
     ) -> None:
@@ -205,13 +289,14 @@ class StageEvaluator:
         self._stage = executor.stage
         self._last = last
         self._replica = replica
+        self._group = group
+        self._combine = group if shared and last else None
+        """The group the last stage's replicas combine their shares over."""
+        self._evaluates = shared or replica == 0
         self._publish = publish
         self._reporter = reporter
-        self._objects = MetricObjects(executor.job, executor.device)
-        self._batches = sum(
-            len(eval_microbatches(e.num_samples, self._job.effective_eval_batch_size, executor.M))
-            for e in self.sets
-        )
+        self._objects = MetricObjects(executor.job, executor.device, self._combine)
+        self._batches = sum(len(e.plan) for e in self.sets)
         self._progress: EvalProgress | None = None
         """The last stage, evaluating: the set in progress and the batches before it."""
         self._done_in_set = 0
@@ -220,11 +305,16 @@ class StageEvaluator:
 
     async def evaluate(self, step: int) -> EvalResult | None:
         """Evaluate the weights after ``step`` steps on every set (collective along the
-        pipeline); the result on the last stage, else None."""
-        if self._replica:
+        pipeline and the replicas); the result on replica 0's last stage, else None."""
+        if self._group is not None:
+            await anyio.to_thread.run_sync(
+                average_running_stats, self._executor.module, self._group
+            )
+        if not self._evaluates:
             return None
         start = time.perf_counter()
-        if self._last:
+        publishes = self._last and self._replica == 0
+        if publishes:
             self._publish(EvalStarted(step=step, stage=self._stage, num_batches=self._batches))
         self._reporter.collect()  # training-time leftovers do not belong to the eval
         metrics: dict[str, float] = {}
@@ -244,11 +334,10 @@ class StageEvaluator:
             stats = await anyio.to_thread.run_sync(self._run_set, index)
             done += stats.num_batches
             prefix = f"{evaluation.name}/" if evaluation.name else ""
-            values = {**self._reporter.collect(), **stats.metrics}
-            metrics.update({prefix + k: v for k, v in values.items()})
+            metrics.update({prefix + k: v for k, v in stats.metrics.items()})
             samples[evaluation.name] = stats.samples
         self._progress = None
-        if not self._last:
+        if not publishes:
             return None
         self._publish(
             EvalEnded(
@@ -280,22 +369,40 @@ class StageEvaluator:
     def _run_set(self, index: int) -> EvalStats:
         """One forward-only pass over set ``index`` (blocking).
 
-        Every sample is read once (`evtrain.data.eval_microbatches`); on the
-        last stage ``loss`` and the plain metrics are means over the set
-        weighted by `Job.eval_weight`, metric objects are computed once.
+        Every sample is read once (`evtrain.data.eval_microbatches`), by one
+        replica; on the last stage ``loss`` and the plain metrics are means
+        over the set weighted by `Job.eval_weight`, metric objects are
+        computed once, and what the model reported joins them.
         """
         start = time.perf_counter()
         executor, evaluation = self._executor, self.sets[index]
-        plan = eval_microbatches(
-            evaluation.num_samples, self._job.effective_eval_batch_size, executor.M
-        )
         tally = None
         if self._last:
             objects = self._objects.fresh(evaluation.name)
-            tally = EvalTally(job=self._job, device=executor.device, objects=objects)
+            tally = EvalTally(
+                job=self._job, device=executor.device, objects=objects, group=self._combine
+            )
         with executor.forward_only():
-            for batch in plan:
+            for batch in evaluation.plan:
                 executor.forward_pass(batch, evaluation.reader, tally)
                 self._done_in_set += 1
-        metrics = tally.results() if tally is not None and evaluation.num_samples else {}
-        return EvalStats(metrics, evaluation.num_samples, len(plan), time.perf_counter() - start)
+        metrics = self._reported()
+        if tally is not None and evaluation.num_samples:
+            metrics.update(tally.results())
+        return EvalStats(
+            metrics, evaluation.num_samples, len(evaluation.plan), time.perf_counter() - start
+        )
+
+    def _reported(self) -> dict[str, float]:
+        """The mean of each value the model reported during the set, over every replica
+        that evaluated a share of it (blocking, collective over the shares' group)."""
+        sums, counts = self._reporter.take()
+        if self._combine is not None:
+            shares: list[tuple[dict[str, float], dict[str, int]]] = [({}, {})] * (
+                dist.get_world_size(self._combine)
+            )
+            dist.all_gather_object(shares, (sums, counts), group=self._combine)
+            names = dict.fromkeys(name for share, _ in shares for name in share)
+            sums = {n: math.fsum(share.get(n, 0.0) for share, _ in shares) for n in names}
+            counts = {n: sum(count.get(n, 0) for _, count in shares) for n in names}
+        return {name: total / counts[name] for name, total in sums.items()}

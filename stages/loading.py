@@ -308,7 +308,7 @@ class LoaderReader(Reader):
         return self._keep(*self.options.split(next(self._train)))
 
     def rows(self, rows: range) -> tuple[Any, Any]:
-        if rows.start == 0 or self._eval is None:
+        if self._eval is None or rows == self.eval_plan[0]:  # a new pass
             self._eval = self._loader(
                 "eval-sample", iter([[(0, i) for i in r] for r in self.eval_plan])
             )
@@ -463,8 +463,8 @@ def make_reader(
 
     ``eval_set`` names the eval set (`evtrain.job.Job.eval_sets`; None: the only
     one). Only a first or last stage reads: the data set is not opened elsewhere.
-    A training reader reads ``replica``'s share of every batch (`Reader`);
-    evaluation reads whole sets (replica 0 evaluates).
+    A training reader reads ``replica``'s share of every batch (`Reader`); an
+    evaluation reader the batches of ``eval_plan`` (the replica's share of the set).
     """
     if not (first or last):
         return None

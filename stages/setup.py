@@ -23,7 +23,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import structlog
 import torch
@@ -33,7 +33,7 @@ from torch import nn
 from evtrain.bus.commands import CommandReceiver
 from evtrain.checkpoint import CheckpointError
 from evtrain.checkpoint.loader import agree_on_resume, load_stage_shard, load_weights
-from evtrain.checkpoint.state_tree import stage_aliases
+from evtrain.checkpoint.state_tree import set_rng_state, stage_aliases
 from evtrain.checkpoint.writer import ShardWriter
 from evtrain.data import derive_seed, eval_microbatches
 from evtrain.events import Event
@@ -41,10 +41,15 @@ from evtrain.job import Job
 from evtrain.reporting import Reporter
 from evtrain.schedule_names import parse_schedule
 from evtrain.stages.backward import SplitBackward
-from evtrain.stages.checkpointing import StageCheckpointing
+from evtrain.stages.checkpointing import REPLICA_RNG, StageCheckpointing
 from evtrain.stages.control import StepControl
-from evtrain.stages.data_parallel import Replicas
-from evtrain.stages.evaluation import EvalSet, StageEvaluator
+from evtrain.stages.data_parallel import Replicas, average_running_stats
+from evtrain.stages.evaluation import (
+    EvalSet,
+    StageEvaluator,
+    replica_share,
+    replicas_share_evaluation,
+)
 from evtrain.stages.executor import StageExecutor
 from evtrain.stages.job_data import job_data
 from evtrain.stages.loading import make_reader
@@ -100,6 +105,9 @@ class StageParts:
     """The model chunks this stage runs (``[module]`` without model chunks)."""
     tied: TiedWeights
     replicas: Replicas | None
+    """The stage's DDP reducer (None without replicas or trainable parameters)."""
+    replica_group: dist.ProcessGroup | None
+    """The stage's D replicas (None without replicas)."""
     mailbox: Mailbox
     control: StepControl
     shapes_group: dist.ProcessGroup | None
@@ -176,7 +184,7 @@ def build_stage(
     trainable = any(p.requires_grad for p in module.parameters())
     replicas = None
     if groups.replicas is not None and trainable:
-        replicas = Replicas(module, groups.replicas, device)
+        replicas = Replicas(module, groups.replicas, device, find_unused=job.find_unused_parameters)
     mailbox = Mailbox(
         device=device,
         act_group=groups.pipeline,
@@ -187,7 +195,16 @@ def build_stage(
         rank=place.rank, world_size=place.world_size, group=groups.control, receiver=receiver
     )
     return StageParts(
-        place, device, module, chunks, tied, replicas, mailbox, control, groups.shapes
+        place,
+        device,
+        module,
+        chunks,
+        tied,
+        replicas,
+        groups.replicas,
+        mailbox,
+        control,
+        groups.shapes,
     )
 
 
@@ -210,12 +227,14 @@ def prepare_stage(
     total = data.total_steps()
     eval_sizes: set[int] = set()
     evaluations: list[EvalSet] = []
+    shared = replicas_share_evaluation(job)
     for name in job.eval_sets:
         num = data.num_eval_samples(name)
         plan = eval_microbatches(num, job.effective_eval_batch_size, job.num_microbatches)
         eval_sizes.update(len(r) for batch in plan for r in batch)
-        reader = make_reader(data, "eval", first, last, device, eval_plan=plan, eval_set=name)
-        evaluations.append(EvalSet(name, reader, num))
+        share = replica_share(plan, place.replica, place.replicas, shared)
+        reader = make_reader(data, "eval", first, last, device, eval_plan=share, eval_set=name)
+        evaluations.append(EvalSet(name, reader, num, share))
     sizes = sorted({job.microbatch_size, *eval_sizes})
     train_reader = make_reader(
         data, "train", first, last, device, stream=stream, replica=place.replica
@@ -277,6 +296,8 @@ def prepare_stage(
         sets=evaluations,
         last=last,
         replica=place.replica,
+        group=parts.replica_group,
+        shared=shared,
         publish=publish,
         reporter=reporter,
     )
@@ -289,6 +310,7 @@ def prepare_stage(
         writer=writer,
         module=module,
         executor=executor,
+        replicas=parts.replica_group,
         publish=publish,
     )
     orders = Orders(
@@ -359,8 +381,6 @@ def _restore(
         resume = job.run_dir if config.resume == "latest" else config.resume
         path = agree_on_resume(resume)
     if path is not None:
-        # A checkpoint holds replica 0's random state: the others draw their
-        # own (dropout masks independent of replica 0's), seeded by the step.
         state = load_stage_shard(
             path,
             place.stage,
@@ -370,8 +390,9 @@ def _restore(
             restore_rng=place.replica == 0,
         )
         if place.replica:
-            seed = derive_seed(job.seed, "stage", place.stage, "replica", place.replica)
-            torch.manual_seed(derive_seed(seed, "resumed", state.step))
+            same_stages = state.saved_num_stages == place.num_stages
+            saved = state.extra.get(REPLICA_RNG) if same_stages else None
+            _restore_replica_rng(job, place, state.step, saved, executor.device)
         if executor.scaler is not None and "loss_scaler" in state.extra:
             executor.scaler.load_state_dict(state.extra["loss_scaler"])
         log.info("resumed", stage=place.stage, path=str(path), step=state.step)
@@ -382,11 +403,26 @@ def _restore(
     return 0
 
 
+def _restore_replica_rng(
+    job: Job, place: Place, step: int, saved: list[Any] | None, device: torch.device
+) -> None:
+    """Replica r > 0 of a resume: the random state it had when the checkpoint was
+    taken, when it was taken at this P and D; else its own, seeded by the step
+    (dropout masks independent of replica 0's either way)."""
+    if saved is not None and len(saved) == place.replicas - 1:
+        set_rng_state(saved[place.replica - 1], device)
+        return
+    seed = derive_seed(job.seed, "stage", place.stage, "replica", place.replica)
+    torch.manual_seed(derive_seed(seed, "resumed", step))
+
+
 def finish_stage(runtime: StageRuntime, dump_weights_dir: str | None) -> None:
     """Final barrier, optional weight dump, leave the process groups (blocking, collective)."""
     parts = runtime.parts
     parts.control.barrier()
-    if dump_weights_dir:
+    if dump_weights_dir and parts.replica_group is not None:
+        average_running_stats(parts.module, parts.replica_group)
+    if dump_weights_dir and parts.place.replica == 0:
         from safetensors.torch import save_file
 
         directory = Path(dump_weights_dir)

@@ -110,6 +110,8 @@ class WeightUpdate:
         the replica's weighted loss sum and ``local_weight`` its total weight.
         """
         self.skipped = False
+        if self.replicas is not None:
+            self.replicas.check_used(self.params)
         grads = [p.grad for p in self.params if p.grad is not None]
         if self.scaler is not None and grads:
             self.scaler.unscale_(grads)

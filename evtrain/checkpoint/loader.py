@@ -325,6 +325,7 @@ def load_stage_shard(  # noqa: C901
         wanted[home.stage].extend(_tensor_keys(home_state["scheduler"]))
     rng = home_state.get("rng", {}) if restore_rng else {}
     wanted[home.stage].extend(_tensor_keys(rng))
+    wanted[home.stage].extend(_tensor_keys(home_state.get("extra", {})))
 
     tensors: dict[str, dict[str, torch.Tensor]] = {}
     for shard in shards:

@@ -34,8 +34,6 @@ warnings.filterwarnings(
 _OPTIM_PREFIX = "optim."
 _OPTIM_GROUPS_PREFIX = "optim_groups."
 _SCHED_PREFIX = "sched."
-_RNG_TORCH = "rng.torch"
-_RNG_CUDA = "rng.cuda"
 _TENSOR_TAG = "__tensor__"
 _TUPLE_TAG = "__tuple__"
 _ITEMS_TAG = "__items__"
@@ -114,13 +112,12 @@ def _tensor_keys(value: Any) -> list[str]:
 # ------------------------------------------------------------------- RNG states
 
 
-def _capture_rng(device: torch.device, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
-    rng: dict[str, Any] = {}
-    tensors[_RNG_TORCH] = torch.get_rng_state()
-    rng["torch"] = {_TENSOR_TAG: _RNG_TORCH}
+def rng_state(device: torch.device) -> dict[str, Any]:
+    """This process's torch (and ``device``'s CUDA), python and numpy RNG states as a
+    tree of plain values and tensors (what `set_rng_state` restores)."""
+    rng: dict[str, Any] = {"torch": torch.get_rng_state()}
     if device.type == "cuda":
-        tensors[_RNG_CUDA] = torch.cuda.get_rng_state(device)
-        rng["cuda"] = {_TENSOR_TAG: _RNG_CUDA}
+        rng["cuda"] = torch.cuda.get_rng_state(device)
     version, state, gauss = random.getstate()
     rng["python"] = {"version": version, "state": list(state), "gauss": gauss}
     try:
@@ -138,13 +135,12 @@ def _capture_rng(device: torch.device, tensors: dict[str, torch.Tensor]) -> dict
     return rng
 
 
-def _restore_rng(
-    rng: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], device: torch.device
-) -> None:
+def set_rng_state(rng: Mapping[str, Any], device: torch.device) -> None:
+    """Restore what `rng_state` captured (the CUDA state only on a CUDA ``device``)."""
     if "torch" in rng:
-        torch.set_rng_state(_decode_tree(rng["torch"], tensors))
+        torch.set_rng_state(rng["torch"])
     if "cuda" in rng and device.type == "cuda":
-        torch.cuda.set_rng_state(_decode_tree(rng["cuda"], tensors), device)
+        torch.cuda.set_rng_state(rng["cuda"], device)
     if "python" in rng:
         py = rng["python"]
         random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
@@ -161,6 +157,18 @@ def _restore_rng(
                 st["cached_gaussian"],
             )
         )
+
+
+def _capture_rng(device: torch.device, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    # Tensors under "rng.torch" / "rng.cuda".
+    encoded: dict[str, Any] = _encode_tree(rng_state(device), "", tensors, "rng")
+    return encoded
+
+
+def _restore_rng(
+    rng: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], device: torch.device
+) -> None:
+    set_rng_state(_decode_tree(rng, tensors), device)
 
 
 # ------------------------------------------------------------------- tied weights

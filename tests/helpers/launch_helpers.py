@@ -234,15 +234,16 @@ def run_launch(
 
 
 def run_eval(
-    spec: Path, checkpoint: Path, output: Path, timeout: float = 90.0
+    spec: Path, checkpoint: Path, output: Path, *args: str, timeout: float = 90.0, **env: str
 ) -> tuple[subprocess.CompletedProcess[str], list[int]]:
-    """Run ``evtrain eval SPEC --checkpoint CKPT --output FILE``; returns it and its leftovers."""
+    """Run ``evtrain eval SPEC --checkpoint CKPT --output FILE [ARGS]``; returns it and its
+    leftovers."""
     marker = new_marker()
     cmd = [sys.executable, "-m", "evtrain", "eval", str(spec)]
-    cmd += ["--checkpoint", str(checkpoint), "--output", str(output)]
+    cmd += ["--checkpoint", str(checkpoint), "--output", str(output), *args]
     try:
         done = subprocess.run(
-            cmd, env=launch_env(marker), capture_output=True, text=True, timeout=timeout
+            cmd, env=launch_env(marker, **env), capture_output=True, text=True, timeout=timeout
         )
     finally:
         left = wait_no_marked(marker, timeout=10.0)

@@ -281,3 +281,79 @@ def test_a_replica_killed_mid_run_restarts_every_process_to_the_same_weights(
     assert len(re.findall(r"\bresumed\b.*path=", out)) == 4, out
     assert len(list(pids.glob("3-*"))) == 2  # the killed process was started again
     test_resume.assert_bitwise(dumped(d / "w"), dumped(ref / "w"))
+
+
+UNUSED_SPEC = '''\
+"""A layer with a head it never calls (generated)."""
+
+import functools
+
+import torch
+from torch import nn
+
+from evtrain.job import Job, layer
+
+
+class Unused(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def data():
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(64, 8, generator=g), torch.randn(64, 8, generator=g)
+
+
+job = Job(
+    name="unused",
+    layers=[layer(nn.Linear, 8, 8), layer(nn.Tanh), layer(Unused), layer(nn.Linear, 8, 8)],
+    balance=[2, 2],
+    loss_fn=nn.functional.mse_loss,
+    optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+    train_data=data,
+    batch_size=16,
+    num_microbatches=2,
+    max_steps=6,
+    stages=2,
+    seed=1,
+    run_dir={run_dir!r},
+    find_unused_parameters={find_unused!r},
+    threads=1,
+)
+'''
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb"])
+def test_a_parameter_without_gradient_is_named_or_handled(tmp_path: Path, schedule: str) -> None:
+    """Without `find_unused_parameters` the run fails in one line naming the head's
+    parameters (not DDP's traceback); with it, the replicas train as one process does."""
+    spec = tmp_path / "spec.py"
+    spec.write_text(UNUSED_SPEC.format(run_dir=str(tmp_path / "run"), find_unused=False))
+    args = ("--quiet", "--dp", "2", "--schedule", schedule)
+    proc, leftovers = run_launch(spec, *args, marker=new_marker(), timeout=150)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert leftovers == []
+    assert "parameters 2.head.weight, 2.head.bias got no gradient in this step: set " in out
+    assert "Job(find_unused_parameters=True) or freeze them (requires_grad=False)" in out, out
+    assert "Expected to have finished reduction" not in out
+
+    spec.write_text(UNUSED_SPEC.format(run_dir=str(tmp_path / "run2"), find_unused=True))
+    weights = tmp_path / "weights"
+    launch(spec, *args, "--dump-weights", str(weights))
+    job = load_job(spec)
+    model = build_full_model(job)
+    optimizer = job.optimizer(model.parameters())
+    inputs, targets = job_data(job).train_tensors()
+    stream = job_data(job).train_stream()
+    for step in range(6):
+        optimizer.zero_grad()
+        index = stream.indices(step, 0)
+        job.loss_fn(model(inputs[index]), targets[index]).backward()
+        optimizer.step()
+    assert_close(dumped(weights), model.state_dict(), ATOL)

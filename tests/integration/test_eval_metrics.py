@@ -95,7 +95,8 @@ def blobs(n, offset):
 
 class Gate(nn.Module):
     """Identity. In the first evaluation it waits before batch `hold_at` until the file
-    named by $EVTRAIN_TEST_GATE exists: the test holds the evaluation there."""
+    named by $EVTRAIN_TEST_GATE exists: the test holds the evaluation there. With
+    $EVTRAIN_TEST_ROWS it appends "PID ROWS" of every eval microbatch to that file."""
 
     def __init__(self, hold_at, microbatches):
         super().__init__()
@@ -105,6 +106,10 @@ class Gate(nn.Module):
 
     def forward(self, x):
         # Evaluation runs without grad; the shape probe at setup runs with it.
+        rows = os.environ.get("EVTRAIN_TEST_ROWS")
+        if rows and not self.training and not torch.is_grad_enabled():
+            with open(rows, "a") as f:
+                f.write(f"{{os.getpid()}} {{x.shape[0]}}\\n")
         path = os.environ.get("EVTRAIN_TEST_GATE")
         if path and not self.training and not torch.is_grad_enabled():
             self.calls += 1
@@ -326,6 +331,33 @@ def test_evtrain_eval_reproduces_both_sets_and_prints_them(
     assert f"eval of step {ckpt.step}: {VAL + TEST} samples" in done.stdout
     assert "  val: loss=" in done.stdout and f"({VAL} samples)" in done.stdout
     assert "  test: loss=" in done.stdout and f"({TEST} samples)" in done.stdout
+
+
+@pytest.mark.slow
+def test_two_replicas_share_the_evaluation_and_equal_one(trained: Trained, tmp_path: Path) -> None:
+    """At D=2 each replica evaluates half of every set's batches; loss, accuracy and the
+    torchmetrics F1 and AUROC combined over both equal one replica's, bit for bit."""
+    recorded = {
+        r["step"]: r["metrics"] for r in lines(trained.run / "metrics.jsonl") if r["type"] == "eval"
+    }
+    output = tmp_path / "scores.json"
+    eval_dir = tmp_path / "eval"
+    rows = tmp_path / "rows"
+    args = ("--dp", "2", "--eval-dir", str(eval_dir))
+    done, left = run_eval(trained.spec, trained.run, output, *args, EVTRAIN_TEST_ROWS=str(rows))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert left == []
+    saved = json.loads(output.read_text())
+    assert saved["metrics"] == recorded[saved["step"]]
+    assert saved["sets"] == {"val": VAL, "test": TEST}
+    # Both replicas' last stages evaluated a share, every batch once: of val's 13
+    # batches (12 of 8 samples, one of 4) replica 0 took 7 (52 samples), replica 1
+    # six; of test's 8 (the last of 4) 32 and 28 samples.
+    seen: dict[str, int] = {}
+    for line in rows.read_text().splitlines():
+        pid, n = line.split()
+        seen[pid] = seen.get(pid, 0) + int(n)
+    assert sorted(seen.values()) == [48 + 28, 52 + 32]
 
 
 LM_SPEC = '''\
