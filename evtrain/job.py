@@ -289,6 +289,13 @@ class Job:
     equals one on the whole batch; `batch_size` is the global batch and must be a
     multiple of ``num_microbatches * data_parallel``."""
 
+    precise_bn: int | None = None
+    """Recompute the BatchNorm running statistics before every evaluation over this many
+    training batches (those that follow the evaluated step), run forward through the
+    pipeline as detectron2's and LibAI's PreciseBN does: the statistics become the plain
+    average over those batches of the weights evaluated, not a moving average that lags
+    them. What is evaluated and saved at that step holds them. ``None``: off."""
+
     find_unused_parameters: bool = False
     """With `data_parallel` > 1: trainable parameters may get no gradient in a step
     (a branch not taken, an unused head); the replicas then find them in every step's

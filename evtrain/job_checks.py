@@ -152,6 +152,7 @@ def check_job(job: Job) -> None:
             f"{job.num_microbatches} does not divide batch_size {job.batch_size}",
         )
     check_int("data_parallel", job.data_parallel, minimum=1)
+    check_int("precise_bn", job.precise_bn, minimum=1, optional=True)
     if job.batch_size % (job.num_microbatches * job.data_parallel):
         raise SpecError(
             "data_parallel",

@@ -55,7 +55,7 @@ from evtrain.events import (
     Event,
     StageStopped,
 )
-from evtrain.stages.data_parallel import average_running_stats
+from evtrain.stages.batchnorm import average_running_stats
 from evtrain.stages.executor import StageExecutor
 
 __all__ = [

@@ -37,7 +37,8 @@ design choices"):
 Buffers are synchronized at start only (``forward_sync_buffers=False``):
 syncing them at every forward is a collective per microbatch. BatchNorm
 running statistics therefore drift apart between replicas, and are made
-their mean before every evaluation and every save (`average_running_stats`),
+their mean before every evaluation and every save
+(`evtrain.stages.batchnorm.average_running_stats`),
 so what is evaluated and saved does not depend on the replica.
 """
 
@@ -55,28 +56,7 @@ from torch.nn.parallel.distributed import _find_tensors
 
 from evtrain.errors import UsageError
 
-__all__ = ["Replicas", "average_running_stats"]
-
-
-def average_running_stats(module: nn.Module, group: dist.ProcessGroup) -> None:
-    """Make every replica's BatchNorm running mean and variance their mean over ``group``
-    (blocking, collective over the stage's replicas; nothing without such layers)."""
-    stats = [
-        buffer
-        for layer in module.modules()
-        if isinstance(layer, nn.modules.batchnorm._NormBase) and layer.track_running_stats
-        for buffer in (layer.running_mean, layer.running_var)
-        if buffer is not None
-    ]
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for buffer in stats:
-        by_dtype.setdefault(buffer.dtype, []).append(buffer)
-    for buffers in by_dtype.values():
-        flat = _flatten_dense_tensors(buffers)
-        dist.all_reduce(flat, group=group)
-        flat /= dist.get_world_size(group)
-        for buffer, mean in zip(buffers, _unflatten_dense_tensors(flat, buffers), strict=True):
-            buffer.copy_(mean)
+__all__ = ["Replicas"]
 
 
 class Replicas:

@@ -17,10 +17,11 @@ microbatch's term, so the result is the same bits at any D); metric objects
 sync their state over the replicas (torchmetrics' own ``sync``, on the
 stage's replica group); reported values add their sums and counts. A metric
 object that cannot sync (no torchmetrics ``process_group``) makes replica 0
-evaluate every set whole, as one replica would. Before each evaluation the
-replicas' BatchNorm running statistics are made their mean
-(`evtrain.stages.data_parallel.average_running_stats`), so every replica
-evaluates the same model.
+evaluate every set whole, as one replica would.
+
+Before each evaluation the BatchNorm running statistics are recomputed
+(`Job.precise_bn`) and made the replicas' mean (`evtrain.stages.batchnorm`),
+so every replica evaluates the same model.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from evtrain.events import EvalEnded, EvalProgress, EvalStarted, Event
 from evtrain.job import Job
 from evtrain.job_checks import MetricFactory, is_metric_object
 from evtrain.reporting import Reporter
-from evtrain.stages.data_parallel import average_running_stats
+from evtrain.stages.batchnorm import average_running_stats, recomputing_statistics
 from evtrain.stages.executor import StageExecutor
 from evtrain.stages.loading import Reader
 
@@ -306,6 +307,8 @@ class StageEvaluator:
     async def evaluate(self, step: int) -> EvalResult | None:
         """Evaluate the weights after ``step`` steps on every set (collective along the
         pipeline and the replicas); the result on replica 0's last stage, else None."""
+        if self._job.precise_bn:
+            await anyio.to_thread.run_sync(self._precise_bn, step)
         if self._group is not None:
             await anyio.to_thread.run_sync(
                 average_running_stats, self._executor.module, self._group
@@ -392,6 +395,20 @@ class StageEvaluator:
         return EvalStats(
             metrics, evaluation.num_samples, len(evaluation.plan), time.perf_counter() - start
         )
+
+    def _precise_bn(self, step: int) -> None:
+        """`Job.precise_bn`: the running statistics recomputed over the training batches
+        after ``step`` (blocking, collective along the pipeline)."""
+        executor, count = self._executor, self._job.precise_bn
+        assert count is not None
+        first = executor.stream.batch_index(step)
+        with (
+            recomputing_statistics(executor.module, executor.device),
+            executor.forward_only(train_mode=True),
+        ):
+            for batch in range(first, first + count):
+                executor.forward_training_batch(batch)
+        self._reporter.collect()  # what the model reported in them is not the eval's
 
     def _reported(self) -> dict[str, float]:
         """The mean of each value the model reported during the set, over every replica

@@ -538,8 +538,7 @@ class StageExecutor:
                         else self._weight_sum + weight.double()
                     )
                 self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
-            else:
-                assert self._tally is not None
+            elif self._tally is not None:
                 self._tally.add(out, slot.target, slot.size)
         else:
             assert slot.out_spec is not None
@@ -666,15 +665,17 @@ class StageExecutor:
     # -------------------------------------------------------------- evaluation
 
     @contextlib.contextmanager
-    def forward_only(self) -> Iterator[None]:
-        """Forward-only passes (`forward_pass`) in ``eval()`` mode without grad."""
+    def forward_only(self, *, train_mode: bool = False) -> Iterator[None]:
+        """Forward-only passes (`forward_pass`, `forward_training_batch`) without grad, in
+        ``eval()`` mode (``train_mode``: in ``train()`` mode, so BatchNorm updates its
+        statistics)."""
         self._bind_device()
         self._training = False
         self._spans = None
         was_training = self.module.training
         # The chunks too: a model= stage's chunks are views with containers of their own.
         for module in (self.module, *self.chunks):
-            module.eval()
+            module.train(train_mode)
         try:
             with torch.no_grad():
                 yield
@@ -701,19 +702,34 @@ class StageExecutor:
             self._batch_x = [x for x, _ in pairs]
             self._batch_y = [y for _, y in pairs]
         self._begin_pass([len(r) for r in batch])
-        program = self._eval_programs.get(len(batch))
+        self._run_forward_only(len(batch))
+
+    def forward_training_batch(self, batch_index: int) -> None:
+        """Training batch ``batch_index`` (this replica's share) through this stage, its
+        outputs dropped (inside `forward_only`)."""
+        self._mb_offset = 0
+        self._tally = None
+        self._batch_x = []
+        self._batch_y = []
+        self._load_batch(batch_index)
+        self._begin_pass([self.job.microbatch_size] * self.M)
+        self._run_forward_only(self.M)
+
+    def _run_forward_only(self, n: int) -> None:
+        """The forward-only program of ``n`` microbatches, on the pass begun."""
+        program = self._eval_programs.get(n)
         if program is None:
             program = self._compile(
                 build_schedule(
                     self.job.schedule,
                     self.stage,
                     self.num_stages,
-                    len(batch),
+                    n,
                     forward_only=True,
                     virtual_stages=self.V,
                 )
             )
-            self._eval_programs[len(batch)] = program
+            self._eval_programs[n] = program
         for handler, microbatch, chunk in program:
             handler(microbatch, chunk)
             self._post_one()

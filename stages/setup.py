@@ -41,9 +41,10 @@ from evtrain.job import Job
 from evtrain.reporting import Reporter
 from evtrain.schedule_names import parse_schedule
 from evtrain.stages.backward import SplitBackward
+from evtrain.stages.batchnorm import average_running_stats
 from evtrain.stages.checkpointing import REPLICA_RNG, StageCheckpointing
 from evtrain.stages.control import StepControl
-from evtrain.stages.data_parallel import Replicas, average_running_stats
+from evtrain.stages.data_parallel import Replicas
 from evtrain.stages.evaluation import (
     EvalSet,
     StageEvaluator,

@@ -7,7 +7,8 @@ replicas' mean, so the run's evaluation at step 6 (both replicas evaluating
 their shares) equals ``evtrain eval`` of the step-6 checkpoint on one
 replica. Each replica draws its own dropout masks; the checkpoint holds every
 replica's random state, so resuming it at D=2 ends bit for bit where the
-uninterrupted run ended.
+uninterrupted run ended. With `Job.precise_bn` the statistics evaluated and
+saved are those detectron2's PreciseBN computes from the weights evaluated.
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ from safetensors.torch import load_file
 
 from evtrain.checkpoint import list_checkpoints
 from evtrain.checkpoint.loader import read_model_tensors
+from evtrain.overrides import apply_overrides
+from evtrain.spec import load_job
+from evtrain.stages.job_data import job_data
+from evtrain.stages.partition import build_full_model
 
 pytestmark = pytest.mark.slow
 
@@ -52,12 +57,12 @@ job = Job(
         layer(nn.Conv2d, 2, 6, 3, padding=1),
         layer(nn.BatchNorm2d, 6),
         layer(nn.ReLU),
-        layer(nn.Dropout, 0.3),
+        layer(nn.Dropout, {dropout}),
         layer(nn.Flatten),
         layer(nn.Linear, 6 * 36, 16),
         layer(nn.BatchNorm1d, 16),
         layer(nn.ReLU),
-        layer(nn.Dropout, 0.3),
+        layer(nn.Dropout, {dropout}),
         layer(nn.Linear, 16, 3),
     ],
     balance=[4, 6],
@@ -71,6 +76,7 @@ job = Job(
     num_microbatches=2,
     max_steps={steps},
     eval_every=6,
+    precise_bn={precise_bn},
     seed=5,
     stages=2,
     run_dir={run_dir!r},
@@ -81,9 +87,11 @@ job = Job(
 '''
 
 
-def write(directory: Path) -> Path:
+def write(directory: Path, *, dropout: float = 0.3, precise_bn: int | None = None) -> Path:
     path = directory / "spec.py"
-    path.write_text(SPEC.format(steps=STEPS, run_dir=str(directory / "run")))
+    run_dir = str(directory / "run")
+    text = SPEC.format(steps=STEPS, run_dir=run_dir, dropout=dropout, precise_bn=precise_bn)
+    path.write_text(text)
     return path
 
 
@@ -156,3 +164,41 @@ def test_a_two_replica_run_with_dropout_resumes_bit_for_bit(
     for key, value in want.items():
         assert torch.equal(got[key], value), key
     assert evals(tmp_path / "run")[12] == evals(uninterrupted / "run")[12]
+
+
+def test_precise_bn_recomputes_the_statistics_from_the_training_batches_after_the_step(
+    tmp_path: Path,
+) -> None:
+    """Three training batches after step 6 run forward through both replicas' pipelines;
+    the saved statistics are the plain average over their microbatches (PreciseBN's),
+    not the moving average of training, and training itself is untouched."""
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    launch(write(plain, dropout=0.0), "--dp", "2", "--steps", "6")
+    moving = read_model_tensors(step_6(plain / "run"))
+    spec = write(tmp_path, dropout=0.0, precise_bn=3)
+    launch(spec, "--dp", "2", "--steps", "6")
+    saved = read_model_tensors(step_6(tmp_path / "run"))
+    for key, value in moving.items():
+        if "running" not in key:
+            assert torch.equal(saved[key], value), key
+    job = apply_overrides(load_job(spec), {"stages": "1"})
+    model = build_full_model(job)
+    model.load_state_dict({k: saved[k] for k in model.state_dict()})
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    for norm in norms:
+        norm.reset_running_stats()
+        norm.momentum = None
+    inputs, _ = job_data(job).train_tensors()
+    stream = job_data(job).train_stream()
+    model.train()
+    with torch.no_grad():
+        for step in (6, 7, 8):  # 0-based: the batches steps 7, 8 and 9 would train on
+            index = stream.indices(step, 0)
+            for replica in index.chunk(2):  # each replica's share, in 2 microbatches
+                for microbatch in replica.chunk(2):
+                    model(inputs[microbatch])
+    for key, value in model.state_dict().items():
+        if "running" in key:
+            torch.testing.assert_close(saved[key], value, rtol=0, atol=1e-6, msg=key)
+            assert not torch.allclose(moving[key], value, atol=1e-3), key
