@@ -296,6 +296,13 @@ class Job:
     average over those batches of the weights evaluated, not a moving average that lags
     them. What is evaluated and saved at that step holds them. ``None``: off."""
 
+    sync_batchnorm: bool = False
+    """With `data_parallel` > 1 on CUDA: every BatchNorm layer normalises over the
+    microbatch of all the stage's replicas (torch's ``SyncBatchNorm`` on the stage's
+    replica group), as one process on the whole batch would. Without it each replica
+    normalises its own share and the replicas average their running statistics
+    before every evaluation and save."""
+
     find_unused_parameters: bool = False
     """With `data_parallel` > 1: trainable parameters may get no gradient in a step
     (a branch not taken, an unused head); the replicas then find them in every step's

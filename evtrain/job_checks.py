@@ -153,6 +153,12 @@ def check_job(job: Job) -> None:
         )
     check_int("data_parallel", job.data_parallel, minimum=1)
     check_int("precise_bn", job.precise_bn, minimum=1, optional=True)
+    if job.sync_batchnorm and job.data_parallel > 1 and job.device != "cuda":
+        raise SpecError(
+            "sync_batchnorm",
+            "torch's SyncBatchNorm trains on CUDA devices only; on CPU leave it off "
+            "(the replicas average their statistics before every evaluation and save)",
+        )
     if job.batch_size % (job.num_microbatches * job.data_parallel):
         raise SpecError(
             "data_parallel",

@@ -1,8 +1,11 @@
-"""BatchNorm running statistics: made the replicas' mean, and recomputed precisely.
+"""BatchNorm across replicas: synchronised, made the replicas' mean, recomputed precisely.
 
-With data parallelism each replica's statistics follow its own samples
-(`evtrain.stages.data_parallel` syncs buffers only at start); before every
-evaluation and save the replicas make them their mean (`average_running_stats`).
+With data parallelism each replica normalises its own share of a microbatch
+and its statistics follow its own samples (`evtrain.stages.data_parallel`
+syncs buffers only at start); before every evaluation and save the replicas
+make them their mean (`average_running_stats`). `Job.sync_batchnorm` instead
+normalises over all replicas' samples (`synchronise`: torch's SyncBatchNorm,
+CUDA only).
 
 `Job.precise_bn` recomputes them before every evaluation, as detectron2's and
 LibAI's PreciseBN hook does: the exponential moving average of training lags
@@ -18,14 +21,14 @@ training draws what it would have without them.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-__all__ = ["average_running_stats", "recomputing_statistics", "running_stat_layers"]
+__all__ = ["average_running_stats", "recomputing_statistics", "running_stat_layers", "synchronise"]
 
 
 def running_stat_layers(module: nn.Module) -> list[nn.modules.batchnorm._NormBase]:
@@ -56,6 +59,27 @@ def average_running_stats(module: nn.Module, group: dist.ProcessGroup) -> None:
         flat /= dist.get_world_size(group)
         for buffer, mean in zip(buffers, _unflatten_dense_tensors(flat, buffers), strict=True):
             buffer.copy_(mean)
+
+
+def synchronise(modules: Sequence[nn.Module], group: dist.ProcessGroup) -> None:
+    """Replace the BatchNorm layers inside ``modules`` by `torch.nn.SyncBatchNorm` over
+    ``group``, in place, keeping their parameters and buffers. A layer reachable from
+    several of them (a stage and its chunks) becomes one SyncBatchNorm."""
+    made: dict[int, nn.SyncBatchNorm] = {}
+
+    def convert(parent: nn.Module) -> None:
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.modules.batchnorm._BatchNorm) and not isinstance(
+                child, nn.SyncBatchNorm
+            ):
+                if id(child) not in made:
+                    made[id(child)] = nn.SyncBatchNorm.convert_sync_batchnorm(child, group)
+                parent._modules[name] = made[id(child)]
+            else:
+                convert(child)
+
+    for module in modules:
+        convert(module)
 
 
 def _count(layer: nn.modules.batchnorm._NormBase) -> torch.Tensor | None:

@@ -41,7 +41,7 @@ from evtrain.job import Job
 from evtrain.reporting import Reporter
 from evtrain.schedule_names import parse_schedule
 from evtrain.stages.backward import SplitBackward
-from evtrain.stages.batchnorm import average_running_stats
+from evtrain.stages.batchnorm import average_running_stats, synchronise
 from evtrain.stages.checkpointing import REPLICA_RNG, StageCheckpointing
 from evtrain.stages.control import StepControl
 from evtrain.stages.data_parallel import Replicas
@@ -173,6 +173,9 @@ def build_stage(
         ids = [model_chunk(job.schedule, place.stage, place.num_stages, v) for v in range(V)]
         module = build_stage_chunks(job, [ranges[c] for c in ids], device)
         chunks = list(vars(module)["chunks"])
+    if job.sync_batchnorm and groups.replicas is not None:
+        # Before anything wraps the layers (checkpointing, compile, DDP).
+        synchronise([module, *chunks], groups.replicas)
     for part in (module, *chunks):
         part.train()
     if job.activation_checkpointing:
