@@ -52,6 +52,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "EVALS_DIR",
+    "LAUNCHES_DIR",
     "METRICS_FILE",
     "RUN_FILES",
     "RUN_RECORD",
@@ -71,6 +72,8 @@ __all__ = [
 RUN_RECORD = "run.json"
 METRICS_FILE = "metrics.jsonl"
 EVENTS_FILE = "events.jsonl"
+LAUNCHES_DIR = "launches"
+"""Each launch's reports, ``launches/RUN_ID`` (stage and agent reports, the failure report)."""
 EVALS_DIR = "evals"
 """Where evaluations of the run's checkpoints keep their own files (``evtrain eval``)."""
 RUN_FILES: tuple[str, ...] = (
@@ -78,7 +81,7 @@ RUN_FILES: tuple[str, ...] = (
     METRICS_FILE,
     EVENTS_FILE,
     "checkpoints",
-    "launches",
+    LAUNCHES_DIR,
     "elastic",
     "tensorboard",
     "timeline.json",

@@ -354,6 +354,8 @@ class StageActor:
                         CheckpointCommitted.topic.decode(),
                         CheckpointFailed.topic.decode(),
                         StageStopped.topic.decode(),
+                        # Its own heartbeats coming back say the bus still carries.
+                        Heartbeat.topic.decode(),
                     ],
                     curve=curve,
                 )

@@ -59,6 +59,7 @@ from evtrain.stages.batchnorm import average_running_stats
 from evtrain.stages.executor import StageExecutor
 
 __all__ = [
+    "BUS_SILENT_S",
     "COORDINATOR_TIMEOUT_ENV",
     "FAILURE_WRITE_WAIT_S",
     "REPLICA_RNG",
@@ -71,6 +72,10 @@ log = structlog.get_logger()
 
 FAILURE_WRITE_WAIT_S = 60.0
 """Seconds a failing stage waits for its shard write in flight before it reports."""
+
+BUS_SILENT_S = 5.0
+"""Seconds without any message back from the broker (stage 0's own heartbeats come
+every second) after which stage 0 stops waiting for the end's verdicts."""
 
 REPLICA_RNG = "replica_rng"
 """The key in a shard's extra state of replicas 1..D-1's random states, in order."""
@@ -288,12 +293,26 @@ async def await_the_end(
     awaited only with a checkpoint plan: that a coordinator sent one is how
     the stages know there is a coordinator to wait for. Either wait is
     bounded (``COORDINATOR_TIMEOUT_ENV``); what comes later still comes, but
-    hooks that exit on `RunEnded` would not see it.
+    hooks that exit on `RunEnded` would not see it. Stage 0's heartbeats come
+    back through the broker every second: when nothing has for
+    ``BUS_SILENT_S``, the bus is lost and nobody can answer, so the wait ends
+    (the launcher commits what the coordinator could not).
     """
     stopped: set[tuple[int, int]] = set()
-    deadline = time.monotonic() + _coordinator_timeout_s()
+    start = heard = time.monotonic()
+    deadline = start + _coordinator_timeout_s()
     while time.monotonic() < deadline and (awaiting or stopped < everyone):
-        for msg in await subscriber.receive(timeout=0.2):
+        if time.monotonic() - heard > BUS_SILENT_S:
+            log.warning(
+                "the bus is silent: the end does not wait for the coordinator",
+                silent_s=round(time.monotonic() - heard, 1),
+                unanswered=sorted(awaiting),
+            )
+            return
+        messages = await subscriber.receive(timeout=0.2)
+        if messages:
+            heard = time.monotonic()
+        for msg in messages:
             if isinstance(msg, StageStopped) and msg.run_id == run_id:
                 stopped.add((msg.stage, msg.replica))
             elif isinstance(msg, CheckpointCommitted) or (

@@ -71,6 +71,7 @@ __all__ = [
     "checkpoint_path_template",
     "checkpoints_root",
     "commit_checkpoint",
+    "commit_complete",
     "committed_shard_record",
     "find_resume",
     "format_checkpoint_path",
@@ -670,6 +671,43 @@ def latest_committed(run_dir: str | os.PathLike[str]) -> CheckpointInfo | None:
                 return newest
             return info
     return newest
+
+
+def commit_complete(run_dir: str | os.PathLike[str], *, run_id: str = "") -> list[Path]:
+    """Commit the checkpoints that no coordinator could: every complete one newer than
+    the latest committed (each stage's shard record there, every file's hash verified),
+    oldest first; the newest becomes ``latest``. Returns their directories.
+
+    For a run whose coordinator was unreachable (a lost bus) or is gone: the
+    shards were durable, only the verdict was missing. One that does not verify
+    stays uncommitted, with a warning. Retention is the coordinator's and is
+    not applied.
+    """
+    latest = latest_committed(run_dir)
+    floor = -1 if latest is None else latest.step
+    done: list[Path] = []
+    for info in list_checkpoints(run_dir):
+        complete = info.num_stages is not None and info.shards_done == info.num_stages
+        if info.committed or info.step <= floor or info.corrupt or not complete:
+            continue
+        assert info.checkpoint_id is not None and info.num_stages is not None
+        try:
+            commit_checkpoint(
+                info.path,
+                checkpoint_id=info.checkpoint_id,
+                num_stages=info.num_stages,
+                step=info.step,
+                reason=info.reason,
+                run_id=run_id,
+                verify_hashes=True,
+            )
+        except CheckpointError as exc:
+            log.warning("checkpoint left uncommitted", path=str(info.path), error=str(exc))
+            continue
+        done.append(info.path)
+    if done:
+        set_latest(run_dir, done[-1])
+    return done
 
 
 @dataclass(frozen=True)

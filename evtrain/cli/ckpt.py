@@ -6,6 +6,9 @@
   ``running`` by a launcher that is gone is marked ``interrupted`` on the way.
 * ``evtrain ckpt verify CKPT`` — check every file against its recorded sha256;
   for a run directory also that no checkpoint's manifest is corrupt.
+* ``evtrain ckpt commit RUN_DIR`` — commit the complete checkpoints newer than
+  the latest committed one that no coordinator committed (its bus was lost,
+  or it was gone), each verified first (`evtrain.checkpoint.commit_complete`).
 * ``evtrain ckpt export CKPT -o FILE`` — one safetensors file of the whole
   model, keys as in the unsplit ``nn.Sequential`` (``"3.weight"``), loadable
   with ``build_full_model(job).load_state_dict(safetensors.torch.load_file(FILE))``;
@@ -28,6 +31,7 @@ from pathlib import Path
 
 from evtrain.checkpoint import (
     CheckpointCorrupt,
+    commit_complete,
     find_resume,
     latest_committed,
     list_checkpoints,
@@ -64,6 +68,19 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     verify.add_argument("ckpt", metavar="CKPT", help="checkpoint directory or run directory")
     verify.set_defaults(func=run_verify)
+
+    commit = actions.add_parser(
+        "commit",
+        help="commit complete checkpoints that no coordinator committed",
+        description=(
+            "Commit every complete checkpoint newer than the run's latest committed one: "
+            "written while the checkpoint coordinator was unreachable (a lost bus) or gone. "
+            "Each is verified (every stage's shard, every file's sha256) before its manifest "
+            "is written; the newest becomes the one a resume uses. Retention is not applied."
+        ),
+    )
+    commit.add_argument("run_dir", metavar="RUN_DIR", help="the run directory")
+    commit.set_defaults(func=run_commit)
 
     export = actions.add_parser(
         "export",
@@ -176,6 +193,19 @@ def run_verify(args: argparse.Namespace) -> int:
             f"not ok: {damaged} (the latest intact checkpoint, {choice.path}, verifies)"
         )
     print(f"ok: {choice.path} (step {manifest.step}, {manifest.num_stages} stages)")
+    return 0
+
+
+def run_commit(args: argparse.Namespace) -> int:
+    """Commit what a coordinator could not; print each one."""
+    if not Path(args.run_dir).is_dir():
+        raise UsageError(f"run directory {args.run_dir} does not exist")
+    committed = commit_complete(args.run_dir)
+    for path in committed:
+        print(f"committed: {path}")
+    latest = latest_committed(args.run_dir)
+    where = f"latest committed: {latest.path} (step {latest.step})" if latest else "none committed"
+    print(f"{len(committed)} checkpoint(s) committed; {where}")
     return 0
 
 

@@ -18,7 +18,8 @@ _DESCRIPTION = (
     "failure.txt), 2 for a bad spec, override, hook or resume path or a run directory that "
     "holds another run (nothing is started), "
     "3 when the run completed but its --external-bus broker was lost on the way (hooks "
-    "missed the rest, later checkpoints were not committed). Ctrl-C / SIGTERM stop the "
+    "missed the rest; complete checkpoints written since are verified and committed at the "
+    "end). Ctrl-C / SIGTERM stop the "
     "workers at a step boundary."
 )
 

@@ -20,6 +20,7 @@ import structlog
 
 from evtrain.bus.publisher import Publisher
 from evtrain.bus.subscriber import Subscriber
+from evtrain.checkpoint import commit_complete
 from evtrain.events import (
     CommandAcked,
     EvalEnded,
@@ -53,6 +54,7 @@ from evtrain.launcher.run_dir import take_over
 from evtrain.launcher.stop import StopAction, StopMachine, StopRequests
 from evtrain.launcher.watch import BusWatch, FailureWatch, workers_outstay_failure
 from evtrain.progress import RunConsole
+from evtrain.run_record import LAUNCHES_DIR
 
 __all__ = ["Launcher"]
 
@@ -145,7 +147,7 @@ class Launcher:
     def report_dir(self) -> Path:
         """Where this launch's stage and agent reports (and ``failure.txt``) go."""
         assert self.run_dir is not None
-        return self.run_dir / "launches" / self.run_id
+        return self.run_dir / LAUNCHES_DIR / self.run_id
 
     @property
     def job(self) -> Any:
@@ -201,7 +203,9 @@ class Launcher:
             run_dir.mkdir(parents=True, exist_ok=True)
             previous_run = None
             if self.is_bus_owner:
-                previous_run = take_over(run_dir, self.options, plan, warn=self.console.warn)
+                previous_run = take_over(
+                    run_dir, self.options, plan, self.run_id, warn=self.console.warn
+                )
             self.report_dir.mkdir(parents=True, exist_ok=True)
             if plan.job_source is not None:
                 # The workers load a spec by path: this one rebuilds the given Job.
@@ -427,6 +431,13 @@ class Launcher:
             failed_at=self._published_at if failed else None,
             finish_timeout=opts.hook_finish_timeout,
         )
+        plan, run_dir = self.plan, self.run_dir
+        if self._bus_watch.loss is not None and plan is not None and plan.checkpointing:
+            # The coordinator could not hear of the shards written since: every
+            # hook is done now, so nobody else commits them.
+            assert run_dir is not None
+            committed = commit_complete(run_dir, run_id=self.run_id)
+            self._bus_watch.committed_after_loss = len(committed)
         self.console.close()
         assert self.report is not None
         signum, ended = self.stop.signal, self._ended
@@ -443,16 +454,20 @@ class Launcher:
         if self._published is None and not ended_by_us:
             root = failures.settled_root(time.monotonic())
             if root is not None:
-                self._publish(failures.failed(root))
+                # Node 0 ends the run for the hooks; another node tells it what
+                # failed here (a death says nothing on the bus by itself).
+                on_bus = None if self.is_bus_owner else failures.stage_failed(root)
+                self._publish(failures.failed(root), on_bus=on_bus)
         now, published = time.monotonic(), self._published
         if workers_outstay_failure(published, self._published_at, now, ended_by_us=ended_by_us):
             log.warning("the run failed; killing the stage workers of this node that wait on it")
             self.stop.killed_workers()  # their deaths are ours, not a failure
             self._kill_agent()
 
-    def _publish(self, event: RunEnded) -> None:
+    def _publish(self, event: RunEnded, *, on_bus: StageFailed | None = None) -> None:
+        """The run ended with ``event``: published (or ``on_bus`` instead) and remembered."""
         if self._publisher is not None and not self._bus_down():
-            self._publisher.publish(event)
+            self._publisher.publish(event if on_bus is None else on_bus)
         self._published = event
         self._published_at = time.monotonic()
         if self._supervisor is not None:

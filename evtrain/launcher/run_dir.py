@@ -23,6 +23,7 @@ from evtrain.errors import UsageError
 from evtrain.launcher.options import LaunchOptions
 from evtrain.launcher.plan import LaunchPlan
 from evtrain.run_record import (
+    LAUNCHES_DIR,
     clear_run,
     mark_if_stale,
     read_run_record,
@@ -36,7 +37,12 @@ log = structlog.get_logger(__name__)
 
 
 def take_over(
-    run_dir: Path, options: LaunchOptions, plan: LaunchPlan, *, warn: Callable[[str], None]
+    run_dir: Path,
+    options: LaunchOptions,
+    plan: LaunchPlan,
+    run_id: str,
+    *,
+    warn: Callable[[str], None],
 ) -> dict[str, Any] | None:
     """Refuse a run directory in use or holding another run; continue or clear it.
 
@@ -44,8 +50,11 @@ def take_over(
     (``warn`` says so). A directory that holds a run
     (`evtrain.run_record.used_by`) is refused unless the launch resumes that
     run (its metrics log is rewound to the resumed step) or starts it over
-    (``--overwrite``: the run's files go). Returns what ``run.json`` records
-    of the run this launch continues (None: a fresh or cleared directory).
+    (``--overwrite``: the run's files go). Reports an earlier launch with the
+    same ``run_id`` left here are set aside (``launches/RUN_ID.1``...): this
+    launch's watch would read them as its own. Returns what ``run.json``
+    records of the run this launch continues (None: a fresh or cleared
+    directory).
     """
     stale = mark_if_stale(run_dir)
     previous = stale or read_run_record(run_dir)
@@ -62,6 +71,7 @@ def take_over(
             f"the previous run {stale.get('run_id')} in {run_dir} was interrupted "
             f"(its launcher, pid {stale.get('launcher_pid')}, is gone); marked interrupted"
         )
+    _set_aside_reports(run_dir / LAUNCHES_DIR / run_id, warn)
     if used and options.overwrite:
         clear_run(run_dir)
         log.info("run directory cleared", run_dir=str(run_dir), removed=used)
@@ -74,3 +84,15 @@ def take_over(
     if previous is None:
         return None
     return {key: previous.get(key) for key in ("run_id", "status", "steps", "exit_status")}
+
+
+def _set_aside_reports(reports: Path, warn: Callable[[str], None]) -> None:
+    """Move an earlier launch's reports under this run id out of the way."""
+    if not reports.exists():
+        return
+    n = 1
+    while reports.with_name(f"{reports.name}.{n}").exists():
+        n += 1
+    aside = reports.with_name(f"{reports.name}.{n}")
+    reports.rename(aside)
+    warn(f"run id {reports.name} was used here before: its launch reports moved to {aside}")

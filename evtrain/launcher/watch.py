@@ -30,10 +30,11 @@ which may die on its own, and the launcher does not depend on it for
 anything but events. Training goes on, the stage reports keep the launcher
 informed, and when no event arrived for `BUS_QUIET_S` seconds and the
 broker does not answer, the launcher warns that the bus was lost at step N.
-At the end the summary and ``run.json`` say so with the consequence
-(`BusWatch.loss_line`: hooks saw nothing after step N; checkpoints after it
-were not committed), and the exit status is 3 instead of 0: the weights
-trained after step N exist only in the stages that are gone. A broker that
+At the end the launcher verifies and commits the complete checkpoints
+written after the loss, which the coordinator never heard of
+(`evtrain.checkpoint.commit_complete`), and the summary and ``run.json`` say
+so with the consequence (`BusWatch.loss_line`: hooks saw nothing after step
+N); the exit status is 3 instead of 0: hooks missed part of the run. A broker that
 comes back (a restarted compose service) is used again; the loss is still
 reported.
 """
@@ -242,6 +243,17 @@ class FailureWatch:
             status="failed", reason=headline, root_cause=headline, step=self.steps_known()
         )
 
+    def stage_failed(self, root: RootCause) -> StageFailed:
+        """``root`` as a failure of its stage, for node 0 to learn it from the bus."""
+        first = root.first
+        return StageFailed(
+            stage=first.stage,
+            replica=first.replica or 0,
+            error=first.what,
+            traceback=first.traceback,
+            step=first.step,
+        )
+
     def final_root_cause(self, *, ended_by_us: bool) -> RootCause | None:
         """The root cause with all evidence in; what the hooks were told, if it agrees."""
         root = self.root_cause(self.current_attempt(), ended_by_us=ended_by_us)
@@ -310,6 +322,8 @@ class BusWatch:
         self.last_event = since
         """When the last event arrived (``since``: none yet)."""
         self.loss: BusLoss | None = None
+        self.committed_after_loss = 0
+        """Checkpoints written after the loss that the launcher committed at the end."""
 
     def heard(self) -> None:
         """An event arrived."""
@@ -366,7 +380,13 @@ class BusWatch:
             assert run_dir is not None
             latest = latest_committed(run_dir)
             committed = f"latest committed: step {latest.step}" if latest else "none committed"
-            line += f"; checkpoints after step {loss.step} were not committed ({committed})"
+            if self.committed_after_loss:
+                line += (
+                    f"; {self.committed_after_loss} complete checkpoint(s) written after it "
+                    f"were verified and committed at the end ({committed})"
+                )
+            else:
+                line += f"; checkpoints after step {loss.step} were not committed ({committed})"
         return line
 
     def record(self, *, checkpointing: bool, run_dir: Path | None) -> dict[str, Any] | None:

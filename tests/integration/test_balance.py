@@ -141,6 +141,7 @@ def test_compute_balance_evens_measured_stage_times(tmp_path: Path, marker: str)
     assert by_compute["estimated_imbalance"] >= 1.0
 
     # Measured: the params split is far off, the compute split much closer.
-    # Ratios of one launch's stages, so a busy machine slows both alike.
-    assert by_params["ratio"] > 3, by_params
+    # Ratios of one launch's stages, so a busy machine slows both alike; not
+    # quite (contention narrows them: 4-5 quiet, 2.5 under load), hence the margin.
+    assert by_params["ratio"] > 2, by_params
     assert by_compute["ratio"] < by_params["ratio"] / 2, (by_params, by_compute)

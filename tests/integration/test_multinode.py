@@ -477,3 +477,29 @@ def test_a_failure_on_node_1_ends_node_0_whose_stage_waits_for_it(
         assert "evtrain launch: error: stage 1 failed: RuntimeError: " in output
         assert "connect: Network is unreachable" in output
     assert "killing the stage workers of this node that wait on it" in node0.output()
+
+
+def test_a_stage_killed_on_node_1_is_the_root_cause_node_0_names(
+    nodes: list[Node], spec: Path, tmp_path: Path
+) -> None:
+    """A killed process says nothing on the bus itself: node 1's launcher, which sees
+    it die, tells node 0 as that stage's failure (not as a RunEnded of its own), and
+    node 0, which ends the run for the hooks, names it as the root cause."""
+    run_dir, run_id = tmp_path / "run", f"mn-{secrets.token_hex(4)}"
+    started = [_start(node, spec, run_dir, run_id) for node in nodes]
+    launchers = [proc for proc, _ in started]
+    try:
+        victim = _kill_after_a_commit(nodes, launchers, run_dir / "launches" / run_id)
+        _wait(nodes, launchers, timeout=RUN_TIMEOUT_S)
+    finally:
+        for _, log in started:
+            log.close()
+    # Node 1 saw the death; node 0 heard of it as that stage's failure.
+    headline = (
+        rf"evtrain launch: error: stage {victim.stage} (failed at step \d+: )?"
+        "was killed by SIGKILL"
+    )
+    for node, launcher in zip(nodes, launchers, strict=True):
+        output = node.output()
+        assert launcher.returncode == 1, f"node {node.rank}:\n{output[-4000:]}"
+        assert re.search(headline, output), f"node {node.rank}:\n{output[-4000:]}"

@@ -166,3 +166,27 @@ def test_resume_auto_starts_fresh_then_continues_the_run_as_one_history(
     hook = CheckpointHook(every_steps=3, keep_last=1)
     anyio.run(lambda: replay(run, [hook], out_dir=tmp_path / "replayed-checkpoints"))
     assert checkpoints() == before
+
+
+def test_a_launch_reusing_a_run_id_sets_the_earlier_reports_aside(
+    tmp_path: Path, marker: str
+) -> None:
+    """A failed launch's reports under the same --run-id would read as the resumed
+    launch's own (a failed stage, a failure report): they are moved out of its way."""
+    hooks = [{"type": "checkpoint", "every_steps": 2}]
+    spec = write_spec(
+        tmp_path, steps=4, fail_at_step=3, marker=str(tmp_path / "failed-once"), hooks=hooks
+    )
+    failed, leftovers = run_launch(spec, "--quiet", "--run-id", "same", marker=marker, timeout=90)
+    assert failed.returncode == 1, failed.stdout + failed.stderr
+    assert leftovers == []
+    out = launch_ok(spec, "--run-id", "same", "--resume", "latest", marker=marker)
+    launches = tmp_path / "run" / "launches"
+    assert f"run id same was used here before: its launch reports moved to {launches}/same.1" in (
+        out
+    )
+    assert sorted(p.name for p in launches.iterdir()) == ["same", "same.1"]
+    assert (launches / "same.1" / "failure.txt").exists()
+    assert not (launches / "same" / "failure.txt").exists()
+    record = read_run_record(tmp_path / "run")
+    assert record is not None and (record["status"], record["steps"]) == ("completed", 4)

@@ -7,6 +7,8 @@ the coordinator only ever looks at records, never at tensors.
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -16,6 +18,7 @@ from evtrain.checkpoint import (
     ShardFile,
     ShardRecord,
     commit_checkpoint,
+    latest_committed,
     list_checkpoints,
     read_manifest,
     sha256_file,
@@ -311,3 +314,30 @@ def test_plan_decides_alike_on_every_stage() -> None:
     orders.plan.evaluated(0.9)
     orders.set_plan(plan)  # a restarted hook sends its plan again, with an older best
     assert orders.plan.best == 0.9
+
+
+def test_ckpt_commit_verifies_and_commits_what_no_coordinator_did(tmp_path: Path) -> None:
+    """`evtrain ckpt commit`: complete checkpoints after the latest committed one are
+    committed and the newest becomes the resume point; an incomplete one, one whose
+    file does not match its hash and one older than the latest stay uncommitted."""
+    for stage in (0, 1):
+        write_shard(tmp_path, 10, stage, "c10")
+    commit_checkpoint(step_dir(tmp_path, 10), checkpoint_id="c10", num_stages=2)
+    for step in (5, 20, 30, 40):
+        for stage in (0, 1):
+            write_shard(tmp_path, step, stage, f"c{step}")
+    write_shard(tmp_path, 50, 0, "c50")  # stage 1 never finished
+    (stage_dir(step_dir(tmp_path, 40), 1) / "data.bin").write_bytes(b"y" * 11)  # same size
+    done = subprocess.run(
+        [sys.executable, "-m", "evtrain", "ckpt", "commit", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    committed = {c.step for c in list_checkpoints(tmp_path) if c.committed}
+    assert committed == {10, 20, 30}
+    assert "2 checkpoint(s) committed; latest committed:" in done.stdout
+    assert "(step 30)" in done.stdout
+    latest = latest_committed(tmp_path)
+    assert latest is not None and latest.step == 30
