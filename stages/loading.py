@@ -34,7 +34,14 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, default_collate
+from torch.utils.data import (
+    DataLoader,
+    Dataset,
+    IterableDataset,
+    Sampler,
+    default_collate,
+    get_worker_info,
+)
 
 from evtrain.data import DataStream, derive_seed
 from evtrain.errors import SpecError
@@ -349,6 +356,32 @@ class _OwnRng:
                 self._state = torch.get_rng_state()
 
 
+class _ReplicaShare(IterableDataset[Any]):
+    """Replica ``replica`` of ``replicas``' share of an iterable data set's stream (in
+    each DataLoader worker, of that worker's stream): its samples ``replica``,
+    ``replica + replicas``, ...
+
+    A data set with ``shard(index, count)`` is asked for it (it then reads
+    only its share): ``index = worker + workers * replica`` of ``count =
+    workers * replicas``, which are the same samples when ``shard`` returns
+    samples ``index, index + count, ...`` of one stream, itself split over
+    the workers. Any other is read whole and every other sample skipped.
+    """
+
+    def __init__(self, dataset: Any, replica: int, replicas: int) -> None:
+        self.dataset = dataset
+        self.replica = replica
+        self.replicas = replicas
+
+    def __iter__(self) -> Iterator[Any]:
+        shard = getattr(self.dataset, "shard", None)
+        if callable(shard):
+            info = get_worker_info()
+            workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
+            return iter(shard(worker + workers * self.replica, workers * self.replicas))
+        return itertools.islice(iter(self.dataset), self.replica, None, self.replicas)
+
+
 class StreamReader(Reader):
     """An iterable data set read through a DataLoader, in its own order.
 
@@ -362,13 +395,22 @@ class StreamReader(Reader):
     logs it), since an iterable data set has no index to jump to. A data
     set that shards itself over workers (``torch.utils.data.get_worker_info``)
     yields the same order at a fixed ``num_workers``.
+
+    With replicas each reads its share of the stream (`_ReplicaShare`), in
+    batches of ``batch_size / D``: replica r's batch b holds the samples of
+    the stream's batch b that are r modulo D, so the replicas' batches make
+    up the one-replica batch exactly.
     """
 
     def __init__(self, dataset: Any, options: ReaderOptions, *, batch_size: int) -> None:
         super().__init__(options)
-        self.dataset = dataset
+        self.dataset = (
+            dataset
+            if options.replicas == 1
+            else _ReplicaShare(dataset, options.replica, options.replicas)
+        )
         self.seed = options.seed
-        self.batch_size = batch_size
+        self.batch_size = batch_size // options.replicas
         self.loader_options = _worker_options(options.loader)
         self._batches: Iterator[Any] | None = None
         self._next = -1
@@ -390,7 +432,8 @@ class StreamReader(Reader):
             if empty:
                 raise SpecError(
                     "train_data",
-                    f"the iterable data set yields less than {self.batch_size} samples",
+                    f"the iterable data set yields less than {self.batch_size * self.replicas} "
+                    "samples",
                 )
 
     def batch(self, batch_index: int) -> tuple[Any, Any]:
@@ -401,13 +444,7 @@ class StreamReader(Reader):
             for _ in range(batch_index):
                 next(self._batches)
         self._next = batch_index + 1
-        batch = next(self._batches)
-        if self.replicas > 1:
-            # Every replica reads the whole stream (it has no index to skip by)
-            # and keeps its share.
-            rows = self._share(self.batch_size)
-            batch = map_tensors(lambda t: t[rows], batch)
-        return self._keep(*self.options.split(batch))
+        return self._keep(*self.options.split(next(self._batches)))
 
     def rows(self, rows: range) -> tuple[Any, Any]:
         raise TypeError("an iterable data set is not evaluated")

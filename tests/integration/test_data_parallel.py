@@ -203,6 +203,60 @@ class Stream(torch.utils.data.IterableDataset[dict[str, torch.Tensor]]):
         return map(_square, range(64))
 
 
+class ShardedStream(torch.utils.data.IterableDataset[dict[str, torch.Tensor]]):
+    """A stream that reads only the share it is asked for, and records the ask (in the
+    file ``log``: workers are processes of their own)."""
+
+    def __init__(self, log: Path, index: int = 0, count: int = 1) -> None:
+        self.log, self.index, self.count = log, index, count
+
+    def shard(self, index: int, count: int) -> ShardedStream:
+        with self.log.open("a") as f:
+            f.write(f"{index} {count}\n")
+        return ShardedStream(self.log, index, count)
+
+    def __iter__(self) -> Any:
+        info = torch.utils.data.get_worker_info()
+        if self.count == 1 and info is not None:  # read whole: split over the workers
+            return map(_square, range(info.id, 64, info.num_workers))
+        return map(_square, range(self.index, 64, self.count))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_iterable_data_set_with_shard_reads_only_each_replicas_share(
+    tmp_path: Path, workers: int
+) -> None:
+    """Each replica (and each of its workers) asks the data set for its own share and
+    reads nothing else; the shares make up the one-replica batches."""
+    from evtrain.stages.loading import ReaderOptions, StreamReader
+
+    def reader(replica: int, replicas: int, log: Path) -> StreamReader:
+        options = ReaderOptions(
+            inputs=True,
+            targets=True,
+            device=torch.device("cpu"),
+            replica=replica,
+            replicas=replicas,
+            seed=3,
+            loader={"num_workers": workers},
+            input_keys="x",
+            target_keys="y",
+        )
+        return StreamReader(ShardedStream(log), options, batch_size=16)
+
+    whole = reader(0, 1, tmp_path / "whole")
+    logs = [tmp_path / "r0", tmp_path / "r1"]
+    halves = [reader(r, 2, logs[r]) for r in (0, 1)]
+    for b in (0, 1, 5):  # 5: the second pass
+        x, _ = whole.batch(b)
+        parts = [h.batch(b)[0] for h in halves]
+        torch.testing.assert_close(torch.stack(parts, dim=1).reshape(-1, 1), x, rtol=0, atol=0)
+    w = max(workers, 1)
+    for r, log in enumerate(logs):
+        asked = {tuple(map(int, line.split())) for line in log.read_text().splitlines()}
+        assert asked == {(k + w * r, 2 * w) for k in range(w)}
+
+
 @pytest.mark.parametrize("kind", ["memory", "map-style", "iterable"])
 def test_replicas_read_disjoint_shares_that_make_up_the_batch(kind: str) -> None:
     from evtrain.data import DataStream
@@ -236,14 +290,19 @@ def test_replicas_read_disjoint_shares_that_make_up_the_batch(kind: str) -> None
             return LoaderReader(Numbers(), options, stream=stream)
         return StreamReader(Stream(), options, batch_size=16)
 
+    def joined(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        if kind == "iterable":  # replica r reads the stream's samples r modulo 2
+            return torch.stack([a, b], dim=1).reshape(-1, *a.shape[1:])
+        return torch.cat([a, b])  # replica r reads the r-th half of the batch
+
     whole = reader(0, 1)
     halves = [reader(0, 2), reader(1, 2)]
     for b in (0, 1, 5):  # 5: the second epoch (or pass)
         x, y = whole.batch(b)
         parts = [h.batch(b) for h in halves]
         assert [len(p[0]) for p in parts] == [8, 8]
-        torch.testing.assert_close(torch.cat([p[0] for p in parts]), x, rtol=0, atol=0)
-        torch.testing.assert_close(torch.cat([p[1] for p in parts]), y, rtol=0, atol=0)
+        torch.testing.assert_close(joined(parts[0][0], parts[1][0]), x, rtol=0, atol=0)
+        torch.testing.assert_close(joined(parts[0][1], parts[1][1]), y, rtol=0, atol=0)
         assert not set(parts[0][0].flatten().tolist()) & set(parts[1][0].flatten().tolist())
 
 
