@@ -28,12 +28,21 @@ The groups one process uses:
 
 `dist.new_group` is collective over all ranks: every process creates every
 group, in the same order, and keeps its own.
+
+Across machines gloo binds the interface its host name resolves to, often a
+loopback address other machines cannot reach; `pin_socket_interface` names
+the interface of the route to the store's host (``MASTER_ADDR``) instead,
+unless ``GLOO_SOCKET_IFNAME`` (``NCCL_SOCKET_IFNAME``) says otherwise.
 """
 
 from __future__ import annotations
 
 import datetime
+import ipaddress
+import os
+import socket
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -42,7 +51,56 @@ from torch.distributed.device_mesh import init_device_mesh
 from evtrain.schedule_names import Schedule
 from evtrain.stages.schedules import chunk_place, model_chunk
 
-__all__ = ["ChunkRoutes", "Place", "StageGroups", "build_groups"]
+__all__ = ["ChunkRoutes", "Place", "StageGroups", "build_groups", "pin_socket_interface"]
+
+SOCKET_INTERFACE_ENVS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+def pin_socket_interface(routes: Path = Path("/proc/net/route")) -> str | None:
+    """Set the socket interface of gloo and NCCL, where not set, to that of the route to
+    ``MASTER_ADDR`` when it is another machine's (or this one's) network address; the
+    interface, or None (a loopback or unknown store host, no such route: left alone)."""
+    host = os.environ.get("MASTER_ADDR")
+    if not host:
+        return None
+    try:
+        address = ipaddress.ip_address(socket.gethostbyname(host))
+    except (OSError, ValueError):
+        return None
+    if address.is_loopback:
+        return None
+    interface = route_interface(address, routes)
+    if interface is not None:
+        for name in SOCKET_INTERFACE_ENVS:
+            os.environ.setdefault(name, interface)
+    return interface
+
+
+def route_interface(
+    address: ipaddress.IPv4Address | ipaddress.IPv6Address, routes: Path
+) -> str | None:
+    """The interface of the most specific IPv4 route to ``address`` in ``routes`` (the
+    kernel's table, ``/proc/net/route``: hex fields in host byte order)."""
+    if not isinstance(address, ipaddress.IPv4Address):
+        return None
+    try:
+        lines = routes.read_text().splitlines()[1:]
+    except OSError:
+        return None
+    target = int.from_bytes(address.packed, "little")
+    best: tuple[int, str] | None = None
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 8:
+            continue
+        try:
+            destination, mask = int(fields[1], 16), int(fields[7], 16)
+        except ValueError:
+            continue
+        prefix = mask.bit_count()
+        if target & mask == destination & mask and (best is None or prefix > best[0]):
+            best = (prefix, fields[0])
+    return None if best is None else best[1]
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,7 @@ from evtrain.stages.evaluation import (
 from evtrain.stages.executor import StageExecutor
 from evtrain.stages.job_data import job_data
 from evtrain.stages.loading import make_reader
-from evtrain.stages.mesh import Place, build_groups
+from evtrain.stages.mesh import Place, build_groups, pin_socket_interface
 from evtrain.stages.orders import Orders
 from evtrain.stages.p2p import Mailbox, exchange_shapes, infer_output_spec
 from evtrain.stages.partition import (
@@ -142,6 +142,7 @@ def build_stage(
     if cuda:
         torch.cuda.set_device(device)
     backend = "nccl" if cuda else "gloo"
+    pin_socket_interface()
     if not dist.is_initialized():
         dist.init_process_group(
             backend,

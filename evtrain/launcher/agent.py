@@ -34,9 +34,10 @@ the ranks its workers got (`evtrain.elastic_agent`). Each node takes part as
 ``--local-addr`` (default: its address on the route to the rendezvous
 endpoint, `evtrain.launcher.options.route_address`, since the host name often
 resolves to a loopback address), and the node that gets rank 0 serves the
-workers' store there. Gloo picks its own interface from the host name: where
-that resolves to a loopback address, set ``GLOO_SOCKET_IFNAME``
-(``NCCL_SOCKET_IFNAME`` for NCCL) on each node. Node r > 0 waits for node
+workers' store there. Gloo would bind the interface its host name resolves
+to, often a loopback address: each stage names the interface of its route to
+the store instead (`evtrain.stages.mesh.pin_socket_interface`), unless
+``GLOO_SOCKET_IFNAME`` (``NCCL_SOCKET_IFNAME``) is set. Node r > 0 waits for node
 0's broker before it touches the run directory (`evtrain.launcher.bus`).
 Checkpoints need a shared run directory (each stage writes its shard there,
 node 0's coordinator commits them). A failure that ended the run elsewhere

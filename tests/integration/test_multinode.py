@@ -259,7 +259,7 @@ def _start(
     args += ["--run-dir", str(run_dir), *extra]
     node.log = run_dir.parent / f"node{node.rank}.log"
     log = node.log.open("w")
-    env = launch_env(node.marker, GLOO_SOCKET_IFNAME=node.ifname)
+    env = launch_env(node.marker)
     proc = subprocess.Popen(
         ["ip", "netns", "exec", node.netns, *launch_cmd(spec, *args)],
         env=env,
