@@ -34,11 +34,16 @@ any message the runner sends itself a `HookProbe` through the broker (once a
 second while it stays quiet); when nothing at all arrived for
 `BUS_LOST_AFTER_S` more it logs one warning that the bus is lost, keeps
 listening (ZeroMQ reconnects by itself), and logs again once the bus answers.
+
+Stopped by a signal (``stop(signalled=True)``), each hook's `teardown` has
+`SIGNAL_TEARDOWN_S` seconds: whatever it waits for (a last scrape, a flush),
+a signal ends the process promptly.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import os
 import time
 import traceback
@@ -84,6 +89,8 @@ _YIELD_EVERY = 256
 """Messages the reader queues, or dispatch handles, before letting the other task run."""
 BUS_QUIET_S = 5.0
 """Seconds without any message after which the runner probes its bus."""
+SIGNAL_TEARDOWN_S = 2.0
+"""Seconds each hook's teardown has after a signal stopped the runner."""
 BUS_LOST_AFTER_S = 10.0
 """Seconds of unanswered probes after which the bus counts as lost (a warning)."""
 HOOK_TRACEBACKS = 3
@@ -132,6 +139,7 @@ class HookRunner:
         self._buffer = buffer
         self._curve = curve
         self._stop = anyio.Event()
+        self._signalled = False
         self._bind(self.hooks)
         self.topics = sorted(t.topic.decode() for t in (*self._handlers, *self._filtered))
         if exit_on_run_end and RunEnded.topic.decode() not in self.topics:
@@ -232,8 +240,10 @@ class HookRunner:
 
     # -- lifecycle -----------------------------------------------------------
 
-    def stop(self) -> None:
-        """Ask the runner to finish (teardown runs, then `run` returns)."""
+    def stop(self, *, signalled: bool = False) -> None:
+        """Ask the runner to finish (teardown runs, then `run` returns); ``signalled``:
+        for a signal, which bounds each teardown (`SIGNAL_TEARDOWN_S`)."""
+        self._signalled = self._signalled or signalled
         self._stop.set()
 
     async def run(self) -> None:
@@ -270,10 +280,18 @@ class HookRunner:
         finally:
             with anyio.CancelScope(shield=True):
                 for hook in self.hooks:
+                    limit = SIGNAL_TEARDOWN_S if self._signalled else math.inf
                     try:
-                        await hook.teardown()
+                        with anyio.move_on_after(limit) as scope:
+                            await hook.teardown()
                     except Exception:
                         log.exception("hook teardown failed", hook=hook.hook_name())
+                    if scope.cancelled_caught:
+                        log.warning(
+                            "hook teardown cut short by the signal",
+                            hook=hook.hook_name(),
+                            after_s=limit,
+                        )
                 self._errors.flush()
                 self._report_gaps(force=True)
                 self._close()

@@ -99,7 +99,7 @@ async def _serve(runner: HookRunner) -> None:
         async def watch_signals() -> None:
             with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                 async for _ in signals:
-                    runner.stop()
+                    runner.stop(signalled=True)
                     return
 
         tg.start_soon(watch_signals)

@@ -6,8 +6,12 @@ receive and acknowledge them in another process.
 
 from __future__ import annotations
 
+import json
 import shutil
+import signal
 import tempfile
+import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -560,3 +564,31 @@ def test_logging_hook_says_a_stage_error_once_and_consequences_briefly(tmp_path:
     consequence = next(line for line in lines if "peer's failure" in line)
     assert "stage=0" in consequence and "deep in torch" not in consequence
     assert any("run ended" in line and "status=failed" in line for line in lines)
+
+
+def test_a_signal_ends_the_prometheus_hook_without_its_wait_for_a_last_scrape(
+    bus: BusAddress, procs: Any, tmp_path: Path
+) -> None:
+    """Scraped during a run that then ended, the exporter waits up to MAX_LINGER (30 s)
+    for a scrape that shows the end; SIGTERM cuts that wait short."""
+    stderr = tmp_path / "hook.err"
+    hooks = [{"type": "prometheus", "port": 0, "dir": str(tmp_path)}, {"type": "logging"}]
+    with stderr.open("w") as err:
+        hook = procs.evtrain(
+            "--log-format", "json", "hook", "--hooks", json.dumps(hooks), "--bus", str(bus),
+            stderr=err,
+        )  # fmt: skip
+        lines = json_lines(wait_for_text(stderr, "hooks attached"))
+        port = next(line["port"] for line in lines if line["event"] == "serving prometheus metrics")
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
+            assert answer.status == 200  # a scraper is known from here on
+        fake = procs.start(*fake_args(bus, steps=5, stages=2))
+        assert fake.wait(timeout=30) == 0
+        wait_for_text(stderr, '"run ended"')  # the exporter handled RunEnded with it
+        signalled = time.monotonic()
+        hook.send_signal(signal.SIGTERM)
+        hook.wait(timeout=60)
+        took = time.monotonic() - signalled
+    assert hook.returncode == 0, stderr.read_text()[-2000:]
+    assert took < 15, (took, stderr.read_text()[-2000:])
+    assert "hook teardown cut short by the signal" in stderr.read_text()
