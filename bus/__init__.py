@@ -3,7 +3,7 @@
 from evtrain.bus.address import BusAddress, free_port_block
 from evtrain.bus.broker import Broker
 from evtrain.bus.commands import CommandLedger, CommandReceiver
-from evtrain.bus.publisher import Publisher
+from evtrain.bus.publisher import Publisher, flush_process
 from evtrain.bus.security import (
     CurveConfig,
     CurveServer,
@@ -29,6 +29,7 @@ __all__ = [
     "curve_from_env",
     "ensure_curve_dir",
     "fetch_snapshot",
+    "flush_process",
     "free_port_block",
     "load_client",
     "load_server",

@@ -189,6 +189,13 @@ class Publisher:
         self.close()
 
 
+def flush_process(linger_s: float = 2.0) -> None:
+    """Before a process ends with ``os._exit``: send what its ZeroMQ sockets still hold
+    (``linger_s`` at most) and end its context; a socket left open is closed with that
+    linger. Without it the last events of a process that exits that way are lost."""
+    zmq.Context.instance().destroy(linger=int(linger_s * 1000))
+
+
 def _shorten(msg: Message, payload: bytes) -> bytes | None:
     """``msg`` encoded within the frame limit by cutting its longest texts in the middle.
 

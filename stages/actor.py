@@ -145,11 +145,10 @@ import anyio
 import anyio.to_thread
 import structlog
 import torch
-import zmq
 
 from evtrain.bus.address import BusAddress
 from evtrain.bus.commands import CommandLedger, CommandReceiver
-from evtrain.bus.publisher import Publisher
+from evtrain.bus.publisher import Publisher, flush_process
 from evtrain.bus.security import curve_from_env
 from evtrain.bus.subscriber import Subscriber
 from evtrain.errors import SpecError
@@ -250,8 +249,15 @@ def serve(config: WorkerConfig) -> None:
     elastic started (``TORCHELASTIC_RUN_ID`` set) and that ended cleanly ends
     its process with ``os._exit(0)`` at interpreter exit instead, after
     elastic collected its return value and every bus message was flushed.
+    A failed stage's process ends through multiprocessing's ``os._exit``,
+    which would cut its last events (``StageFailed``) off: they are flushed
+    before the failure propagates.
     """
-    run_worker(config)
+    try:
+        run_worker(config)
+    except BaseException:
+        flush_process()
+        raise
     if os.environ.get("TORCHELASTIC_RUN_ID"):
         atexit.register(_fast_exit)
 
@@ -259,9 +265,7 @@ def serve(config: WorkerConfig) -> None:
 def _fast_exit() -> None:
     # atexit runs handlers last-in first-out: this one runs first, once
     # elastic's wrapper has handed over the return value and returned.
-    # Our sockets are closed (with linger); term() waits until their last
-    # messages are sent.
-    zmq.Context.instance().term()
+    flush_process()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -993,3 +993,38 @@ def test_a_delivery_is_due_until_every_stage_acknowledged_once() -> None:
     assert delivery.due(2.5) and not delivery.done
     assert delivery.acknowledged(0) and delivery.done
     assert not delivery.due(10.0)
+
+
+EXITING_PUBLISHER = """
+import os, sys
+from evtrain.bus import BusAddress, Publisher, flush_process
+from helpers.bus_procs import step_event
+pub = Publisher(BusAddress.parse(sys.argv[1]).endpoint("events_in"), source="test/exiting")
+print("connected", flush=True)
+sys.stdin.readline()
+for i in range(int(sys.argv[3])):
+    pub.publish(step_event(i))
+pub.close()
+if sys.argv[2] == "flush":
+    flush_process()
+os._exit(0)  # as a multiprocessing child (an elastic worker) ends
+"""
+
+
+async def test_a_process_that_ends_with_os_exit_flushes_its_last_events_first(
+    buses: Buses, procs: object
+) -> None:
+    count = 3000
+    _, address = start_bus(buses)
+    watch = Subscriber(address.endpoint("events_out"), ["step.ended"])
+    await connect(watch, address)
+    proc = procs.python(  # type: ignore[attr-defined]
+        "-c", EXITING_PUBLISHER, str(address), "flush", str(count),
+        env=env_with_tests(), stdin=subprocess.PIPE,
+    )  # fmt: skip
+    assert Lines(proc).get() == "connected"
+    proc.stdin.write("\n")
+    proc.stdin.flush()
+    seen = await collect(watch, lambda m: m.source == "test/exiting" and m.step == count - 1)
+    assert len([m for m in seen if m.source == "test/exiting"]) == count
+    assert proc.wait(timeout=20) == 0
