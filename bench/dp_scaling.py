@@ -28,13 +28,15 @@ launcher that ignored ``--dp`` would otherwise time one process on the whole
 batch. Samples/s are steps/s times the global batch. Contenders alternate
 within each repeat; medians over repeats are reported.
 
-Then evaluation (``--eval-samples``, default 16,384; 0 skips it): the same
-job with an eval set, launched at P=1 and P=2, each at D=1 and D=2, two
-steps with an evaluation after each; the second evaluation's duration (from
-``metrics.jsonl``) counts. At D=2 the replicas share every eval set.
-``eval_d2_vs_d1`` is D=2's time over D=1's at P=1 (two processes against
-one, on two cores); ``eval_p2_d2_vs_d1`` the same at P=2 (four processes
-against two: on two cores this measures oversubscription, not sharing).
+Then evaluation (``--eval-samples``, default 16,384; 0 skips it), two steps
+with an evaluation after each, the second evaluation's duration (from
+``metrics.jsonl``) counting; at D=2 the replicas share every eval set.
+``eval_d2_vs_d1`` is D=2's time over D=1's at P=2 on an emulated device: four
+layers whose forward sleeps ``KERNEL_MS`` (the device's time) around a tiny
+Linear, so P x D = 4 processes do not compete for 2 cores.
+``eval_cpu_p1_d2_vs_d1`` and ``eval_cpu_p2_d2_vs_d1`` are the same ratio for
+the MLP on the CPU (at P=2, four busy processes on two cores measure the
+oversubscription, not the sharing).
 
 Then the bus: bench/fanin.py's `fanin_capacity` with 64 publishers (a burst,
 then paced trials up to the first that loses events).
@@ -96,8 +98,60 @@ def eval_data(n=EVAL_SAMPLES):
 job = dataclasses.replace(job, name="bench-dp-eval", eval_data=eval_data)
 """
 )
-EVAL_CONFIGS = {"p1_d1": (1, 1), "p1_d2": (1, 2), "p2_d1": (2, 1), "p2_d2": (2, 2)}
-"""Evaluation contenders: (P, D)."""
+EMULATED_EVAL_SPEC = """
+import functools
+import time
+
+import torch
+from torch import nn
+
+from evtrain.job import Job, layer
+
+
+class Kernel(nn.Module):
+    \"\"\"A tiny Linear whose forward also occupies an emulated device for KERNEL_MS: the
+    process sleeps, so four such processes share two cores without slowing each other.\"\"\"
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+
+    def forward(self, x):
+        time.sleep(KERNEL_MS / 1000)
+        return self.linear(x)
+
+
+def data(n):
+    g = torch.Generator().manual_seed(n)
+    return torch.randn(n, 16, generator=g), torch.randn(n, 16, generator=g)
+
+
+job = Job(
+    name="bench-dp-eval-emulated",
+    layers=[layer(Kernel) for _ in range(4)],
+    loss_fn=nn.functional.mse_loss,
+    optimizer=functools.partial(torch.optim.SGD, lr=1e-3),
+    train_data=functools.partial(data, 1024),
+    eval_data=functools.partial(data, EVAL_SAMPLES),
+    batch_size=256,
+    num_microbatches=8,
+    max_steps=2,
+    stages=2,
+    threads=1,
+    hooks=[{"type": "metrics"}],
+)
+"""
+KERNEL_MS = 1.0
+"""Emulated device time of one layer's forward on one microbatch (32 samples)."""
+EVAL_CONFIGS = {
+    "p2_d1_emulated": (2, 1),
+    "p2_d2_emulated": (2, 2),
+    "p1_d1": (1, 1),
+    "p1_d2": (1, 2),
+    "p2_d1": (2, 1),
+    "p2_d2": (2, 2),
+}
+"""Evaluation contenders: (P, D); ``_emulated`` ones run EMULATED_EVAL_SPEC."""
 
 
 # ------------------------------------------------------------------ torch DDP
@@ -288,18 +342,22 @@ def run_evaluation(spec: Path, work: Path, label: str, stages: int, dp: int) -> 
 
 
 def evaluation_part(samples: int, repeats: int) -> dict[str, Any]:
-    """Evaluation of ``samples`` samples at D=1 and D=2 (P=1 and P=2), medians over
-    ``repeats``: the replicas share every eval set."""
+    """Evaluation of ``samples`` samples at D=1 and D=2, medians over ``repeats``: the
+    replicas share every eval set. On the emulated device (P=2) and on the CPU (the
+    MLP at P=1 and P=2)."""
     print()
     print(f"evaluation of {samples} samples, batches of {BATCH}, after each of 2 steps:")
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in EVAL_CONFIGS}
     with tempfile.TemporaryDirectory(prefix="evt-dp-eval-", dir="/tmp") as tmp:
         work = Path(tmp)
-        spec = work / "eval_spec.py"
+        cpu, emulated = work / "eval_spec.py", work / "eval_emulated_spec.py"
         text = EVAL_SPEC.replace("EVAL_SAMPLES", str(samples)).replace("WIDTH", str(WIDTH))
-        spec.write_text(text)
+        cpu.write_text(text)
+        text = EMULATED_EVAL_SPEC.replace("EVAL_SAMPLES", str(samples))
+        emulated.write_text(text.replace("KERNEL_MS", str(KERNEL_MS)))
         for repeat in range(repeats):
             for name, (stages, dp) in EVAL_CONFIGS.items():
+                spec = emulated if name.endswith("_emulated") else cpu
                 result = run_evaluation(spec, work, f"eval-{name}-{repeat}", stages, dp)
                 runs[name].append(result)
                 line = (
@@ -307,7 +365,7 @@ def evaluation_part(samples: int, repeats: int) -> dict[str, Any]:
                     if result["ran"]
                     else f"did not run: {result['reason']}"
                 )
-                print(f"repeat {repeat + 1}/{repeats}  eval P={stages} D={dp}  {line}", flush=True)
+                print(f"repeat {repeat + 1}/{repeats}  eval {name:15s} {line}", flush=True)
     seconds = {
         name: statistics.median(r["eval_s"] for r in rs if r["ran"])
         for name, rs in runs.items()
@@ -318,13 +376,15 @@ def evaluation_part(samples: int, repeats: int) -> dict[str, Any]:
         return round(seconds[a] / seconds[b], 3) if a in seconds and b in seconds else None
 
     out = {
-        "eval_d2_vs_d1": ratio("p1_d2", "p1_d1"),
-        "eval_p2_d2_vs_d1": ratio("p2_d2", "p2_d1"),
+        "eval_d2_vs_d1": ratio("p2_d2_emulated", "p2_d1_emulated"),
+        "eval_cpu_p1_d2_vs_d1": ratio("p1_d2", "p1_d1"),
+        "eval_cpu_p2_d2_vs_d1": ratio("p2_d2", "p2_d1"),
         "eval_samples": samples,
         **{f"eval_s_{name}": round(value, 4) for name, value in seconds.items()},
     }
     print(
-        f"evaluation time D=2 / D=1: P=1 {out['eval_d2_vs_d1']}, P=2 {out['eval_p2_d2_vs_d1']} "
+        f"evaluation time D=2 / D=1: emulated device P=2 {out['eval_d2_vs_d1']}; CPU P=1 "
+        f"{out['eval_cpu_p1_d2_vs_d1']}, P=2 {out['eval_cpu_p2_d2_vs_d1']} "
         f"({os.cpu_count()} cores)"
     )
     return out

@@ -40,18 +40,19 @@ def test_the_most_specific_route_names_the_interface(
 def test_a_remote_store_pins_gloo_and_nccl_unless_the_user_did(
     routes: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("MASTER_ADDR", "10.213.7.1")
-    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
-    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")
+    # A dict of its own: the process's environment (this test runner's, inherited by
+    # every launch after it) must not keep what the call sets.
+    environ = {"MASTER_ADDR": "10.213.7.1", "NCCL_SOCKET_IFNAME": "ib0"}
+    monkeypatch.setattr(os, "environ", environ)
     assert pin_socket_interface(routes) == "veth1"
-    assert os.environ["GLOO_SOCKET_IFNAME"] == "veth1"
-    assert os.environ["NCCL_SOCKET_IFNAME"] == "ib0"  # the user's choice stands
+    assert environ["GLOO_SOCKET_IFNAME"] == "veth1"
+    assert environ["NCCL_SOCKET_IFNAME"] == "ib0"  # the user's choice stands
 
 
 def test_a_local_store_leaves_the_interface_to_gloo(
     routes: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    environ = {"MASTER_ADDR": "127.0.0.1"}
+    monkeypatch.setattr(os, "environ", environ)
     assert pin_socket_interface(routes) is None
-    assert "GLOO_SOCKET_IFNAME" not in os.environ
+    assert environ == {"MASTER_ADDR": "127.0.0.1"}
