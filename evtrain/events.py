@@ -172,12 +172,19 @@ class StageFailed(Event, kw_only=True, tag="stage.failed"):
 
 
 class Heartbeat(Event, kw_only=True, tag="heartbeat"):
-    """Periodic liveness signal of a stage (or any process)."""
+    """Periodic liveness signal of a stage (or any process).
+
+    A stage in a step says where: ``doing`` is the instruction it executes or
+    waits in (``"RecvActivation m5 from stage 1"``, ``"Forward m5"``,
+    ``"OptimizerStep"``; empty between steps), for ``doing_s`` seconds so far.
+    """
 
     stage: StageIndex | None = None
     replica: ReplicaIndex = 0
     step: Count = 0
     state: str = "running"
+    doing: Annotated[str, msgspec.Meta(max_length=200)] = ""
+    doing_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
 
 
 # --- steps and microbatches ------------------------------------------------------

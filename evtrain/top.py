@@ -111,6 +111,10 @@ def _put(bounded: MutableMapping[K, V], key: K, value: V, limit: int = MAX_SOURC
 # -- the numbers ---------------------------------------------------------------------
 
 
+DOING_SHOWN_AFTER_S = 5.0
+"""A stage in one instruction this long is shown under the table, with the instruction."""
+
+
 @dataclass(frozen=True)
 class StageView:
     """One stage process (a pipeline stage, or one replica of it) as the dashboard shows it."""
@@ -129,6 +133,10 @@ class StageView:
     heartbeat_age_s: float | None
     error: str = ""
     replica: int = 0
+    doing: str = ""
+    """The instruction its last heartbeat was in (`evtrain.events.Heartbeat.doing`)."""
+    doing_s: float = 0.0
+    """How long it had been in it then, plus the heartbeat's age."""
 
 
 @dataclass(frozen=True)
@@ -456,6 +464,12 @@ class TopModel(Hook):
                     memory_bytes=last.peak_memory_bytes if last is not None else None,
                     heartbeat_age_s=beat_age,
                     error=stage.error,
+                    doing=stage.heartbeat.doing if stage.heartbeat is not None else "",
+                    doing_s=(
+                        stage.heartbeat.doing_s + (beat_age or 0.0)
+                        if stage.heartbeat is not None
+                        else 0.0
+                    ),
                 )
             )
         return tuple(views)
@@ -672,9 +686,13 @@ def _stage_part(stages: tuple[StageView, ...]) -> list[RenderableType]:
             fmt_bytes(view.memory_bytes),
             _age(view.heartbeat_age_s),
         )
+        where = f"stage {view.stage}" + (f" replica {view.replica}" if view.replica else "")
         if view.error:
-            where = f"stage {view.stage}" + (f" replica {view.replica}" if view.replica else "")
             errors.append(_joined(Text(f"{where}:", "bold red"), _text(view.error, 2 * _TEXT)))
+        elif view.doing and view.doing_s >= DOING_SHOWN_AFTER_S and view.status != "stopped":
+            # Where a stage has been for a while: a wait that long is what to look at.
+            line = f"in {view.doing} for {view.doing_s:.0f} s"
+            errors.append(_joined(Text(f"{where}:", "bold yellow"), _text(line, 2 * _TEXT)))
     return [table, *errors]
 
 

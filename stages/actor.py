@@ -398,6 +398,7 @@ class StageActor:
             report.status = "running"
         report.step = self.completed
         report.loss = self._last_loss
+        report.doing, report.doing_s = self._doing()
         try:
             report.write(directory)
         except OSError as exc:
@@ -436,9 +437,15 @@ class StageActor:
 
     async def _heartbeats(self) -> None:
         while True:
+            doing, doing_s = self._doing()
             self.publish(
                 Heartbeat(
-                    stage=self.stage, replica=self.replica, step=self.completed, state=self.state
+                    stage=self.stage,
+                    replica=self.replica,
+                    step=self.completed,
+                    state=self.state,
+                    doing=doing,
+                    doing_s=doing_s,
                 )
             )
             progress = self.runtime.evaluator.progress() if self.runtime is not None else None
@@ -448,6 +455,14 @@ class StageActor:
             if self.runtime is not None:
                 self.runtime.checkpointing.publish_done()
             await anyio.sleep(HEARTBEAT_INTERVAL_S)
+
+    def _doing(self) -> tuple[str, float]:
+        """The instruction the executor is in and for how long (``""``: none)."""
+        at = self.runtime.executor.doing() if self.runtime is not None else None
+        if at is None:
+            return "", 0.0
+        text, since = at
+        return text[:200], round(max(0.0, time.monotonic() - since), 3)
 
     async def _signals(self) -> None:
         if threading.current_thread() is not threading.main_thread():

@@ -101,7 +101,11 @@ from evtrain.stages.schedules import build_schedule
 from evtrain.stages.shapes import ShapeTable
 from evtrain.stages.update import Timed, WeightUpdate
 
-_Program = list[tuple[Callable[[int, int], None], int, int]]
+_Program = list[tuple[Callable[[int, int], None], int, int, str]]
+"""Compiled instructions: (handler, microbatch, chunk, the instruction's name)."""
+
+_SENDS_TO_NEXT = ("SendActivation", "RecvGrad")
+_WITH_PREV = ("RecvActivation", "SendGrad")
 """A compiled instruction list: (handler, microbatch, chunk) triples."""
 
 if TYPE_CHECKING:
@@ -284,6 +288,8 @@ class StageExecutor:
         (with one chunk; several chunks average their gradients at `ReduceGrads`)."""
         self._final_pass = False
         self._eval_programs: dict[int, _Program] = {}
+        self._at: tuple[str, int, int, float] | None = None
+        """(instruction, microbatch, chunk, since) being executed (`doing`)."""
         self._loss_scale = 1.0 / (self.M * job.grad_accum)
 
         # Per-pass state: chunk v's microbatch m is slot v * n + m in a pass of n.
@@ -322,9 +328,41 @@ class StageExecutor:
             if isinstance(instruction, ReduceGrads | OptimizerStep):
                 raise RuntimeError(f"{instruction} may only end a training program")
             compiled.append(
-                (handlers[type(instruction)], instruction.microbatch, instruction.chunk)
+                (
+                    handlers[type(instruction)],
+                    instruction.microbatch,
+                    instruction.chunk,
+                    type(instruction).__name__,
+                )
             )
         return compiled
+
+    def doing(self) -> tuple[str, float] | None:
+        """What this stage is executing or blocked in, and since when (`time.monotonic`),
+        or None between steps: ``"RecvActivation m5 from stage 1"``, ``"Forward m5"``
+        (``" chunk v"`` with several chunks), ``"OptimizerStep"``... Read from another
+        thread (the heartbeats): one tuple, replaced per instruction, never mutated."""
+        at = self._at
+        if at is None:
+            return None
+        kind, microbatch, chunk, since = at
+        if microbatch < 0:
+            return kind, since
+        text = f"{kind} m{microbatch}" + (f" chunk {chunk}" if self.V > 1 else "")
+        peer = (
+            self.routes.next[chunk]
+            if kind in _SENDS_TO_NEXT
+            else self.routes.prev[chunk]
+            if kind in _WITH_PREV
+            else None
+        )
+        if peer is not None and not self.routes.local(peer):
+            stage = peer[0] // self.place.replicas
+            text += f" {'to' if kind.startswith('Send') else 'from'} stage {stage}"
+        return text, since
+
+    def _doing(self, kind: str, microbatch: int = -1, chunk: int = 0) -> None:
+        self._at = (kind, microbatch, chunk, time.monotonic())
 
     # ---------------------------------------------------------------- training
 
@@ -345,12 +383,16 @@ class StageExecutor:
         for accum in range(self.job.grad_accum):
             self._mb_offset = accum * self.M
             self._final_pass = accum == self.job.grad_accum - 1
+            self._doing("LoadBatch")
             self._load_batch(self.stream.batch_index(index, accum))
             self._begin_pass([mb] * self.M)
-            for handler, microbatch, chunk in self._pass_program:
+            offset = self._mb_offset
+            for handler, microbatch, chunk, kind in self._pass_program:
+                self._at = (kind, offset + microbatch, chunk, time.monotonic())
                 handler(microbatch, chunk)
                 self._post_one()
         self._final_pass = False
+        self._doing("ReduceGrads")
         self._wait(self.update.reduce_grads(), "reduce")
         lr = float(self.optimizer.param_groups[0]["lr"]) if self.optimizer is not None else None
         local_loss, local_weight = None, 0.0
@@ -359,12 +401,14 @@ class StageExecutor:
                 local_loss = float(self._loss_sum) / (self.M * self.job.grad_accum)
             else:
                 local_loss, local_weight = float(self._loss_sum), float(self._weight_sum)
+        self._doing("OptimizerStep")
         control, timed = self.update.step(local_loss, self.stop_requested, local_weight)
         self._wait(timed, "control")
         drain_start, drain_end = self.mailbox.drain_sends()
         if self._spans is not None and drain_end - drain_start > 1e-4:
             self._spans.append(Span("wait", -1, drain_start, drain_end, "send"))
         self._end_pass()
+        self._at = None
         return StepStats(
             step=step,
             loss=control.loss if self.last else None,
@@ -683,6 +727,7 @@ class StageExecutor:
         finally:
             self._training = True
             self._tally = None
+            self._at = None
             for module in (self.module, *self.chunks):
                 module.train(was_training)
             self._end_pass()
@@ -698,6 +743,7 @@ class StageExecutor:
         self._batch_x = []
         self._batch_y = []
         if reader is not None:
+            self._doing("LoadBatch")
             pairs = [reader.rows(r) for r in batch]
             self._batch_x = [x for x, _ in pairs]
             self._batch_y = [y for _, y in pairs]
@@ -711,6 +757,7 @@ class StageExecutor:
         self._tally = None
         self._batch_x = []
         self._batch_y = []
+        self._doing("LoadBatch")
         self._load_batch(batch_index)
         self._begin_pass([self.job.microbatch_size] * self.M)
         self._run_forward_only(self.M)
@@ -730,6 +777,8 @@ class StageExecutor:
                 )
             )
             self._eval_programs[n] = program
-        for handler, microbatch, chunk in program:
+        offset = self._mb_offset
+        for handler, microbatch, chunk, kind in program:
+            self._at = (kind, offset + microbatch, chunk, time.monotonic())
             handler(microbatch, chunk)
             self._post_one()

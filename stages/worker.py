@@ -106,6 +106,10 @@ class StageReport(msgspec.Struct, kw_only=True):
     """Optimizer steps this stage has completed (the resumed step at start)."""
     loss: float | None = None
     """The last completed step's loss (the last stage only)."""
+    doing: str = ""
+    """The instruction the stage executes or waits in (`evtrain.events.Heartbeat.doing`)."""
+    doing_s: float = 0.0
+    """Seconds it has been in it."""
     updated: float
     """Wall-clock time of this report."""
     error: str = ""

@@ -257,6 +257,26 @@ def test_event_text_is_shown_literally_never_as_markup_or_escapes() -> None:
     assert "gone" in screen and "1m15s ago" in screen
 
 
+def test_a_stage_long_in_one_instruction_is_shown_with_it() -> None:
+    """The instruction a stage's heartbeat names shows under the table once the stage has
+    been in it for DOING_SHOWN_AFTER_S; a short one does not clutter the screen."""
+    stuck = StageView(
+        0, "running", 3, 0.5, {}, None, 0.4, doing="RecvGrad m2 from stage 1", doing_s=41.0
+    )
+    busy = StageView(1, "running", 3, 0.5, {}, None, 0.4, doing="Forward m3", doing_s=0.2)
+    view = TopView(
+        run=RunView(status="running", name="x", run_id="r1", schedule="1f1b"),
+        stages=(stuck, busy),
+        hooks=(),
+        drops={},
+        gaps={},
+        checkpoints=CheckpointView(),
+    )
+    screen = draw(view)
+    assert re.search(r"stage 0:\s+in RecvGrad m2 from stage 1 for 41 s", screen), screen
+    assert "Forward m3" not in screen
+
+
 def test_waiting_for_a_run_names_the_bus() -> None:
     view = TopModel().view()
     assert view.run.status == "waiting" and view.stages == () and view.hooks == ()
