@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio.to_thread
-import structlog
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -55,10 +54,8 @@ __all__ = [
     "MetricObjects",
     "StageEvaluator",
     "replica_share",
-    "replicas_share_evaluation",
+    "unsyncable_metric",
 ]
-
-log = structlog.get_logger()
 
 Plan = list[list[range]]
 """Batches of microbatch sample ranges (`evtrain.data.eval_microbatches`)."""
@@ -84,25 +81,17 @@ def replica_share(plan: Plan, replica: int, replicas: int, shared: bool) -> Plan
     return plan if replica == 0 else []
 
 
-def replicas_share_evaluation(job: Job) -> bool:
-    """Whether the replicas of a D > 1 job can share its evaluations: every metric
-    object can sync over a process group (`_syncable`)."""
-    if job.data_parallel < 2:
-        return False
+def unsyncable_metric(job: Job) -> str | None:
+    """The name of a metric object of ``job`` that cannot combine the replicas' shares
+    (it is no torchmetrics Metric: `_syncable`), or None."""
     for name, value in job.metrics.items():
         if isinstance(value, MetricFactory):
             value = value()
         elif not is_metric_object(value):
             continue
         if not _syncable(value):
-            log.warning(
-                "replica 0 evaluates every set whole: a metric object cannot combine "
-                "the replicas' shares (it is no torchmetrics Metric)",
-                metric=name,
-                kind=type(value).__name__,
-            )
-            return False
-    return True
+            return name
+    return None
 
 
 def _metric_modules(obj: Any) -> list[Any]:

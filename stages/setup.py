@@ -49,7 +49,7 @@ from evtrain.stages.evaluation import (
     EvalSet,
     StageEvaluator,
     replica_share,
-    replicas_share_evaluation,
+    unsyncable_metric,
 )
 from evtrain.stages.executor import StageExecutor
 from evtrain.stages.job_data import job_data
@@ -232,7 +232,14 @@ def prepare_stage(
     total = data.total_steps()
     eval_sizes: set[int] = set()
     evaluations: list[EvalSet] = []
-    shared = replicas_share_evaluation(job)
+    unsyncable = unsyncable_metric(job) if place.replicas > 1 else None
+    shared = place.replicas > 1 and unsyncable is None
+    if unsyncable is not None and place.rank == 0:
+        log.warning(
+            "replica 0 evaluates every set whole: a metric object cannot combine the "
+            "replicas' shares (it is no torchmetrics Metric)",
+            metric=unsyncable,
+        )
     for name in job.eval_sets:
         num = data.num_eval_samples(name)
         plan = eval_microbatches(num, job.effective_eval_batch_size, job.num_microbatches)

@@ -55,6 +55,7 @@ from evtrain.job import Job, accuracy, layer, metric
 from evtrain.launcher import check_monitored_metric
 from evtrain.progress import RunConsole
 from evtrain.spec import load_job
+from evtrain.stages.evaluation import unsyncable_metric
 from evtrain.stages.job_data import job_data
 from evtrain.stages.partition import build_full_model
 
@@ -501,6 +502,29 @@ def test_an_ambiguous_metric_is_refused_with_the_fix(metrics: dict[str, Any], me
     with pytest.raises(SpecError, match=message) as caught:
         make_job(metrics=metrics)
     assert caught.value.field == "metrics"
+
+
+class Tally:
+    """A metric object of one's own: update/compute/reset, nothing to sync replicas with."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def update(self, output: Any, target: Any) -> None:
+        self.n += len(target)
+
+    def compute(self) -> float:
+        return float(self.n)
+
+    def reset(self) -> None:
+        self.n = 0
+
+
+def test_replicas_share_evaluation_unless_a_metric_object_cannot_sync() -> None:
+    f1 = metric(torchmetrics.F1Score, task="multiclass", num_classes=3)
+    collection = torchmetrics.MetricCollection({"acc": torchmetrics.Accuracy(task="binary")})
+    assert unsyncable_metric(make_job(metrics={"f1": f1, "all": collection})) is None
+    assert unsyncable_metric(make_job(metrics={"f1": f1, "mine": Tally()})) == "mine"
 
 
 def test_metric_kinds_and_eval_set_names() -> None:
