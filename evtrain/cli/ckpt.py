@@ -1,4 +1,4 @@
-"""``evtrain ckpt``: list, verify and export checkpoints.
+"""``evtrain ckpt``: list, verify, commit and export checkpoints.
 
 * ``evtrain ckpt list RUN_DIR`` — one line per checkpoint: step, time, size,
   metric, committed or not (``*`` marks the one a resume would use; a
@@ -47,8 +47,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the ``ckpt`` subcommand and its actions."""
     parser = sub.add_parser(
         "ckpt",
-        help="list, verify and export checkpoints",
-        description="Inspect a run's checkpoints and export one for inference.",
+        help="list, verify, commit and export checkpoints",
+        description=(
+            "Inspect a run's checkpoints, commit the complete ones no coordinator could, "
+            "and export one for inference."
+        ),
     )
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
 
