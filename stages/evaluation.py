@@ -29,7 +29,7 @@ from __future__ import annotations
 import copy
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -188,7 +188,7 @@ class EvalTally:
             names = dict.fromkeys(name for share in shares for name in share)
             terms = {name: [t for share in shares for t in share.get(name, [])] for name in names}
         # An exactly rounded sum: the same bits whichever replica added which term.
-        sums = {name: math.fsum(ts) for name, ts in terms.items()}
+        sums = {name: _exact_sum(ts) for name, ts in terms.items()}
         weight = sums.pop("", 0.0)
         results: dict[str, float] = {}
         for name in ("loss", *self.job.metrics):
@@ -198,6 +198,14 @@ class EvalTally:
             elif name in sums:
                 results[name] = sums[name] / weight if weight else math.nan
         return results
+
+
+def _exact_sum(values: Iterable[float]) -> float:
+    """The exactly rounded sum (`math.fsum`); NaN where infinities of both signs meet."""
+    try:
+        return math.fsum(values)
+    except ValueError:  # inf + -inf
+        return math.nan
 
 
 def _placed(obj: Any, device: torch.device, group: dist.ProcessGroup | None) -> Any:
@@ -409,6 +417,6 @@ class StageEvaluator:
             )
             dist.all_gather_object(shares, (sums, counts), group=self._combine)
             names = dict.fromkeys(name for share, _ in shares for name in share)
-            sums = {n: math.fsum(share.get(n, 0.0) for share, _ in shares) for n in names}
+            sums = {n: _exact_sum(share.get(n, 0.0) for share, _ in shares) for n in names}
             counts = {n: sum(count.get(n, 0) for _, count in shares) for n in names}
         return {name: total / counts[name] for name, total in sums.items()}
