@@ -52,6 +52,9 @@ ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
 DOCKERFILE = ROOT / "Dockerfile"
 PROMETHEUS_CONFIG = ROOT / "deploy" / "prometheus.yml"
+ALERT_RULES = ROOT / "deploy" / "rules.yml"
+ALERT_RULES_TEST = ROOT / "deploy" / "rules_test.yml"
+ALERTS_DOC = ROOT / "docs" / "alerts.md"
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "evtrain.json"
 DATASOURCES = ROOT / "deploy" / "grafana" / "provisioning" / "datasources"
 DASHBOARD_PROVIDERS = ROOT / "deploy" / "grafana" / "provisioning" / "dashboards"
@@ -71,6 +74,7 @@ PROMQL_WORDS = {
     "or",
     "unless",
     "le",
+    "Inf",
 }
 
 
@@ -460,6 +464,48 @@ def test_dashboard_queries_are_valid_promql(tmp_path: Path) -> None:
     assert PROMTOOL is not None
     check = subprocess.run([PROMTOOL, "check", "rules", str(path)], capture_output=True, text=True)
     assert check.returncode == 0, check.stdout + check.stderr
+
+
+def alert_rules() -> list[dict[str, Any]]:
+    groups = yaml.safe_load(ALERT_RULES.read_text())["groups"]
+    return [rule for group in groups for rule in group["rules"]]
+
+
+@pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (apt-get install prometheus)")
+def test_every_alert_rule_fires_in_its_unit_tests_and_has_its_runbook() -> None:
+    assert PROMTOOL is not None
+    for command in (["check", "rules", ALERT_RULES], ["test", "rules", ALERT_RULES_TEST]):
+        done = subprocess.run([PROMTOOL, *map(str, command)], capture_output=True, text=True)
+        assert done.returncode == 0, done.stdout + done.stderr
+    alerts = [rule["alert"] for rule in alert_rules()]
+    assert len(alerts) >= 6
+    tests = yaml.safe_load(ALERT_RULES_TEST.read_text())["tests"]
+    cases = [case for test in tests for case in test["alert_rule_test"]]
+    fired = {case["alertname"] for case in cases if case["exp_alerts"]}
+    quiet = {case["alertname"] for case in cases if not case["exp_alerts"]}
+    assert fired == set(alerts) == quiet  # each fires where it should, holds where it should
+    sections = set(re.findall(r"^## (\w+)$", ALERTS_DOC.read_text(), re.M))
+    for rule in alert_rules():
+        assert rule["annotations"]["summary"]
+        assert rule["annotations"]["runbook"] == f"docs/alerts.md#{rule['alert'].lower()}"
+        assert rule["alert"] in sections, f"docs/alerts.md has no section {rule['alert']}"
+
+
+def test_the_compose_prometheus_loads_the_alert_rules(compose: dict[str, Any]) -> None:
+    config = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
+    service = compose["services"]["prometheus"]
+    mounts = {Path(v["source"]): v["target"] for v in service["volumes"]}
+    config_dir = Path(mounts[PROMETHEUS_CONFIG]).parent
+    assert [str(config_dir / f) for f in config["rule_files"]] == [mounts[ALERT_RULES]]
+
+
+def test_alert_rules_name_only_metrics_the_exporter_exposes() -> None:
+    exposed = exporter_exposition().names
+    for rule in alert_rules():
+        names = metric_names(rule["expr"])
+        assert names, rule["alert"]
+        unknown = sorted(set(names) - exposed)
+        assert not unknown, f"alert {rule['alert']} queries {unknown}, never exposed"
 
 
 # ------------------------------------------------------------------ the services as processes
