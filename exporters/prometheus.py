@@ -62,6 +62,7 @@ stops at once.
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import itertools
 import statistics
 import threading
@@ -283,6 +284,7 @@ class PrometheusExporter(Hook):
         """(stage, replica) pairs with series."""
         self.not_counted = RateLimitedLog(self.log, "event values not counted")
         self.m = Metrics(self.registry)
+        self.m.build_info.labels(_version()).set(1)
         for status in RUN_STATUSES:
             self.m.runs_ended.labels(status)
 
@@ -487,6 +489,10 @@ class PrometheusExporter(Hook):
         self.m.running.set(1)
         self.m.start_time.set(ev.ts)
         self.m.steps_done.set(ev.start_step)
+        self.m.run_info.clear()  # one run at a time: its labels do not pile up
+        self.m.run_info.labels(
+            safe_text(ev.run_id, 100), safe_text(ev.name, 100), safe_text(ev.schedule, 40)
+        ).set(1)
         self._ended_at = None
         self._write_port_file()
         if self._runner is not None:
@@ -590,6 +596,7 @@ class PrometheusExporter(Hook):
         # joined mid-run counts from the step it saw (no spike in rate()).
         count = self._steps.advance(ev.step)
         if count:
+            self.m.last_step_time.set(ev.ts)
             self.m.steps.inc(count)
             self._count(
                 self.m.samples,
@@ -624,6 +631,7 @@ class PrometheusExporter(Hook):
         if not self.of_this_run(ev):
             return
         self.m.checkpoints.inc()
+        self.m.checkpoint_time.set(ev.ts)
         self.m.checkpoint_duration.observe(ev.duration_s)
         self.m.checkpoint_step.set(ev.step)
         self.m.checkpoint_size.set(ev.bytes)
@@ -666,3 +674,11 @@ class PrometheusExporter(Hook):
         label = self._hooks.admit(ev.hook)
         if label is not None:
             self._count(self.m.hook_errors.labels(label), ev.count, MAX_GAP, "errors above MAX_GAP")
+
+
+def _version() -> str:
+    """evtrain's installed version ("unknown" where it is not installed as a package)."""
+    try:
+        return importlib.metadata.version("evtrain")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"

@@ -71,6 +71,27 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "start_time", "evtrain_run_start_time_seconds", "gauge", (), "Unix time the run started"
     ),
     MetricSpec(
+        "run_info",
+        "evtrain_run_info",
+        "gauge",
+        ("run_id", "name", "schedule"),
+        "1 for the run being watched (its id, name and schedule; one series at a time)",
+    ),
+    MetricSpec(
+        "build_info",
+        "evtrain_build_info",
+        "gauge",
+        ("version",),
+        "1, labelled with evtrain's version",
+    ),
+    MetricSpec(
+        "last_step_time",
+        "evtrain_last_step_timestamp_seconds",
+        "gauge",
+        (),
+        "Unix time the latest step of the run ended",
+    ),
+    MetricSpec(
         "runs_ended",
         "evtrain_runs_ended",
         "counter",
@@ -148,6 +169,13 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "eval_step", "evtrain_eval_last_step", "gauge", (), "steps done at the latest evaluation"
     ),
     MetricSpec("checkpoints", "evtrain_checkpoints", "counter", (), "checkpoints committed"),
+    MetricSpec(
+        "checkpoint_time",
+        "evtrain_checkpoint_last_timestamp_seconds",
+        "gauge",
+        (),
+        "Unix time the latest checkpoint was committed",
+    ),
     MetricSpec(
         "checkpoint_failures",
         "evtrain_checkpoint_failures",

@@ -3,6 +3,7 @@ metrics log, event recorder, replay, TensorBoard, Prometheus exposition (+ promt
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import math
 import os
@@ -19,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 from helpers.hook_helpers import fake_args, loss_at, run_hooks, wait_for_text
 from prometheus_client import generate_latest
@@ -780,3 +782,37 @@ def test_metrics_log_writes_each_step_once_across_an_elastic_restart(tmp_path: P
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [(r["step"], r["loss"]) for r in lines if r["type"] == "step"]
     assert steps == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 14.0), (5, 15.0), (6, 16.0)]
+
+
+def test_info_and_timestamp_series_an_sre_alerts_on() -> None:
+    """evtrain_build_info and evtrain_run_info (one series: a later run replaces the
+    earlier's labels), and when the latest step ended and the latest checkpoint was
+    committed."""
+    from evtrain.replay import ReplayRunner
+
+    def run_started(run_id: str, ts: float) -> events.RunStarted:
+        return events.RunStarted(
+            name="r", num_stages=1, num_microbatches=1, schedule="zb", max_steps=5,
+            batch_size=8, run_id=run_id, ts=ts,
+        )  # fmt: skip
+
+    exporter = PrometheusExporter(port=0)
+    step = events.StepEnded(step=1, stage=0, duration_s=0.1, loss=0.5, run_id="b", ts=1002.0)
+    committed = events.CheckpointCommitted(
+        checkpoint_id="c1", step=1, path="/x/step-1", run_id="b", ts=1003.0
+    )
+    runner = ReplayRunner([exporter])
+    anyio.run(runner.replay, [run_started("a", 900.0), run_started("b", 1000.0), step, committed])
+    assert runner.errors == 0
+    value = exporter.registry.get_sample_value
+    assert value("evtrain_last_step_timestamp_seconds") == 1002.0
+    assert value("evtrain_checkpoint_last_timestamp_seconds") == 1003.0
+    infos = [
+        sample.labels
+        for metric in exporter.registry.collect()
+        if metric.name == "evtrain_run_info"
+        for sample in metric.samples
+    ]
+    assert infos == [{"run_id": "b", "name": "r", "schedule": "zb"}]
+    version = importlib.metadata.version("evtrain")
+    assert value("evtrain_build_info", {"version": version}) == 1
