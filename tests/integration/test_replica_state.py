@@ -7,22 +7,33 @@ replicas' mean, so the run's evaluation at step 6 (both replicas evaluating
 their shares) equals ``evtrain eval`` of the step-6 checkpoint on one
 replica. Each replica draws its own dropout masks; the checkpoint holds every
 replica's random state, so resuming it at D=2 ends bit for bit where the
-uninterrupted run ended. With `Job.precise_bn` the statistics evaluated and
+uninterrupted run ended, and so does one whose replica is killed with SIGKILL
+and restarted from the commit. With `Job.precise_bn` the statistics evaluated and
 saved are those detectron2's PreciseBN computes from the weights evaluated.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from helpers.launch_helpers import new_marker, run_eval, run_launch
+from helpers.launch_helpers import (
+    TESTS_DIR,
+    kill_marked,
+    new_marker,
+    run_eval,
+    run_launch,
+    start_launch,
+)
 from safetensors.torch import load_file
 
-from evtrain.checkpoint import list_checkpoints
+from evtrain.checkpoint import latest_committed, list_checkpoints
 from evtrain.checkpoint.loader import read_model_tensors
 from evtrain.overrides import apply_overrides
 from evtrain.spec import load_job
@@ -37,8 +48,12 @@ SPEC = '''\
 """A CNN with BatchNorm and dropout (generated)."""
 
 import functools
+import sys
+
+sys.path.insert(0, {tests_dir!r})
 
 import torch
+from helpers.mlp_parts import Slow
 from torch import nn
 
 from evtrain.job import Job, accuracy, layer
@@ -64,8 +79,9 @@ job = Job(
         layer(nn.ReLU),
         layer(nn.Dropout, {dropout}),
         layer(nn.Linear, 16, 3),
+        layer(Slow, {delay!r}, {pid_dir!r}),
     ],
-    balance=[4, 6],
+    balance=[4, 7],
     loss_fn=nn.functional.cross_entropy,
     metrics={{"accuracy": accuracy}},
     optimizer=functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9),
@@ -87,10 +103,24 @@ job = Job(
 '''
 
 
-def write(directory: Path, *, dropout: float = 0.3, precise_bn: int | None = None) -> Path:
+def write(
+    directory: Path,
+    *,
+    dropout: float = 0.3,
+    precise_bn: int | None = None,
+    delay: float = 0.0,
+    pid_dir: str | None = None,
+) -> Path:
     path = directory / "spec.py"
-    run_dir = str(directory / "run")
-    text = SPEC.format(steps=STEPS, run_dir=run_dir, dropout=dropout, precise_bn=precise_bn)
+    text = SPEC.format(
+        steps=STEPS,
+        run_dir=str(directory / "run"),
+        dropout=dropout,
+        precise_bn=precise_bn,
+        delay=delay,
+        pid_dir=pid_dir,
+        tests_dir=str(TESTS_DIR),
+    )
     path.write_text(text)
     return path
 
@@ -202,3 +232,33 @@ def test_precise_bn_recomputes_the_statistics_from_the_training_batches_after_th
         if "running" in key:
             torch.testing.assert_close(saved[key], value, rtol=0, atol=1e-6, msg=key)
             assert not torch.allclose(moving[key], value, atol=1e-3), key
+
+
+def test_a_replica_killed_with_sigkill_restarts_to_the_uninterrupted_weights(
+    uninterrupted: Path, tmp_path: Path
+) -> None:
+    pids = tmp_path / "pids"
+    spec = write(tmp_path, delay=0.1, pid_dir=str(pids))
+    weights, marker = tmp_path / "weights", new_marker()
+    args = ("--dp", "2", "--max-restarts", "1", "--log-level", "info")
+    proc = start_launch(spec, *args, "--dump-weights", str(weights), marker=marker)
+    try:
+        run, deadline = tmp_path / "run", time.monotonic() + 120
+        while not (run.is_dir() and latest_committed(run) is not None):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "no checkpoint committed"
+            time.sleep(0.02)
+        # Rank 3: stage 1 of replica 1 (its Slow layer records RANK-pid when built).
+        os.kill(int(next(pids.glob("3-*")).name.split("-")[1]), signal.SIGKILL)
+        out, err = proc.communicate(timeout=150)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        kill_marked(marker)
+    assert proc.returncode == 0, out + err
+    assert "stage 1 replica 1 was killed by SIGKILL" in out + err
+    assert len(list(pids.glob("3-*"))) == 2  # started again
+    want, got = dumped(uninterrupted / "weights"), dumped(weights)
+    assert sorted(got) == sorted(want)
+    for key, value in want.items():
+        assert torch.equal(got[key], value), key
