@@ -102,11 +102,11 @@ from evtrain.stages.shapes import ShapeTable
 from evtrain.stages.update import Timed, WeightUpdate
 
 _Program = list[tuple[Callable[[int, int], None], int, int, str]]
-"""Compiled instructions: (handler, microbatch, chunk, the instruction's name)."""
+"""A compiled instruction list: (handler, microbatch, chunk, the instruction's name)."""
 
-_SENDS_TO_NEXT = ("SendActivation", "RecvGrad")
+_WITH_NEXT = ("SendActivation", "RecvGrad")
 _WITH_PREV = ("RecvActivation", "SendGrad")
-"""A compiled instruction list: (handler, microbatch, chunk) triples."""
+"""The instructions whose peer is the next chunk's stage, and the previous one's."""
 
 if TYPE_CHECKING:
     from evtrain.stages.evaluation import EvalTally
@@ -351,7 +351,7 @@ class StageExecutor:
         text = f"{kind} m{microbatch}" + (f" chunk {chunk}" if self.V > 1 else "")
         peer = (
             self.routes.next[chunk]
-            if kind in _SENDS_TO_NEXT
+            if kind in _WITH_NEXT
             else self.routes.prev[chunk]
             if kind in _WITH_PREV
             else None
@@ -363,6 +363,14 @@ class StageExecutor:
 
     def _doing(self, kind: str, microbatch: int = -1, chunk: int = 0) -> None:
         self._at = (kind, microbatch, chunk, time.monotonic())
+
+    def _run(self, program: _Program) -> None:
+        """Execute ``program`` on the pass begun, noting each instruction for `doing`."""
+        offset = self._mb_offset
+        for handler, microbatch, chunk, kind in program:
+            self._at = (kind, offset + microbatch, chunk, time.monotonic())
+            handler(microbatch, chunk)
+            self._post_one()
 
     # ---------------------------------------------------------------- training
 
@@ -386,11 +394,7 @@ class StageExecutor:
             self._doing("LoadBatch")
             self._load_batch(self.stream.batch_index(index, accum))
             self._begin_pass([mb] * self.M)
-            offset = self._mb_offset
-            for handler, microbatch, chunk, kind in self._pass_program:
-                self._at = (kind, offset + microbatch, chunk, time.monotonic())
-                handler(microbatch, chunk)
-                self._post_one()
+            self._run(self._pass_program)
         self._final_pass = False
         self._doing("ReduceGrads")
         self._wait(self.update.reduce_grads(), "reduce")
@@ -777,8 +781,4 @@ class StageExecutor:
                 )
             )
             self._eval_programs[n] = program
-        offset = self._mb_offset
-        for handler, microbatch, chunk, kind in program:
-            self._at = (kind, offset + microbatch, chunk, time.monotonic())
-            handler(microbatch, chunk)
-            self._post_one()
+        self._run(program)
