@@ -26,7 +26,8 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from evtrain.stages.data_parallel import average_in_place
 
 __all__ = ["average_running_stats", "recomputing_statistics", "running_stat_layers", "synchronise"]
 
@@ -50,15 +51,7 @@ def average_running_stats(module: nn.Module, group: dist.ProcessGroup) -> None:
         for buffer in (layer.running_mean, layer.running_var)
         if buffer is not None
     ]
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for buffer in stats:
-        by_dtype.setdefault(buffer.dtype, []).append(buffer)
-    for buffers in by_dtype.values():
-        flat = _flatten_dense_tensors(buffers)
-        dist.all_reduce(flat, group=group)
-        flat /= dist.get_world_size(group)
-        for buffer, mean in zip(buffers, _unflatten_dense_tensors(flat, buffers), strict=True):
-            buffer.copy_(mean)
+    average_in_place(stats, group)
 
 
 def synchronise(modules: Sequence[nn.Module], group: dist.ProcessGroup) -> None:
@@ -92,13 +85,7 @@ def recomputing_statistics(module: nn.Module, device: torch.device) -> Iterator[
     """Inside, forward passes in training mode recompute ``module``'s running statistics
     from scratch as their plain average (see the module docstring)."""
     layers = running_stat_layers(module)
-    kept = [
-        (
-            layer.momentum,
-            None if layer.num_batches_tracked is None else layer.num_batches_tracked.clone(),
-        )
-        for layer in layers
-    ]
+    kept = [(layer.momentum, _count(layer)) for layer in layers]
     for layer in layers:
         layer.reset_running_stats()
         layer.momentum = None

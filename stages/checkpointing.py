@@ -56,6 +56,7 @@ from evtrain.events import (
     StageStopped,
 )
 from evtrain.stages.batchnorm import average_running_stats
+from evtrain.stages.data_parallel import all_gathered
 from evtrain.stages.executor import StageExecutor
 
 __all__ = [
@@ -186,10 +187,7 @@ class StageCheckpointing:
         if self._replicas is None:
             return []
         average_running_stats(self._module, self._replicas)
-        states: list[Any] = [None] * dist.get_world_size(self._replicas)
-        device = self._executor.device
-        dist.all_gather_object(states, rng_state(device), group=self._replicas)
-        return states[1:]
+        return all_gathered(rng_state(self._executor.device), self._replicas)[1:]
 
     async def _save(
         self, step: int, save: _Save, replica_rng: list[dict[str, Any]], *, planned: bool

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -56,7 +57,28 @@ from torch.nn.parallel.distributed import _find_tensors
 
 from evtrain.errors import UsageError
 
-__all__ = ["Replicas"]
+__all__ = ["Replicas", "all_gathered", "average_in_place"]
+
+
+def average_in_place(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """Make each of ``tensors`` its mean over ``group``: one flat all-reduce per dtype
+    (blocking, collective; every member passes the same shapes in the same order)."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        by_dtype.setdefault(tensor.dtype, []).append(tensor)
+    for same in by_dtype.values():
+        flat = _flatten_dense_tensors(same)
+        dist.all_reduce(flat, group=group)
+        flat /= dist.get_world_size(group)
+        for tensor, mean in zip(same, _unflatten_dense_tensors(flat, same), strict=True):
+            tensor.copy_(mean)
+
+
+def all_gathered(value: Any, group: dist.ProcessGroup) -> list[Any]:
+    """Every member's ``value`` (picklable), in rank order (blocking, collective)."""
+    values: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(values, value, group=group)
+    return values
 
 
 class Replicas:
@@ -111,13 +133,12 @@ class Replicas:
         self.ddp.reducer.prepare_for_backward(list(_find_tensors(list(tensors))))
 
     def average_grads(self, params: Sequence[nn.Parameter]) -> None:
-        """Average ``params``' gradients over the replicas in one flat all-reduce.
+        """Average ``params``' gradients over the replicas (`average_in_place`).
 
         For a split backward, whose weight gradients are complete only after
         the step's last W (the reducer's hooks never see them): as fast as
         DDP's buckets at the step end (see the module docstring).
         """
-        self.check_used(params)
         if self.find_unused and params:
             # A parameter unused here may have a gradient on another replica: every
             # replica adds the same tensors (zeros for its own missing ones), and
@@ -129,11 +150,4 @@ class Replicas:
             for p, anywhere in zip(params, used.tolist(), strict=True):
                 if anywhere and p.grad is None:
                     p.grad = torch.zeros_like(p)
-        grads = [p.grad for p in params if p.grad is not None]
-        if not grads:
-            return
-        flat = _flatten_dense_tensors(grads)
-        dist.all_reduce(flat, group=self.group)
-        flat /= dist.get_world_size(self.group)
-        for grad, averaged in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
-            grad.copy_(averaged)
+        average_in_place([p.grad for p in params if p.grad is not None], self.group)

@@ -43,6 +43,7 @@ from evtrain.job import Job
 from evtrain.job_checks import MetricFactory, is_metric_object
 from evtrain.reporting import Reporter
 from evtrain.stages.batchnorm import average_running_stats, recomputing_statistics
+from evtrain.stages.data_parallel import all_gathered
 from evtrain.stages.executor import StageExecutor
 from evtrain.stages.loading import Reader
 
@@ -183,8 +184,7 @@ class EvalTally:
         (collective over ``group``)."""
         terms = {name: torch.stack(ts).tolist() for name, ts in self._terms.items()}
         if self.group is not None:
-            shares: list[dict[str, list[float]]] = [{}] * dist.get_world_size(self.group)
-            dist.all_gather_object(shares, terms, group=self.group)
+            shares = all_gathered(terms, self.group)
             names = dict.fromkeys(name for share in shares for name in share)
             terms = {name: [t for share in shares for t in share.get(name, [])] for name in names}
         # An exactly rounded sum: the same bits whichever replica added which term.
@@ -412,10 +412,7 @@ class StageEvaluator:
         that evaluated a share of it (blocking, collective over the shares' group)."""
         sums, counts = self._reporter.take()
         if self._combine is not None:
-            shares: list[tuple[dict[str, float], dict[str, int]]] = [({}, {})] * (
-                dist.get_world_size(self._combine)
-            )
-            dist.all_gather_object(shares, (sums, counts), group=self._combine)
+            shares = all_gathered((sums, counts), self._combine)
             names = dict.fromkeys(name for share, _ in shares for name in share)
             sums = {n: _exact_sum(share.get(n, 0.0) for share, _ in shares) for n in names}
             counts = {n: sum(count.get(n, 0) for _, count in shares) for n in names}

@@ -87,7 +87,11 @@ class WeightUpdate:
 
     def reduce_grads(self) -> Timed | None:
         """`ReduceGrads`: the replicas' average (when not DDP's) and the tied weights'
-        sum over their stages; None when there is nothing to reduce."""
+        sum over their stages; None when there is nothing to reduce. With replicas it
+        first checks that every parameter got a gradient (`Replicas.check_used`):
+        before any collective that would not match across replicas."""
+        if self.replicas is not None:
+            self.replicas.check_used(self.params)
         if self.tied is None and not self._average:
             return None
         start = time.perf_counter()
@@ -110,8 +114,6 @@ class WeightUpdate:
         the replica's weighted loss sum and ``local_weight`` its total weight.
         """
         self.skipped = False
-        if self.replicas is not None:
-            self.replicas.check_used(self.params)
         grads = [p.grad for p in self.params if p.grad is not None]
         if self.scaler is not None and grads:
             self.scaler.unscale_(grads)
