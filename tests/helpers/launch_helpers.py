@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -261,6 +262,22 @@ def start_launch(spec: Path, *args: str, marker: str, **env: str) -> subprocess.
         text=True,
         start_new_session=True,
     )
+
+
+@contextlib.contextmanager
+def launched(spec: Path, *args: str, marker: str, **env: str) -> Iterator[subprocess.Popen[str]]:
+    """`start_launch` for the block; after it (also when it fails) the launch is killed
+    if it still runs, and a block that ended normally asserts that no process of the
+    launch (its ``marker``) was left behind."""
+    proc = start_launch(spec, *args, marker=marker, **env)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        left = wait_no_marked(marker, timeout=10.0)
+        kill_marked(marker)
+    assert left == []
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:

@@ -31,14 +31,12 @@ import anyio
 import pytest
 import torch
 from helpers.launch_helpers import (
-    kill_marked,
+    launched,
     new_marker,
     read_records,
     run_eval,
     run_launch,
-    start_launch,
     wait_for_records,
-    wait_no_marked,
 )
 
 from evtrain.checkpoint import list_checkpoints
@@ -206,9 +204,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trained]:
         {"type": "helpers.launch_hooks:EvalRecorder", "path": str(records)},
     ]
     spec = write_classifier_spec(directory, hooks)
-    marker = new_marker()
-    proc = start_launch(spec, marker=marker, EVTRAIN_TEST_GATE=str(gate))
-    try:
+    with launched(spec, marker=new_marker(), EVTRAIN_TEST_GATE=str(gate)) as proc:
         held = wait_for_records(
             records,
             lambda rs: any(r.get("progress") == HOLD_AT for r in rs),
@@ -217,13 +213,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trained]:
         )
         gate.touch()
         out, err = proc.communicate(timeout=90)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        left = wait_no_marked(marker, timeout=10.0)
-        kill_marked(marker)
     assert proc.returncode == 0, out + err
-    assert left == []
     yield Trained(spec, directory / "run", read_records(records), held, out)
 
 

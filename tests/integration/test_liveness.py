@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers.launch_helpers import kill_marked, new_marker, start_launch, wait_no_marked
+from helpers.launch_helpers import launched, new_marker
 
 from evtrain.stages.worker import StageReport, read_stage_reports
 
@@ -80,9 +80,6 @@ def test_a_blocked_stage_reports_its_instruction_and_its_peer_what_it_waits_on(
     at = (STEP - 1) * M + MICROBATCH + 1  # stage 1 runs its forwards in microbatch order
     spec.write_text(SPEC.format(at=at, run_dir=str(tmp_path / "run")))
     gate, marker = tmp_path / "gate", new_marker()
-    proc = start_launch(
-        spec, "--quiet", "--run-id", "live", marker=marker, EVTRAIN_TEST_GATE=str(gate)
-    )
     reports_dir = tmp_path / "run" / "launches" / "live"
 
     def blocked(reports: dict[int, StageReport]) -> bool:
@@ -95,7 +92,8 @@ def test_a_blocked_stage_reports_its_instruction_and_its_peer_what_it_waits_on(
             and "from stage 1" in zero.doing
         )
 
-    try:
+    args = ("--quiet", "--run-id", "live")
+    with launched(spec, *args, marker=marker, EVTRAIN_TEST_GATE=str(gate)) as proc:
         deadline = time.monotonic() + 120
         reports: dict[int, StageReport] = {}
         while not blocked(reports):
@@ -108,12 +106,6 @@ def test_a_blocked_stage_reports_its_instruction_and_its_peer_what_it_waits_on(
         assert reports[1].step == STEP - 1 and reports[0].step == STEP - 1
         gate.touch()
         out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        left = wait_no_marked(marker, timeout=10.0)
-        kill_marked(marker)
     assert proc.returncode == 0, out + err
-    assert left == []
     done = read_stage_reports(reports_dir, 0)
     assert {r.doing for r in done.values()} == {""}  # between steps at the end

@@ -25,11 +25,10 @@ import pytest
 import torch
 from helpers.launch_helpers import (
     TESTS_DIR,
-    kill_marked,
+    launched,
     new_marker,
     run_eval,
     run_launch,
-    start_launch,
 )
 from safetensors.torch import load_file
 
@@ -241,8 +240,7 @@ def test_a_replica_killed_with_sigkill_restarts_to_the_uninterrupted_weights(
     spec = write(tmp_path, delay=0.1, pid_dir=str(pids))
     weights, marker = tmp_path / "weights", new_marker()
     args = ("--dp", "2", "--max-restarts", "1", "--log-level", "info")
-    proc = start_launch(spec, *args, "--dump-weights", str(weights), marker=marker)
-    try:
+    with launched(spec, *args, "--dump-weights", str(weights), marker=marker) as proc:
         run, deadline = tmp_path / "run", time.monotonic() + 120
         while not (run.is_dir() and latest_committed(run) is not None):
             assert proc.poll() is None, proc.communicate()
@@ -251,10 +249,6 @@ def test_a_replica_killed_with_sigkill_restarts_to_the_uninterrupted_weights(
         # Rank 3: stage 1 of replica 1 (its Slow layer records RANK-pid when built).
         os.kill(int(next(pids.glob("3-*")).name.split("-")[1]), signal.SIGKILL)
         out, err = proc.communicate(timeout=150)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        kill_marked(marker)
     assert proc.returncode == 0, out + err
     assert "stage 1 replica 1 was killed by SIGKILL" in out + err
     assert len(list(pids.glob("3-*"))) == 2  # started again
