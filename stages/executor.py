@@ -108,6 +108,26 @@ _WITH_NEXT = ("SendActivation", "RecvGrad")
 _WITH_PREV = ("RecvActivation", "SendGrad")
 """The instructions whose peer is the next chunk's stage, and the previous one's."""
 
+
+def _describe(at: tuple[str, int, int, float], routes: ChunkRoutes, V: int, place: Place) -> str:
+    """An instruction as a stage's heartbeat says it: ``"RecvActivation m5 from stage 1"``,
+    ``"Forward m5"`` (``" chunk v"`` with several chunks), ``"OptimizerStep"``..."""
+    kind, microbatch, chunk, _ = at
+    if microbatch < 0:
+        return kind
+    text = f"{kind} m{microbatch}" + (f" chunk {chunk}" if V > 1 else "")
+    peer = (
+        routes.next[chunk]
+        if kind in _WITH_NEXT
+        else routes.prev[chunk]
+        if kind in _WITH_PREV
+        else None
+    )
+    if peer is not None and not routes.local(peer):
+        text += f" {'to' if kind.startswith('Send') else 'from'} stage {peer[0] // place.replicas}"
+    return text
+
+
 if TYPE_CHECKING:
     from evtrain.stages.evaluation import EvalTally
 
@@ -339,27 +359,10 @@ class StageExecutor:
 
     def doing(self) -> tuple[str, float] | None:
         """What this stage is executing or blocked in, and since when (`time.monotonic`),
-        or None between steps: ``"RecvActivation m5 from stage 1"``, ``"Forward m5"``
-        (``" chunk v"`` with several chunks), ``"OptimizerStep"``... Read from another
-        thread (the heartbeats): one tuple, replaced per instruction, never mutated."""
+        or None between steps (`_describe`). Read from another thread (the heartbeats):
+        one tuple, replaced per instruction, never mutated."""
         at = self._at
-        if at is None:
-            return None
-        kind, microbatch, chunk, since = at
-        if microbatch < 0:
-            return kind, since
-        text = f"{kind} m{microbatch}" + (f" chunk {chunk}" if self.V > 1 else "")
-        peer = (
-            self.routes.next[chunk]
-            if kind in _WITH_NEXT
-            else self.routes.prev[chunk]
-            if kind in _WITH_PREV
-            else None
-        )
-        if peer is not None and not self.routes.local(peer):
-            stage = peer[0] // self.place.replicas
-            text += f" {'to' if kind.startswith('Send') else 'from'} stage {stage}"
-        return text, since
+        return None if at is None else (_describe(at, self.routes, self.V, self.place), at[3])
 
     def _doing(self, kind: str, microbatch: int = -1, chunk: int = 0) -> None:
         self._at = (kind, microbatch, chunk, time.monotonic())
