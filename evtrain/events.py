@@ -171,12 +171,72 @@ class StageFailed(Event, kw_only=True, tag="stage.failed"):
     step: Count | None = None
 
 
+class HangReported(Event, kw_only=True, tag="run.hung"):
+    """No stage made progress for the hang timeout (`evtrain.launcher.hang`).
+
+    ``stage``/``replica`` is the one holding the others up, in ``doing``
+    (empty: between steps) during step ``step``; ``location`` is the innermost
+    frame of user code in its stack, if any. ``summary`` is the report's
+    short form (a line per stage); ``report`` the file with every stack.
+    The run ends after it, or elastic restarts the workers (``restarting``).
+    """
+
+    step: Count
+    stage: StageIndex
+    replica: ReplicaIndex = 0
+    doing: Annotated[str, msgspec.Meta(max_length=200)] = ""
+    location: str = ""
+    summary: str
+    report: str = ""
+    restarting: bool = False
+
+
+DOING_KINDS = frozenset(
+    {
+        # the instructions of a schedule (`evtrain.stages.instructions`)
+        "LoadMicrobatch",
+        "RecvActivation",
+        "Forward",
+        "SendActivation",
+        "RecvGrad",
+        "Backward",
+        "BackwardInput",
+        "BackwardWeight",
+        "SendGrad",
+        "ReduceGrads",
+        "OptimizerStep",
+        # the rest of a step: reading its batch, agreeing the batch's shapes
+        "LoadBatch",
+        "AgreeShapes",
+        # phases between steps, with the instruction inside them if any
+        "Evaluate",
+        "SaveCheckpoint",
+        "Boundary",
+        "AwaitPlan",
+        "AwaitVerdicts",
+    }
+)
+"""The words a `Heartbeat.doing` begins with."""
+
+
+def doing_kind(doing: str) -> str:
+    """The innermost kind in a `Heartbeat.doing` (``"Evaluate step 4: Forward m2"``:
+    ``"Forward"``): one of `DOING_KINDS`, ``"idle"`` for an empty one, else ``"other"``."""
+    if not doing:
+        return "idle"
+    kind = doing.rsplit(": ", 1)[-1].split(" ", 1)[0]
+    return kind if kind in DOING_KINDS else "other"
+
+
 class Heartbeat(Event, kw_only=True, tag="heartbeat"):
     """Periodic liveness signal of a stage (or any process).
 
-    A stage in a step says where: ``doing`` is the instruction it executes or
+    A stage says where it is: ``doing`` is the instruction it executes or
     waits in (``"RecvActivation m5 from stage 1"``, ``"Forward m5"``,
-    ``"OptimizerStep"``; empty between steps), for ``doing_s`` seconds so far.
+    ``"OptimizerStep"``), or the phase between steps with the instruction
+    inside it (``"Evaluate step 40: Forward m3"``, ``"SaveCheckpoint step
+    40"``); empty between steps. It begins with one of `DOING_KINDS`
+    (`doing_kind`) and has lasted ``doing_s`` seconds so far.
     """
 
     stage: StageIndex | None = None

@@ -43,7 +43,9 @@ __all__ = [
     "failure_from_exit",
     "find_root_cause",
     "frame_location",
+    "frame_text",
     "is_communication_error",
+    "is_user_file",
     "short_error",
     "signal_name",
     "user_frames",
@@ -112,7 +114,9 @@ def _library_roots() -> tuple[str, ...]:
     return tuple(os.path.join(os.path.realpath(root), "") for root in roots)
 
 
-def _is_user_file(filename: str) -> bool:
+def is_user_file(filename: str) -> bool:
+    """Whether ``filename`` is user code: not evtrain, torch or anything installed, not
+    the standard library."""
     if filename.startswith("<"):  # <frozen ...>, <string>
         return False
     real = os.path.realpath(filename)
@@ -127,13 +131,16 @@ def user_frames(tb: TracebackType | None) -> list[str]:
     to look (empty only without a traceback).
     """
     frames = traceback.extract_tb(tb)
-    chosen = [f for f in frames if _is_user_file(f.filename)] or frames[-1:]
-    out = []
-    for frame in chosen:
-        source = (frame.line or linecache.getline(frame.filename, frame.lineno or 0)).strip()
-        where = f"{_display_path(frame.filename)}:{frame.lineno} in {frame.name}"
-        out.append(f"{where}: {source}" if source else where)
-    return out
+    chosen = [f for f in frames if is_user_file(f.filename)] or frames[-1:]
+    return [frame_text(f.filename, f.lineno or 0, f.name, f.line) for f in chosen]
+
+
+def frame_text(filename: str, lineno: int, function: str, source: str | None = None) -> str:
+    """A frame as `user_frames` gives it: ``FILE:LINE in FUNCTION: SOURCE`` (the source
+    line read from the file when not given)."""
+    line = (source or linecache.getline(filename, lineno)).strip()
+    where = f"{_display_path(filename)}:{lineno} in {function}"
+    return f"{where}: {line}" if line else where
 
 
 def frame_location(frame: str) -> str:

@@ -88,6 +88,7 @@ from evtrain.events import (
     CheckpointShardSaved,
     EvalEnded,
     Event,
+    HangReported,
     Heartbeat,
     HookError,
     HookStarted,
@@ -97,6 +98,7 @@ from evtrain.events import (
     StageStarted,
     StageStopped,
     StepEnded,
+    doing_kind,
 )
 from evtrain.exporters.prometheus_catalogue import Metrics
 from evtrain.formatting import safe_text
@@ -272,6 +274,8 @@ class PrometheusExporter(Hook):
         self._run_id: str | None = None
         self._ended_at: float | None = None
         self._waits: dict[StageReplica, deque[tuple[float, float]]] = {}
+        self._instructions: dict[StageReplica, str] = {}
+        """The instruction label of each stage's one ``evtrain_stage_instruction_seconds``."""
         self._metric_names = _Labels()
         self._eval_sets = _Labels()
         self._stages = _Labels()
@@ -425,6 +429,10 @@ class PrometheusExporter(Hook):
                     metric.remove(*labels)
             self._places.discard(place)
             self._waits.pop(place, None)
+            kind = self._instructions.pop(place, None)
+            if kind is not None:
+                with contextlib.suppress(KeyError):
+                    self.m.instruction.remove(*labels, kind)
             self.liveness.forget(place)
         self._stages.values -= {str(p[0]) for p in gone} - {str(p[0]) for p in self._places}
         self._replicas.values -= {str(p[1]) for p in gone} - {str(p[1]) for p in self._places}
@@ -527,9 +535,27 @@ class PrometheusExporter(Hook):
 
     @on(Heartbeat)
     def heartbeat(self, ev: Heartbeat) -> None:
-        """A stage process is alive (heartbeats of other processes carry no stage)."""
-        if ev.stage is not None:
-            self._seen(ev.stage, ev.replica, ev)
+        """A stage process is alive (heartbeats of other processes carry no stage); the
+        instruction it is in."""
+        if ev.stage is None:
+            return
+        labels = self._seen(ev.stage, ev.replica, ev)
+        if labels is None:
+            return
+        kind = doing_kind(ev.doing)
+        place = (ev.stage, ev.replica)
+        previous = self._instructions.get(place)
+        if previous is not None and previous != kind:
+            with contextlib.suppress(KeyError):
+                self.m.instruction.remove(*labels, previous)
+        self._instructions[place] = kind
+        self.m.instruction.labels(*labels, kind).set(ev.doing_s)
+
+    @on(HangReported)
+    def hang_reported(self, ev: HangReported) -> None:
+        """The launcher found the run hung."""
+        if self.of_this_run(ev):
+            self.m.hangs.inc()
 
     @on(StageStopped)
     def stage_stopped(self, ev: StageStopped) -> None:

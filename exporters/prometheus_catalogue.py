@@ -246,6 +246,22 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     MetricSpec(
         "stage_failures", "evtrain_stage_failures", "counter", STAGE_LABELS, "stage failures"
     ),
+    MetricSpec(
+        "instruction",
+        "evtrain_stage_instruction_seconds",
+        "gauge",
+        (*STAGE_LABELS, "instruction"),
+        "seconds the stage has been in its current instruction, as of its latest heartbeat "
+        "(`instruction`: Forward, RecvGrad, LoadBatch, SaveCheckpoint..., idle between "
+        "steps; one series per stage)",
+    ),
+    MetricSpec(
+        "hangs",
+        "evtrain_hangs_reported",
+        "counter",
+        (),
+        "hangs the launcher reported: no stage progressed for the hang timeout",
+    ),
 )
 
 

@@ -128,6 +128,7 @@ communication error) before `StageFailed` is published.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import math
 import os
 import resource
@@ -137,9 +138,9 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import IO, Any, Literal
 
 import anyio
 import anyio.to_thread
@@ -194,7 +195,14 @@ from evtrain.stages.setup import (
     prepare_stage,
     restart_count,
 )
-from evtrain.stages.worker import ReportStatus, StageReport, WorkerConfig
+from evtrain.stages.worker import (
+    ReportStatus,
+    StageReport,
+    WorkerConfig,
+    enable_stack_dumps,
+    flight_recorder_env,
+    this_host,
+)
 
 __all__ = ["RankInfo", "StageActor", "run_worker", "serve", "spans_enabled"]
 
@@ -298,15 +306,28 @@ class StageActor:
         self._in_step = False
         self._last_loss: float | None = None
         self.report: StageReport | None = None
+        self._stacks: IO[str] | None = None
+        self._phase: tuple[str, float] | None = None
+        """What the stage does outside the executor's instructions, and since when
+        (`_in_phase`)."""
         if config.report_dir is not None:
+            attempt = restart_count()
             self.report = StageReport(
                 rank=ranks.rank,
                 stage=self.stage,
                 pid=os.getpid(),
-                attempt=restart_count(),
+                host=this_host(),
+                attempt=attempt,
                 status="starting",
                 updated=time.time(),
             )
+            # Before the first report: the launcher asks for stacks only of a
+            # stage that reported, and the signal would otherwise end it.
+            self._stacks = enable_stack_dumps(config.report_dir, attempt, ranks.rank)
+            recorder = flight_recorder_env(config.report_dir, config.run_id, attempt)
+            for names, value in recorder.items():
+                if not any(name in os.environ for name in names):
+                    os.environ[names[0]] = value
         # Span times are perf_counter readings; this turns them into wall clock.
         self._clock_offset = time.time() - time.perf_counter()
 
@@ -457,12 +478,30 @@ class StageActor:
             await anyio.sleep(HEARTBEAT_INTERVAL_S)
 
     def _doing(self) -> tuple[str, float]:
-        """The instruction the executor is in and for how long (``""``: none)."""
+        """The instruction the executor is in, within the phase it serves (an evaluation:
+        ``"Evaluate step 40: Forward m3"``), and for how long (``""``: none)."""
         at = self.runtime.executor.doing() if self.runtime is not None else None
-        if at is None:
+        phase = self._phase
+        if at is None and phase is None:
             return "", 0.0
-        text, since = at
+        if at is None:
+            assert phase is not None
+            text, since = phase
+        elif phase is None:
+            text, since = at
+        else:
+            text, since = f"{phase[0]}: {at[0]}", at[1]
         return text[:200], round(max(0.0, time.monotonic() - since), 3)
+
+    @contextlib.contextmanager
+    def _in_phase(self, text: str) -> Iterator[None]:
+        """What the stage does until the block ends, for `_doing` (the executor's
+        instruction, if any, is named within it)."""
+        self._phase = (text, time.monotonic())
+        try:
+            yield
+        finally:
+            self._phase = None
 
     async def _signals(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -529,8 +568,10 @@ class StageActor:
                 )
             )
             if self.config.await_plan and self._receiver is not None:
-                await await_plan(self._receiver)
-        first = await anyio.to_thread.run_sync(control.exchange, 0.0, self._stop_requested)
+                with self._in_phase("AwaitPlan (the checkpoint hook's plan)"):
+                    await await_plan(self._receiver)
+        with self._in_phase("Boundary 0"):
+            first = await anyio.to_thread.run_sync(control.exchange, 0.0, self._stop_requested)
         self.state = "running"
         log.debug("stage running", stage=self.stage, steps=total, device=str(self.device))
         if self.config.evaluate_only:
@@ -548,9 +589,10 @@ class StageActor:
         # got every stage's StageStopped back from the broker, so RunEnded
         # reaches every hook after all of them.
         checkpointing = rt.checkpointing
-        if self.completed > start_step:
-            await checkpointing.save_on_stop(self.completed, rt.orders.plan)
-        await checkpointing.finish()
+        with self._in_phase(f"SaveCheckpoint step {self.completed}"):
+            if self.completed > start_step:
+                await checkpointing.save_on_stop(self.completed, rt.orders.plan)
+            await checkpointing.finish()
         self.publish(
             StageStopped(
                 stage=self.stage,
@@ -562,9 +604,10 @@ class StageActor:
         await anyio.to_thread.run_sync(finish_stage, rt, self.config.dump_weights_dir)
         if self._verdicts is not None:
             everyone = {(s, r) for s in range(self.num_stages) for r in range(self.place.replicas)}
-            await await_the_end(
-                self._verdicts, self.config.run_id, everyone, checkpointing.awaiting
-            )
+            with self._in_phase("AwaitVerdicts (the checkpoint hook's commits)"):
+                await await_the_end(
+                    self._verdicts, self.config.run_id, everyone, checkpointing.awaiting
+                )
         self._write_report(status)
         if self.place.rank == 0:
             self.publish(RunEnded(status=status, reason=stop_reason or "", step=self.completed))
@@ -587,7 +630,8 @@ class StageActor:
                 )
         # The final boundary: what arrived since the last one (a checkpoint
         # that a hook asked for on the last step's events) applies too.
-        final = await anyio.to_thread.run_sync(control.exchange, 0.0, self._stop_requested)
+        with self._in_phase(f"Boundary {step}"):
+            final = await anyio.to_thread.run_sync(control.exchange, 0.0, self._stop_requested)
         await self._boundary(step, final, scheduled_eval=False, final=True)
         return step, stop_reason
 
@@ -716,7 +760,10 @@ class StageActor:
                 metric = await anyio.to_thread.run_sync(
                     self._share_metric, metrics.get(plan.best_metric, math.nan)
                 )
-        await rt.checkpointing.save_due(step, work.checkpoints, orders.plan, metric, periodic=fresh)
+        with self._in_phase(f"SaveCheckpoint step {step}"):
+            await rt.checkpointing.save_due(
+                step, work.checkpoints, orders.plan, metric, periodic=fresh
+            )
         rt.checkpointing.publish_done()
         if work.stop_reason is None and control.signalled:
             return "signal"
@@ -752,7 +799,8 @@ class StageActor:
         sets, prefixed for named ones) on the last stage, else {}."""
         previous, self.state = self.state, "evaluating"
         try:
-            result = await self._rt.evaluator.evaluate(step)
+            with self._in_phase(f"Evaluate step {step}"):
+                result = await self._rt.evaluator.evaluate(step)
         finally:
             self.state = previous
         if result is None:

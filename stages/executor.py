@@ -452,6 +452,8 @@ class StageExecutor:
         n = len(sizes)
         self._n = n
         start = time.perf_counter()
+        if self.shapes.varying:
+            self._doing("AgreeShapes")
         ids = self.shapes.pass_ids(sizes, self._batch_x if any(self.routes.first) else None)
         if self._spans is not None and self.shapes.varying:
             self._spans.append(Span("wait", -1, start, time.perf_counter(), "shapes"))

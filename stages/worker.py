@@ -18,20 +18,51 @@
   status and failure even when the bus is lost. A worker killed by a signal
   leaves its last report behind; its exit status comes from the elastic agent
   (`evtrain.elastic_agent`).
+* Stacks on request — a stage that hangs cannot say where. Every worker
+  registers `faulthandler` for ``SIGUSR1`` (`enable_stack_dumps`): the
+  launcher's signal (`request_stacks`) makes it write every thread's Python
+  stack to ``attempt-{a}/stacks-rank-{r}.txt`` from the signal handler,
+  whatever its threads are blocked in. Under NCCL, torch's Flight Recorder
+  (the last collectives of each rank) is kept and dumped the same way: the
+  worker sets torch's ``TORCH_FR_*`` and ``TORCH_NCCL_DEBUG_INFO_PIPE_FILE``
+  variables unless the user did (`flight_recorder_env`), and writing to its
+  named pipe makes torch write ``attempt-{a}/flight-recorder-rank-{r}``
+  (`request_flight_recorder`).
 
 The module is torch-free: the launcher reads it without the stage runtime.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import signal
+import socket
+import tempfile
 import time
 from pathlib import Path
-from typing import Literal
+from typing import IO, Literal
 
 import msgspec
 
-__all__ = ["ReportStatus", "StageReport", "WorkerConfig", "read_stage_reports"]
+__all__ = [
+    "STACK_SIGNAL",
+    "ReportStatus",
+    "StageReport",
+    "WorkerConfig",
+    "enable_stack_dumps",
+    "flight_recorder_dumps",
+    "flight_recorder_env",
+    "read_stage_reports",
+    "remove_flight_recorder_pipes",
+    "request_flight_recorder",
+    "request_stacks",
+    "stacks_path",
+    "this_host",
+]
+
+STACK_SIGNAL = signal.SIGUSR1
+"""What makes a worker write its stacks (`enable_stack_dumps`)."""
 
 ReportStatus = Literal["starting", "running", "completed", "stopped", "failed"]
 
@@ -99,6 +130,8 @@ class StageReport(msgspec.Struct, kw_only=True):
     stage: int
     replica: int = 0
     pid: int
+    host: str = ""
+    """The machine the process runs on (its pid means something only there)."""
     attempt: int = 0
     """Elastic's restart count of the worker group this process belongs to."""
     status: ReportStatus
@@ -162,3 +195,93 @@ def read_stage_reports(directory: str | os.PathLike[str], attempt: int) -> dict[
             continue
         reports[report.rank] = report
     return reports
+
+
+# ------------------------------------------------------------ stacks on request
+
+
+def stacks_path(directory: str | os.PathLike[str], attempt: int, rank: int) -> Path:
+    """Where rank ``rank`` of ``attempt`` writes its stacks when asked."""
+    return _attempt_dir(directory, attempt) / f"stacks-rank-{rank}.txt"
+
+
+def enable_stack_dumps(directory: str | os.PathLike[str], attempt: int, rank: int) -> IO[str]:
+    """From now on `STACK_SIGNAL` writes every thread's stack to `stacks_path`.
+
+    The file stays open for the life of the process (faulthandler writes to
+    its descriptor from the signal handler); the caller keeps it.
+    """
+    path = stacks_path(directory, attempt, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    stream = path.open("w")
+    faulthandler.register(STACK_SIGNAL, file=stream, all_threads=True)
+    return stream
+
+
+def request_stacks(pids: list[int]) -> list[int]:
+    """Ask each process of ``pids`` (this machine's workers) for its stacks; those that
+    could be signalled."""
+    asked = []
+    for pid in pids:
+        try:
+            os.kill(pid, STACK_SIGNAL)
+        except OSError:
+            continue
+        asked.append(pid)
+    return asked
+
+
+def _flight_recorder_pipe_stem(run_id: str, attempt: int) -> str:
+    # A named pipe wants a local file system: the report directory may be a network one.
+    return os.path.join(tempfile.gettempdir(), f"evtrain-{run_id}-{attempt}-fr-")
+
+
+def flight_recorder_env(
+    directory: str | os.PathLike[str], run_id: str, attempt: int
+) -> dict[tuple[str, ...], str]:
+    """What keeps torch's NCCL Flight Recorder and lets `request_flight_recorder` dump it
+    (without NCCL it does nothing): each value under the variable names torch reads
+    for it; a worker sets the first name where the user set none of them."""
+    dumps = _attempt_dir(directory, attempt) / "flight-recorder-rank-"
+    return {
+        ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"): "2000",
+        ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"): str(dumps),
+        ("TORCH_NCCL_DEBUG_INFO_PIPE_FILE",): _flight_recorder_pipe_stem(run_id, attempt),
+    }
+
+
+def request_flight_recorder(run_id: str, attempt: int) -> int:
+    """Ask every NCCL rank of ``attempt`` on this machine to dump its Flight Recorder
+    (torch reads its named pipe in a thread of its own); how many were asked."""
+    stem = _flight_recorder_pipe_stem(run_id, attempt)
+    asked = 0
+    for pipe in Path(stem).parent.glob(Path(stem).name + "*.pipe"):
+        try:
+            fd = os.open(pipe, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:  # no reader: the rank is gone
+            continue
+        try:
+            os.write(fd, b"1")
+            asked += 1
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return asked
+
+
+def flight_recorder_dumps(directory: str | os.PathLike[str], attempt: int) -> list[Path]:
+    """The Flight Recorder dumps torch wrote for ``attempt``."""
+    return sorted(_attempt_dir(directory, attempt).glob("flight-recorder-rank-*"))
+
+
+def remove_flight_recorder_pipes(run_id: str) -> None:
+    """The named pipes torch made for this run's ranks (it does not remove them)."""
+    stem = Path(_flight_recorder_pipe_stem(run_id, 0))
+    for pipe in stem.parent.glob(f"evtrain-{run_id}-*-fr-*.pipe"):
+        pipe.unlink(missing_ok=True)
+
+
+def this_host() -> str:
+    """The name `StageReport.host` carries."""
+    return socket.gethostname()

@@ -124,6 +124,15 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         "they are terminated (default 30)",
     )
     group.add_argument(
+        "--hang-timeout",
+        type=float,
+        metavar="S",
+        help="report the run hung and end it (exit status 4) when no stage's step or "
+        "instruction changed for S seconds: a report names where each stage is, what it "
+        "waits on and its Python stack (default: 300, or 10 times the slowest step if "
+        "longer; 0: never)",
+    )
+    group.add_argument(
         "--start-method",
         choices=("spawn", "forkserver", "fork"),
         default="forkserver",
@@ -190,6 +199,7 @@ def run(args: argparse.Namespace) -> int:
         run_id=args.run_id,
         quiet=args.quiet,
         grace_s=args.grace,
+        hang_timeout=args.hang_timeout,
         start_method=args.start_method,
         log_format=args.log_format,
         log_level=args.log_level,

@@ -20,7 +20,8 @@ One `Launcher` (`evtrain.launcher.launcher`) runs one job on this node:
    several machines), and follows the run: progress line
    (`evtrain.progress`) from the bus; the truth about every stage, failures
    and their root cause from files that do not depend on the bus, and a bus
-   that was lost (`evtrain.launcher.watch`); signals and the phases of a stop
+   that was lost (`evtrain.launcher.watch`); a run that hangs
+   (`evtrain.launcher.hang`); signals and the phases of a stop
    (`evtrain.launcher.stop`).
 5. At the end hooks get time to finish (they exit on `RunEnded`), then it
    prints a summary and returns the exit status (`evtrain.launcher.report`).
@@ -34,13 +35,15 @@ Exit status: 0 when the run completed or was stopped cleanly (by a hook's
 stop command, or by SIGTERM/Ctrl-C when the stages ended the run at a step
 boundary); 1 when a stage failed; 2 for a usage mistake (nothing started);
 3 when the training completed or stopped cleanly but the bus was lost on the
-way; 128 + N when signal N arrived before the stages could stop cleanly.
+way; 4 when the run hung (`evtrain.launcher.hang`); 128 + N when signal N
+arrived before the stages could stop cleanly.
 """
 
 from evtrain.launcher.launcher import Launcher
 from evtrain.launcher.options import (
     EXIT_BUS_LOST,
     EXIT_FAILED,
+    EXIT_HUNG,
     EXIT_OK,
     RESUME_AUTO,
     RESUME_LATEST,
@@ -54,6 +57,7 @@ from evtrain.launcher.watch import FAILED_WORKERS_GRACE_S
 __all__ = [
     "EXIT_BUS_LOST",
     "EXIT_FAILED",
+    "EXIT_HUNG",
     "EXIT_OK",
     "FAILED_WORKERS_GRACE_S",
     "RESUME_AUTO",

@@ -6,6 +6,8 @@ The phases and the exit statuses are the package's docstring
 
 from __future__ import annotations
 
+import contextlib
+import os
 import secrets
 import signal
 import sys
@@ -26,6 +28,7 @@ from evtrain.events import (
     EvalEnded,
     EvalProgress,
     EvalStarted,
+    HangReported,
     Heartbeat,
     HookStarted,
     Message,
@@ -39,6 +42,7 @@ from evtrain.failures import RootCause
 from evtrain.hook_supervisor import HookSupervisor
 from evtrain.launcher.agent import AgentProcess, agent_config, agent_report_path, cleanup_message
 from evtrain.launcher.bus import RunBus
+from evtrain.launcher.hang import Hang, HangWatch, StageState, process_state
 from evtrain.launcher.hooks import finish_hooks, start_hooks, wait_attached
 from evtrain.launcher.options import (
     EXIT_FAILED,
@@ -55,6 +59,15 @@ from evtrain.launcher.stop import StopAction, StopMachine, StopRequests
 from evtrain.launcher.watch import BusWatch, FailureWatch, workers_outstay_failure
 from evtrain.progress import RunConsole
 from evtrain.run_record import LAUNCHES_DIR
+from evtrain.stages.worker import (
+    StageReport,
+    flight_recorder_dumps,
+    remove_flight_recorder_pipes,
+    request_flight_recorder,
+    request_stacks,
+    stacks_path,
+    this_host,
+)
 
 __all__ = ["Launcher"]
 
@@ -73,6 +86,8 @@ _TOPICS = (
     Heartbeat.topic.decode(),
 )
 _POLL_S = 0.1
+STACKS_WAIT_S = 3.0
+"""Seconds a hang report waits for the stages' stacks (a stopped process sends none)."""
 
 
 def _exit_on_signal(signum: int, frame: object) -> None:
@@ -97,6 +112,8 @@ class Launcher:
       `request_stop`;
     * `evtrain.launcher.watch.FailureWatch` and `evtrain.launcher.watch.BusWatch`: the
       stages' and the agent's reports, root causes, a lost bus;
+    * `evtrain.launcher.hang.HangWatch` and `evtrain.launcher.hang.Hang`: a run that
+      makes no progress, and where it is stuck;
     * `evtrain.launcher.report.Report`: header, summary, an evaluation's result, the
       failure, ``run.json``; on `evtrain.progress.RunConsole`, the terminal.
     """
@@ -124,6 +141,9 @@ class Launcher:
         self._supervisor: HookSupervisor | None = None
         self._failures: FailureWatch | None = None
         self._bus_watch: BusWatch | None = None
+        self._hang_watch: HangWatch | None = None
+        self._hang: Hang | None = None
+        """The hang that ended the run."""
         self._publisher: Publisher | None = None
         self._config_sent = False
         self._ended: RunEnded | None = None
@@ -242,6 +262,9 @@ class Launcher:
             restarts=self.options.max_restarts,
         )
         self._bus_watch = BusWatch(bus, self.console.warn, since=self._started)
+        if self.is_bus_owner:
+            # Node 0 decides for the run: another node sees its own stages only.
+            self._hang_watch = HangWatch(self.options.hang_timeout)
         self.report = Report(
             self.options,
             plan,
@@ -400,6 +423,7 @@ class Launcher:
             supervisor.poll()
             failures.refresh()
             self._watch_failure(failures)
+            await self._watch_hang(failures)
             self.console.tick()
             self._act(self.stop.tick(time.monotonic(), stages=plan.job.stages))
             await anyio.sleep(_POLL_S)
@@ -441,7 +465,9 @@ class Launcher:
         self.console.close()
         assert self.report is not None
         signum, ended = self.stop.signal, self._ended
-        return self.report.conclude(agent_status, stop_signal=signum, ended=ended, root=self._root)
+        return self.report.conclude(
+            agent_status, stop_signal=signum, ended=ended, root=self._root, hang=self._hang
+        )
 
     def _watch_failure(self, failures: FailureWatch) -> None:
         """Announce failed attempts; once the last one failed, end the run for the hooks.
@@ -464,6 +490,91 @@ class Launcher:
             self.stop.killed_workers()  # their deaths are ours, not a failure
             self._kill_agent()
 
+    async def _watch_hang(self, failures: FailureWatch) -> None:
+        """Report a run that made no progress for the hang timeout, and end it (or have
+        elastic restart it: `evtrain.launcher.hang`)."""
+        watch = self._hang_watch
+        if watch is None or self._published is not None or self.stop.phase > 0:
+            return
+        now = time.monotonic()
+        if not watch.observe(failures.stage_reports, now):
+            return
+        attempt = failures.current_attempt()
+        number = attempt.attempt if attempt is not None else 0
+        hang = await self._compose_hang(failures.stage_reports, number, watch.still_for(now))
+        restarting = failures.restart_pending(attempt)
+        name = f"hang-attempt-{number}.txt" if restarting else "hang.txt"
+        path: Path | None = self.report_dir / name
+        assert path is not None
+        try:
+            recorder = flight_recorder_dumps(self.report_dir, number)
+            path.write_text(hang.text(flight_recorder=recorder))
+        except OSError as exc:
+            log.warning("cannot write the hang report", error=str(exc))
+            path = None
+        culprit = hang.culprit.report
+        event = HangReported(
+            step=hang.step,
+            stage=culprit.stage,
+            replica=culprit.replica,
+            doing=culprit.doing,
+            location=hang.culprit.location(),
+            summary=hang.summary(None),
+            report=str(path or ""),
+            restarting=restarting,
+        )
+        if self._publisher is not None and not self._bus_down():
+            self._publisher.publish(event)
+        self.console.error(hang.summary(path))
+        if restarting:
+            # Elastic restarts a worker group one of whose workers died.
+            failures.hung_attempts[number] = hang.headline()
+            self._hang_watch = HangWatch(self.options.hang_timeout)
+            for report in failures.stage_reports.values():
+                if report.host == this_host():
+                    with contextlib.suppress(OSError):
+                        os.kill(report.pid, signal.SIGKILL)
+            return
+        self._hang = hang
+        headline = hang.headline()
+        self._publish(
+            RunEnded(status="failed", reason=headline, root_cause=headline, step=hang.step)
+        )
+        self.stop.killed_workers()  # their deaths are ours, not a failure
+        self._kill_agent()
+
+    async def _compose_hang(
+        self, reports: dict[int, StageReport], attempt: int, still_s: float
+    ) -> Hang:
+        """The hang report, with the stacks of this machine's stages (`Hang.compose`)."""
+        host = this_host()
+        local = {rank: r for rank, r in reports.items() if r.host == host}
+        paths = {rank: stacks_path(self.report_dir, attempt, rank) for rank in local}
+        request_stacks([r.pid for r in local.values()])
+        recorders = request_flight_recorder(self.run_id, attempt)
+        deadline = time.monotonic() + STACKS_WAIT_S
+        sizes: dict[int, int] = {}
+        while time.monotonic() < deadline:
+            await anyio.sleep(0.1)
+            now_sizes = {rank: _size(path) for rank, path in paths.items()}
+            # Every dump written and none still growing: a stopped process writes none.
+            recorded = len(flight_recorder_dumps(self.report_dir, attempt)) >= recorders
+            if all(now_sizes.values()) and now_sizes == sizes and recorded:
+                break
+            sizes = now_sizes
+        wall, states = time.time(), []
+        for rank, report in sorted(reports.items()):
+            stack = ""
+            if rank in paths:
+                with contextlib.suppress(OSError):
+                    stack = paths[rank].read_text(errors="replace")
+            process = process_state(report.pid) if rank in local else ""
+            replicas = self.job.data_parallel
+            states.append(
+                StageState.of(report, replicas=replicas, wall=wall, process=process, stack=stack)
+            )
+        return Hang.compose(states, still_s)
+
     def _publish(self, event: RunEnded, *, on_bus: StageFailed | None = None) -> None:
         """The run ended with ``event``: published (or ``on_bus`` instead) and remembered."""
         if self._publisher is not None and not self._bus_down():
@@ -477,11 +588,12 @@ class Launcher:
 
     def _write_record(self, **extra: Any) -> None:
         assert self.report is not None
-        self.report.write_record(root=self._root, **extra)
+        self.report.write_record(root=self._root, hang=self._hang, **extra)
 
     def _cleanup(self) -> None:
         """Whatever happened: no process of ours left, broker stopped, ipc dir removed."""
         self._kill_agent()
+        remove_flight_recorder_pipes(self.run_id)
         if self.bus is not None:
             self.bus.close_clients(bus_down=self._bus_down())
         if self._supervisor is not None:
@@ -489,3 +601,10 @@ class Launcher:
         if self.bus is not None:
             self.bus.stop()
         self.console.close()
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0

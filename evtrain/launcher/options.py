@@ -25,6 +25,7 @@ __all__ = [
     "EVAL_FILE",
     "EXIT_BUS_LOST",
     "EXIT_FAILED",
+    "EXIT_HUNG",
     "EXIT_OK",
     "LAUNCHER_SOURCE",
     "RESUME_AUTO",
@@ -43,6 +44,8 @@ EXIT_FAILED = 1
 """A stage failed (or the launch itself could not go on)."""
 EXIT_BUS_LOST = 3
 """The run completed or stopped cleanly, but the bus was lost on the way."""
+EXIT_HUNG = 4
+"""No stage made progress for the hang timeout (`evtrain.launcher.hang`): the run was ended."""
 LAUNCHER_SOURCE = "launcher"
 """The ``source`` of what the launcher publishes on the bus."""
 RESUME_LATEST = "latest"
@@ -124,6 +127,9 @@ class LaunchOptions:
     quiet: bool = False
     grace_s: float = 30.0
     """Seconds the workers get to end the run after the stop command, before signals."""
+    hang_timeout: float | None = None
+    """Seconds without progress of any stage after which the run is reported hung and
+    ended (`evtrain.launcher.hang`); None: derived from the step time; 0: never."""
     hook_attach_timeout: float = 60.0
     hook_finish_timeout: float = 10.0
     start_method: str = "forkserver"
@@ -151,6 +157,8 @@ def check_options(options: LaunchOptions) -> str | None:
     local_addr = None
     if opts.max_restarts < 0:
         raise UsageError(f"--max-restarts must be >= 0, got {opts.max_restarts}")
+    if opts.hang_timeout is not None and not opts.hang_timeout >= 0:
+        raise UsageError(f"--hang-timeout must be >= 0 seconds, got {opts.hang_timeout}")
     if opts.hook_restarts < 0:
         raise UsageError(f"--hook-restarts must be >= 0, got {opts.hook_restarts}")
     if opts.nnodes < 1:

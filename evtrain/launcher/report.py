@@ -4,8 +4,9 @@ The exit status (`exit_status`): 0 when the run completed or was stopped
 cleanly (by a hook's stop command, or by SIGTERM/Ctrl-C when the stages
 ended the run at a step boundary); 1 when a stage failed; 2 for a usage
 mistake (nothing started); 3 when the training completed or stopped cleanly
-but the bus was lost on the way (`evtrain.launcher.watch.BusWatch`);
-128 + N when signal N arrived before the stages could stop cleanly.
+but the bus was lost on the way (`evtrain.launcher.watch.BusWatch`); 4 when
+the run hung and the launcher ended it (`evtrain.launcher.hang`); 128 + N
+when signal N arrived before the stages could stop cleanly.
 
 A failure is printed once (the root cause, the user's frames, one line per
 consequence) and written in full to ``RUN_DIR/launches/RUN_ID/failure.txt``.
@@ -30,7 +31,14 @@ from evtrain.checkpoint import read_manifest
 from evtrain.events import RunEnded
 from evtrain.failures import RootCause
 from evtrain.launcher.bus import RunBus, curve_dir
-from evtrain.launcher.options import EXIT_BUS_LOST, EXIT_FAILED, EXIT_OK, LaunchOptions
+from evtrain.launcher.hang import Hang
+from evtrain.launcher.options import (
+    EXIT_BUS_LOST,
+    EXIT_FAILED,
+    EXIT_HUNG,
+    EXIT_OK,
+    LaunchOptions,
+)
 from evtrain.launcher.plan import LaunchPlan, world
 from evtrain.launcher.watch import BusWatch, FailureWatch
 from evtrain.progress import RunConsole
@@ -55,11 +63,15 @@ def exit_status(
     ended: RunEnded | None,
     root: RootCause | None,
     bus_lost: bool,
+    hung: bool = False,
 ) -> int:
     """The launch's exit status (module docstring) from how the agent and the stages ended.
 
-    ``ended``: the stages' own ``RunEnded``; ``root``: the root cause of a failure.
+    ``ended``: the stages' own ``RunEnded``; ``root``: the root cause of a failure;
+    ``hung``: the launcher ended the run because it hung.
     """
+    if hung:
+        return EXIT_HUNG
 
     def degraded(status: int) -> int:
         return EXIT_BUS_LOST if status == EXIT_OK and bus_lost else status
@@ -93,6 +105,8 @@ def ending_word(status: int, *, stop_signal: int | None, ended_status: str) -> s
     """The summary's word for how the run ended."""
     if status in (EXIT_OK, EXIT_BUS_LOST):
         return ended_status
+    if status == EXIT_HUNG:
+        return "hung"
     if stop_signal is not None and status != EXIT_FAILED:
         return f"interrupted ({signal.Signals(stop_signal).name})"
     return "failed"
@@ -104,6 +118,8 @@ def record_status(status: int, *, ended_status: str) -> str:
         return ended_status
     if status == EXIT_FAILED:
         return "failed"
+    if status == EXIT_HUNG:
+        return "hung"
     return "interrupted"
 
 
@@ -177,14 +193,21 @@ class Report:
         stop_signal: int | None,
         ended: RunEnded | None,
         root: RootCause | None,
+        hang: Hang | None = None,
     ) -> int:
         """Print the summary (or the evaluation) and the failure; return the exit status.
 
-        ``ended``: the stages' own ``RunEnded``; ``root``: the root cause of a failure.
+        ``ended``: the stages' own ``RunEnded``; ``root``: the root cause of a failure;
+        ``hang``: the hang that ended the run (already reported).
         """
         bus_lost = self.bus_watch.loss is not None
         status = exit_status(
-            agent_status, stop_signal=stop_signal, ended=ended, root=root, bus_lost=bus_lost
+            agent_status,
+            stop_signal=stop_signal,
+            ended=ended,
+            root=root,
+            bus_lost=bus_lost,
+            hung=hang is not None,
         )
         said = self.failures.ended_status(ended)
         word = ending_word(status, stop_signal=stop_signal, ended_status=said)
@@ -277,7 +300,9 @@ class Report:
         self.err.write("\n".join(lines) + "\n")
         self.err.flush()
 
-    def write_record(self, *, root: RootCause | None, **extra: Any) -> None:
+    def write_record(
+        self, *, root: RootCause | None, hang: Hang | None = None, **extra: Any
+    ) -> None:
         """Write ``run.json`` (the bus owner only): the launch as it stands, and ``extra``."""
         if not self.bus.is_owner:
             return
@@ -314,6 +339,17 @@ class Report:
         }
         if root is not None:
             data["root_cause"] = root.headline()
+        if hang is not None:
+            culprit = hang.culprit.report
+            data["root_cause"] = hang.headline()
+            data["hang"] = {
+                "step": hang.step,
+                "stage": culprit.stage,
+                "replica": culprit.replica,
+                "doing": culprit.doing,
+                "location": hang.culprit.location(),
+                "report": str(self.report_dir / "hang.txt"),
+            }
         bus_lost = self.bus_watch.record(checkpointing=plan.checkpointing, run_dir=self.run_dir)
         if bus_lost is not None:
             data["bus_lost"] = bus_lost

@@ -100,6 +100,8 @@ class FailureWatch:
         self.stage_reports: dict[int, StageReport] = {}
         """The current attempt's reports, by global rank."""
         self._failure_seen_at: float | None = None
+        self.hung_attempts: dict[int, str] = {}
+        """Attempts the launcher ended because they hung, with the hang's headline."""
         self._announced_attempts: set[int] = set()
         self._told: RootCause | None = None
 
@@ -207,8 +209,9 @@ class FailureWatch:
             if attempt.attempt in self._announced_attempts:
                 continue
             self._announced_attempts.add(attempt.attempt)
-            root = self.root_cause(attempt, ended_by_us=ended_by_us)
-            what = root.headline() if root is not None else "the stage workers failed"
+            hang = self.hung_attempts.get(attempt.attempt)
+            root = self.root_cause(attempt, ended_by_us=ended_by_us) if hang is None else None
+            what = hang or (root.headline() if root is not None else "the stage workers failed")
             lines.append(
                 f"{what}; elastic restarts the workers "
                 f"(restart {attempt.attempt + 1} of {self.restarts})"

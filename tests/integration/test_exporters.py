@@ -816,3 +816,42 @@ def test_info_and_timestamp_series_an_sre_alerts_on() -> None:
     assert infos == [{"run_id": "b", "name": "r", "schedule": "zb"}]
     version = importlib.metadata.version("evtrain")
     assert value("evtrain_build_info", {"version": version}) == 1
+
+
+def test_each_stage_has_one_instruction_series_and_hangs_are_counted() -> None:
+    """evtrain_stage_instruction_seconds follows each heartbeat's instruction, one series
+    per stage (the previous instruction's is removed); a made-up instruction is "other";
+    evtrain_hangs_reported_total counts the launcher's hang reports."""
+    from evtrain.replay import ReplayRunner
+
+    started = events.RunStarted(
+        name="r", num_stages=2, num_microbatches=1, schedule="1f1b", max_steps=5,
+        batch_size=8, run_id="h", ts=1.0,
+    )  # fmt: skip
+
+    def beat(stage: int, doing: str, doing_s: float) -> events.Heartbeat:
+        return events.Heartbeat(stage=stage, step=2, doing=doing, doing_s=doing_s, run_id="h")
+
+    exporter = PrometheusExporter(port=0)
+    runner = ReplayRunner([exporter])
+    anyio.run(
+        runner.replay,
+        [
+            started,
+            beat(0, "Forward m1", 0.5),
+            beat(1, "", 0.0),
+            beat(0, "RecvGrad m1 from stage 1", 41.0),
+            beat(1, "Evaluate step 2: Forward m3", 2.0),
+            beat(1, "Evaluate step 2: Bogus m3 <script>", 3.0),
+            events.HangReported(step=3, stage=1, summary="the run hung", run_id="h"),
+        ],
+    )
+    assert runner.errors == 0
+    series = {
+        (s.labels["stage"], s.labels["instruction"]): s.value
+        for metric in exporter.registry.collect()
+        if metric.name == "evtrain_stage_instruction_seconds"
+        for s in metric.samples
+    }
+    assert series == {("0", "RecvGrad"): 41.0, ("1", "other"): 3.0}
+    assert exporter.registry.get_sample_value("evtrain_hangs_reported_total") == 1.0
