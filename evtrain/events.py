@@ -191,6 +191,36 @@ class HangReported(Event, kw_only=True, tag="run.hung"):
     restarting: bool = False
 
 
+class StragglerReported(Event, kw_only=True, tag="run.straggler"):
+    """A stage (``whole_stage``) or one replica of it became a straggler at ``step``, or
+    stopped being one (``straggling`` false) (`evtrain.launcher.stragglers`).
+
+    ``slowdown``: how many times slower than expected it is over the recent
+    steps: for a replica, its forward time against its stage's other
+    replicas'; for a stage, its busy time's ratio to the other stages' against
+    the ratio it had at the start.
+    """
+
+    step: Count
+    stage: StageIndex
+    replica: ReplicaIndex = 0
+    whole_stage: bool = False
+    slowdown: Annotated[float, msgspec.Meta(ge=0)]
+    straggling: bool = True
+
+    def describe(self) -> str:
+        """One line: ``"stage 1 is a straggler from step 20: ..."``."""
+        who = f"stage {self.stage}" + ("" if self.whole_stage else f" replica {self.replica}")
+        if not self.straggling:
+            return f"{who} is no straggler any more (step {self.step})"
+        times = f"{self.slowdown:.1f} times as long as"
+        if self.whole_stage:
+            how = f"relative to the other stages, its steps take {times} at the start"
+        else:
+            how = f"its forwards take {times} its stage's other replicas'"
+        return f"{who} is a straggler from step {self.step}: {how}"
+
+
 DOING_KINDS = frozenset(
     {
         # the instructions of a schedule (`evtrain.stages.instructions`)

@@ -98,6 +98,7 @@ from evtrain.events import (
     StageStarted,
     StageStopped,
     StepEnded,
+    StragglerReported,
     doing_kind,
 )
 from evtrain.exporters.prometheus_catalogue import Metrics
@@ -388,12 +389,13 @@ class PrometheusExporter(Hook):
         if place not in self._places:
             self._places.add(place)
             self.m.stage_up.labels(*labels).set_function(lambda: self.liveness.up(place))
-            # Counters at 0, so a dashboard shows 0 for a stage that never did this.
+            # Series at 0, so a dashboard shows 0 for a stage that never did this.
             for counter in (
                 self.m.forward,
                 self.m.backward,
                 self.m.comm_wait,
                 self.m.stage_failures,
+                self.m.straggler,
             ):
                 counter.labels(*labels)
             if replica == 0:  # only replica 0 writes checkpoint shards
@@ -420,6 +422,7 @@ class PrometheusExporter(Hook):
             self.m.stage_up,
             self.m.stage_last_seen,
             self.m.stage_failures,
+            self.m.straggler,
         )
         gone = sorted(p for p in self._places if p[0] >= num_stages or p[1] >= data_parallel)
         for place in gone:
@@ -550,6 +553,15 @@ class PrometheusExporter(Hook):
                 self.m.instruction.remove(*labels, previous)
         self._instructions[place] = kind
         self.m.instruction.labels(*labels, kind).set(ev.doing_s)
+
+    @on(StragglerReported)
+    def straggler(self, ev: StragglerReported) -> None:
+        """A stage or replica became a straggler, or stopped being one."""
+        replicas = range(self.state.data_parallel or 1) if ev.whole_stage else [ev.replica]
+        for replica in replicas:
+            labels = self._place(ev.stage, replica, ev)
+            if labels is not None:
+                self.m.straggler.labels(*labels).set(1 if ev.straggling else 0)
 
     @on(HangReported)
     def hang_reported(self, ev: HangReported) -> None:

@@ -256,6 +256,14 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "steps; one series per stage)",
     ),
     MetricSpec(
+        "straggler",
+        "evtrain_straggler",
+        "gauge",
+        STAGE_LABELS,
+        "1 while the stage process is a straggler: its stage slower than the other stages "
+        "relative to the start, or it slower than its stage's other replicas",
+    ),
+    MetricSpec(
         "hangs",
         "evtrain_hangs_reported",
         "counter",

@@ -56,6 +56,7 @@ from evtrain.launcher.plan import LaunchPlan, make_plan, purpose_of
 from evtrain.launcher.report import Report, closing_event, record_status
 from evtrain.launcher.run_dir import take_over
 from evtrain.launcher.stop import StopAction, StopMachine, StopRequests
+from evtrain.launcher.stragglers import StragglerWatch
 from evtrain.launcher.watch import BusWatch, FailureWatch, workers_outstay_failure
 from evtrain.progress import RunConsole
 from evtrain.run_record import LAUNCHES_DIR
@@ -114,6 +115,8 @@ class Launcher:
       stages' and the agent's reports, root causes, a lost bus;
     * `evtrain.launcher.hang.HangWatch` and `evtrain.launcher.hang.Hang`: a run that
       makes no progress, and where it is stuck;
+    * `evtrain.launcher.stragglers.StragglerWatch`: stages and replicas slower than
+      their peers;
     * `evtrain.launcher.report.Report`: header, summary, an evaluation's result, the
       failure, ``run.json``; on `evtrain.progress.RunConsole`, the terminal.
     """
@@ -144,6 +147,9 @@ class Launcher:
         self._hang_watch: HangWatch | None = None
         self._hang: Hang | None = None
         """The hang that ended the run."""
+        self._stragglers: StragglerWatch | None = None
+        self._stragglers_named: set[tuple[int, int | None]] = set()
+        """Stragglers the console named already (once each)."""
         self._publisher: Publisher | None = None
         self._config_sent = False
         self._ended: RunEnded | None = None
@@ -378,6 +384,13 @@ class Launcher:
                 self._supervisor.attached(msg.pid)
         elif isinstance(msg, RunStarted):
             log.debug("run started", after_s=round(time.monotonic() - self._started, 2))
+            if self.is_bus_owner:
+                # Each attempt starts over: its processes may be other ones.
+                self._stragglers = StragglerWatch(
+                    msg.num_stages, msg.data_parallel, start_step=msg.start_step
+                )
+        elif isinstance(msg, StepEnded) and self._stragglers is not None:
+            self._on_step(msg, self._stragglers)
         elif isinstance(msg, CommandAcked):
             if msg.command_id == self._stop_id:
                 self.stop.acknowledged(msg.stage)
@@ -574,6 +587,16 @@ class Launcher:
                 StageState.of(report, replicas=replicas, wall=wall, process=process, stack=stack)
             )
         return Hang.compose(states, still_s)
+
+    def _on_step(self, msg: StepEnded, stragglers: StragglerWatch) -> None:
+        """Stragglers found or recovered with this step: published; named once."""
+        for change in stragglers.step_ended(msg):
+            if self._publisher is not None and not self._bus_down():
+                self._publisher.publish(change)
+            key = (change.stage, None if change.whole_stage else change.replica)
+            if change.straggling and key not in self._stragglers_named:
+                self._stragglers_named.add(key)
+                self.console.warn(change.describe())
 
     def _publish(self, event: RunEnded, *, on_bus: StageFailed | None = None) -> None:
         """The run ended with ``event``: published (or ``on_bus`` instead) and remembered."""

@@ -855,3 +855,35 @@ def test_each_stage_has_one_instruction_series_and_hangs_are_counted() -> None:
     }
     assert series == {("0", "RecvGrad"): 41.0, ("1", "other"): 3.0}
     assert exporter.registry.get_sample_value("evtrain_hangs_reported_total") == 1.0
+
+
+def test_stragglers_are_one_while_they_straggle() -> None:
+    """evtrain_straggler: 0 for every stage process from the run's start, 1 while one
+    straggles; a whole stage is each of its replicas."""
+    from evtrain.replay import ReplayRunner
+
+    started = events.RunStarted(
+        name="r", num_stages=2, num_microbatches=1, schedule="1f1b", max_steps=5,
+        batch_size=8, data_parallel=2, run_id="s", ts=1.0,
+    )  # fmt: skip
+
+    def report(stage: int, replica: int, whole: bool, on: bool) -> events.StragglerReported:
+        return events.StragglerReported(
+            step=20, stage=stage, replica=replica, whole_stage=whole, slowdown=2.5,
+            straggling=on, run_id="s",
+        )  # fmt: skip
+
+    exporter = PrometheusExporter(port=0)
+    runner = ReplayRunner([exporter])
+    anyio.run(
+        runner.replay,
+        [started, report(0, 1, False, True), report(1, 0, True, True), report(0, 1, False, False)],
+    )
+    assert runner.errors == 0
+    value = exporter.registry.get_sample_value
+    got = {
+        (s, r): value("evtrain_straggler", {"stage": str(s), "replica": str(r)})
+        for s in range(2)
+        for r in range(2)
+    }
+    assert got == {(0, 0): 0.0, (0, 1): 0.0, (1, 0): 1.0, (1, 1): 1.0}

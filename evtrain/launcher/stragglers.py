@@ -1,0 +1,168 @@
+"""Stragglers: a stage or replica whose steps run persistently slower than its peers'.
+
+A pipeline runs at the pace of its slowest stage, and the others wait on it:
+their step times grow with its own, so step time alone does not tell which
+stage is slow. Busy time does: a step's duration less the time spent
+blocked on other stages (`evtrain.events.StepEnded.comm_wait_s`).
+
+* **Replicas** of one stage do the same work: a replica whose forward time
+  is more than `SLOWER` times the median of its stage's other replicas',
+  over the last `WINDOW` steps, is a straggler from the first steps on.
+  Forward time, not busy time: the replicas' gradient all-reduce completes
+  inside the last backward, where the fast replicas wait for the slow one.
+* **Stages** do different work (the split is never perfectly even), so each
+  stage is measured against its own start: its busy time over the median of
+  the other stages', over `BASELINE` steps after `WARMUP`. A stage whose
+  ratio, over the last `WINDOW` steps, has grown more than `SLOWER` times
+  is a straggler: it slowed down and the others did not (a machine-wide
+  slowdown names nobody). A stage slow from its first step is the split's
+  imbalance, which ``evtrain top`` shows.
+
+A straggler is named once it is one, and again once it is not any more
+(below `RECOVERED`): `StragglerWatch.step_ended` returns the change, which
+the launcher prints (the first time) and publishes
+(`evtrain.events.StragglerReported`); the exporter keeps it as
+``evtrain_straggler``. Steps whose events did not all arrive are skipped.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass
+
+from evtrain.events import StepEnded, StragglerReported
+
+__all__ = ["BASELINE", "RECOVERED", "SLOWER", "WARMUP", "WINDOW", "StragglerWatch"]
+
+WARMUP = 2
+"""Steps not measured at the start (shape agreement, first allocations, compilation)."""
+BASELINE = 10
+"""Steps after `WARMUP` that set each stage's ratio to its peers."""
+WINDOW = 10
+"""Steps whose median is compared: one slow step is no straggler."""
+SLOWER = 2.0
+"""How much slower than expected a straggler is. Processes that share cores drift by
+half that from their start, with nothing wrong."""
+RECOVERED = 1.5
+"""How much slower than expected a straggler may still be once it is not one any more."""
+MIN_EXTRA_S = 0.002
+"""A straggler's busy time exceeds the expected one by at least this (timer noise)."""
+_PENDING_STEPS = 16
+"""Incomplete steps kept while waiting for their last events."""
+
+Place = tuple[int, int]
+
+
+@dataclass
+class _Series:
+    """One stage's (or replica's) ratios to its peers, recent first out."""
+
+    baseline: list[float]
+    recent: deque[float]
+    straggling: bool = False
+
+
+class StragglerWatch:
+    """Finds stragglers among ``stages`` x ``replicas`` from their `StepEnded` events."""
+
+    def __init__(self, stages: int, replicas: int, *, start_step: int = 0) -> None:
+        self.stages = stages
+        self.replicas = replicas
+        self.start_step = start_step
+        self._steps: dict[int, dict[Place, tuple[float, float]]] = {}
+        """Each incomplete step's (busy, forward) seconds by stage and replica."""
+        self._stage_series = {s: _series() for s in range(stages)}
+        self._replica_series = {(s, r): _series() for s in range(stages) for r in range(replicas)}
+
+    def step_ended(self, ev: StepEnded) -> list[StragglerReported]:
+        """Fold ``ev`` in; what changed once its step is complete."""
+        if not (0 <= ev.stage < self.stages and 0 <= ev.replica < self.replicas):
+            return []
+        if ev.step <= self.start_step + WARMUP:
+            return []
+        busy = max(ev.duration_s - ev.comm_wait_s, 0.0)
+        step = self._steps.setdefault(ev.step, {})
+        step[(ev.stage, ev.replica)] = (busy, ev.forward_s)
+        if len(step) < self.stages * self.replicas:
+            for old in sorted(self._steps)[:-_PENDING_STEPS]:
+                del self._steps[old]  # its other events were lost
+            return []
+        del self._steps[ev.step]
+        return self._replicas(ev.step, step) + self._stages(ev.step, step)
+
+    def _replicas(
+        self, step: int, times: dict[Place, tuple[float, float]]
+    ) -> list[StragglerReported]:
+        if self.replicas < 2:
+            return []
+        forward = {place: f for place, (_, f) in times.items()}
+        changes = []
+        for (stage, replica), own in sorted(forward.items()):
+            others = [f for (s, r), f in forward.items() if s == stage and r != replica]
+            expected = statistics.median(others)
+            series = self._replica_series[(stage, replica)]
+            series.recent.append(own / expected if expected > 0 else 1.0)
+            change = _judge(series, 1.0, own - expected)
+            if change is not None:
+                changes.append(_report(step, stage, replica, *change))
+        return changes
+
+    def _stages(
+        self, step: int, times: dict[Place, tuple[float, float]]
+    ) -> list[StragglerReported]:
+        if self.stages < 2:
+            return []
+        busy = {place: b for place, (b, _) in times.items()}
+        # A stage's replicas do the same work: their median is the stage's time.
+        per_stage = {
+            s: statistics.median(b for (stage, _), b in busy.items() if stage == s)
+            for s in range(self.stages)
+        }
+        changes = []
+        for stage, own in per_stage.items():
+            expected = statistics.median(b for s, b in per_stage.items() if s != stage)
+            ratio = own / expected if expected > 0 else 1.0
+            series = self._stage_series[stage]
+            if len(series.baseline) < BASELINE:
+                series.baseline.append(ratio)
+                continue
+            series.recent.append(ratio)
+            usual = statistics.median(series.baseline)
+            change = _judge(series, usual, own - usual * expected)
+            if change is not None:
+                changes.append(_report(step, stage, None, *change))
+        return changes
+
+
+def _series() -> _Series:
+    return _Series(baseline=[], recent=deque(maxlen=WINDOW))
+
+
+def _judge(series: _Series, usual: float, extra_s: float) -> tuple[float, bool] | None:
+    """(slowdown, straggling) when ``series`` became or stopped being a straggler, else
+    None. ``usual``: its usual ratio to its peers; ``extra_s``: its busy time now over
+    the one expected."""
+    if len(series.recent) < WINDOW or usual <= 0:
+        return None
+    slowdown = statistics.median(series.recent) / usual
+    if not series.straggling and slowdown > SLOWER and extra_s >= MIN_EXTRA_S:
+        series.straggling = True
+    elif series.straggling and slowdown < RECOVERED:
+        series.straggling = False
+    else:
+        return None
+    return slowdown, series.straggling
+
+
+def _report(
+    step: int, stage: int, replica: int | None, slowdown: float, straggling: bool
+) -> StragglerReported:
+    return StragglerReported(
+        step=step,
+        stage=stage,
+        replica=replica or 0,
+        whole_stage=replica is None,
+        slowdown=round(slowdown, 3),
+        straggling=straggling,
+    )

@@ -1,0 +1,136 @@
+"""Stragglers in real launches: a slowed stage, a slowed replica, and a run with neither.
+
+A layer sleeps in its training forwards on one stage (from a given step)
+or on one replica; the launcher names it on the console once and publishes
+``StragglerReported``, which the recorder hook writes down. An un-slowed
+run names nobody.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from helpers.launch_helpers import launched, new_marker
+
+from evtrain.events import StragglerReported
+from evtrain.exporters.recorder import read_recording
+
+pytestmark = pytest.mark.slow
+
+SPEC = '''\
+"""A small pipeline; one layer may sleep in its training forwards (generated)."""
+
+import functools
+import os
+import time
+
+import torch
+from torch import nn
+
+from evtrain.job import Job, layer
+
+
+class Sleepy(nn.Module):
+    """Identity; sleeps `seconds` in each training forward from its step `start` on, on
+    the rank `rank` (None: every rank it runs on)."""
+
+    def __init__(self, seconds, start, rank, microbatches):
+        super().__init__()
+        self.seconds, self.start, self.rank, self.m = seconds, start, rank, microbatches
+        self.calls = 0
+
+    def forward(self, x):
+        if self.training and torch.is_grad_enabled():
+            self.calls += 1
+            step = (self.calls - 1) // self.m + 1
+            mine = self.rank is None or os.environ["RANK"] == str(self.rank)
+            if mine and step >= self.start:
+                time.sleep(self.seconds)
+        return x
+
+
+def data():
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(256, 16, generator=g), torch.randn(256, 1, generator=g)
+
+
+job = Job(
+    name="stragglers",
+    layers=[
+        layer(nn.Linear, 16, 16),
+        layer(Sleepy, {seconds}, {start}, {rank}, 4),
+        layer(nn.Linear, 16, 16),
+        layer(nn.Linear, 16, 1),
+    ],
+    balance={balance},
+    loss_fn=nn.functional.mse_loss,
+    optimizer=functools.partial(torch.optim.SGD, lr=0.01),
+    train_data=data,
+    batch_size=32,
+    num_microbatches=4,
+    max_steps={steps},
+    stages={stages},
+    data_parallel={replicas},
+    run_dir={run_dir!r},
+    hooks=[{{"type": "recorder"}}],
+    microbatch_spans="off",
+    threads=1,
+)
+'''
+
+
+def launch(
+    tmp_path: Path,
+    *,
+    stages: int,
+    replicas: int = 1,
+    seconds: float = 0.0,
+    start: int = 1,
+    rank: int | None = None,
+    steps: int = 40,
+) -> tuple[str, list[StragglerReported]]:
+    """Run the job to the end; stderr and the straggler events recorded."""
+    balance = [1, 2, 1] if stages == 3 else [2, 2] if stages == 2 else [4]
+    spec = tmp_path / "spec.py"
+    spec.write_text(
+        SPEC.format(
+            seconds=seconds,
+            start=start,
+            rank=rank,
+            balance=balance,
+            steps=steps,
+            stages=stages,
+            replicas=replicas,
+            run_dir=str(tmp_path / "run"),
+        )
+    )
+    with launched(spec, "--run-id", "s", marker=new_marker()) as proc:
+        out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out + err
+    recording = tmp_path / "run" / "events.jsonl"
+    events = read_recording(recording, types=["run.straggler"])
+    return err, [e for e in events if isinstance(e, StragglerReported)]
+
+
+def test_a_stage_that_slows_down_is_named_within_20_steps(tmp_path: Path) -> None:
+    start = 14  # after the warm-up and the steps that set each stage's usual share
+    err, reports = launch(tmp_path, stages=3, seconds=0.03, start=start)
+    named = [r for r in reports if r.straggling]
+    assert [(r.stage, r.whole_stage) for r in named] == [(1, True)], reports
+    assert start < named[0].step <= start + 20
+    lines = [line for line in err.splitlines() if "straggler" in line]
+    assert len(lines) == 1 and f"stage 1 is a straggler from step {named[0].step}" in lines[0]
+
+
+def test_a_slow_replica_is_named_against_its_stage(tmp_path: Path) -> None:
+    # P=1, D=2: rank 1 is replica 1 of the only stage.
+    err, reports = launch(tmp_path, stages=1, replicas=2, seconds=0.02, rank=1, steps=30)
+    named = [(r.stage, r.replica, r.whole_stage) for r in reports if r.straggling]
+    assert named == [(0, 1, False)], reports
+    assert "stage 0 replica 1 is a straggler" in err, err
+
+
+def test_a_run_without_a_slow_stage_or_replica_names_none(tmp_path: Path) -> None:
+    err, reports = launch(tmp_path, stages=2, replicas=2, steps=40)
+    assert reports == [] and "straggler" not in err, err

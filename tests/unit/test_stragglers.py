@@ -1,0 +1,102 @@
+"""Which stage or replica is a straggler, from the steps' busy times (`StragglerWatch`).
+
+Synthetic `StepEnded` events; the launches that slow a stage for real are in
+`tests/integration/test_stragglers.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from evtrain.events import StepEnded, StragglerReported
+from evtrain.launcher.stragglers import BASELINE, SLOWER, WARMUP, WINDOW, StragglerWatch
+
+Busy = Callable[[int, int, int], float]
+"""(step, stage, replica) -> seconds busy."""
+
+
+def run(watch: StragglerWatch, steps: int, busy: Busy) -> list[StragglerReported]:
+    changes = []
+    for step in range(1, steps + 1):
+        for stage in range(watch.stages):
+            for replica in range(watch.replicas):
+                b = busy(step, stage, replica)
+                # The others wait on the slowest: a step lasts as long as the busiest.
+                longest = max(
+                    busy(step, s, r) for s in range(watch.stages) for r in range(watch.replicas)
+                )
+                ev = StepEnded(
+                    step=step,
+                    stage=stage,
+                    replica=replica,
+                    duration_s=longest,
+                    forward_s=b / 3,
+                    comm_wait_s=longest - b,
+                )
+                changes += watch.step_ended(ev)
+    return changes
+
+
+def test_an_even_run_names_nobody_and_an_uneven_split_is_no_straggler() -> None:
+    # Stage 2 always does twice the work of the others: the split, not a straggler.
+    def uneven(step: int, stage: int, replica: int) -> float:
+        return 0.02 if stage == 2 else 0.01 + 0.001 * (step % 3)
+
+    assert run(StragglerWatch(3, 1), 60, uneven) == []
+    assert run(StragglerWatch(2, 2), 60, lambda step, s, r: 0.01 + 0.002 * ((step + r) % 2)) == []
+
+
+def test_a_stage_that_slows_down_is_named_within_a_window_and_cleared_when_it_recovers() -> None:
+    slow_from, fast_again = 20, 40
+
+    def busy(step: int, stage: int, replica: int) -> float:
+        return 0.05 if stage == 1 and slow_from <= step < fast_again else 0.01
+
+    changes = run(StragglerWatch(3, 1), 60, busy)
+    assert [(c.stage, c.whole_stage, c.straggling) for c in changes] == [
+        (1, True, True),
+        (1, True, False),
+    ]
+    found, cleared = changes
+    assert slow_from < found.step <= slow_from + WINDOW
+    assert found.slowdown > SLOWER
+    assert fast_again < cleared.step <= fast_again + WINDOW
+    assert found.describe() == (
+        f"stage 1 is a straggler from step {found.step}: relative to the other stages, "
+        f"its steps take {found.slowdown:.1f} times as long as at the start"
+    )
+
+
+def test_a_machine_wide_slowdown_names_nobody() -> None:
+    def busy(step: int, stage: int, replica: int) -> float:
+        return 0.05 if step >= 20 else 0.01
+
+    assert run(StragglerWatch(3, 1), 50, busy) == []
+
+
+def test_a_slow_replica_is_named_against_its_stage_from_the_first_steps() -> None:
+    def busy(step: int, stage: int, replica: int) -> float:
+        return 0.03 if (stage, replica) == (1, 1) else 0.01
+
+    changes = run(StragglerWatch(2, 2), 30, busy)
+    named = [(c.stage, c.replica, c.whole_stage) for c in changes if c.straggling]
+    assert named == [(1, 1, False)]
+    # No baseline to learn: it is named once the first window after the warm-up is full.
+    assert changes[0].step == WARMUP + WINDOW
+    assert "stage 1 replica 1 is a straggler" in changes[0].describe()
+    assert (
+        "its forwards take 3.0 times as long as its stage's other replicas'"
+        in changes[0].describe()
+    )
+
+
+def test_noise_below_the_threshold_and_lost_events_name_nobody() -> None:
+    watch = StragglerWatch(2, 1)
+
+    def noisy(step: int, stage: int, replica: int) -> float:
+        return 0.01 * (1.8 if step % 2 and stage == 0 else 1.0)
+
+    assert run(watch, 40, noisy) == []
+    # A step whose other stage's event never came is not judged.
+    assert watch.step_ended(StepEnded(step=41, stage=0, duration_s=9.0)) == []
+    assert BASELINE > 0
