@@ -1,7 +1,7 @@
 """The Prometheus exporter (short name ``prometheus``): serves ``/metrics`` over HTTP.
 
 One hook process owns its own `CollectorRegistry`, keeps it up to date from the
-events and serves it with prometheus-client's `start_http_server` on ``addr``
+events and serves it with prometheus-client's WSGI app on ``addr``
 (default loopback) and ``port`` (default 9431; 0 picks a free port). The bound
 port is logged and written to ``RUN_DIR/prometheus.port`` (or
 ``DIR/prometheus.port`` with the ``dir`` option) so tools and tests find it.
@@ -53,10 +53,10 @@ sources); and every hook and observer that announced itself with
 `MAX_GAP_SERIES` (source, observer) pairs; the series of stage processes a
 new run does not have are dropped at its `RunStarted`.
 
-The last scrape: after ``run.ended`` the hook keeps serving until a scrape
-collected the final values, at most twice the scrape interval it observed
-(`MAX_LINGER` seconds at most, or the ``linger`` option); never scraped, it
-stops at once.
+The last scrape: after ``run.ended`` the hook keeps serving until Prometheus
+(a request with its ``User-Agent``) collected the final values, at most
+twice the scrape interval it observed (`MAX_LINGER` seconds at most, or the
+``linger`` option); never scraped by Prometheus, it stops at once.
 """
 
 from __future__ import annotations
@@ -64,18 +64,20 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import itertools
+import socket
 import statistics
 import threading
 import time
 import typing
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import anyio
-from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.metrics_core import Metric
+from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
 
 from evtrain.bus.sequence import MAX_GAP
 from evtrain.errors import UsageError
@@ -122,6 +124,8 @@ MAX_GAP_SERIES = 1000
 """Distinct (source, observer) pairs of ``evtrain_events_missing_total``."""
 MAX_STEP_SAMPLES = 2**32
 """Most samples one optimizer step may count (more than any batch)."""
+PROMETHEUS_USER_AGENT = "Prometheus/"
+"""How the ``User-Agent`` of Prometheus's scrapes begins."""
 MAX_LINGER = 30.0
 """Longest wait for the last scrape after the run ended."""
 _SERVE_GRACE = 0.2
@@ -182,19 +186,13 @@ class _Labels:
 
 
 class _Scrapes:
-    """The registry as the HTTP server sees it: notes when each scrape was collected."""
+    """When Prometheus scraped: a request whose ``User-Agent`` is Prometheus's, noted
+    once its response was made. Any other reader of /metrics (a curl, a test) is no
+    scrape: the values it saw never reach the time-series database."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.registry = registry
+    def __init__(self) -> None:
         self._times: deque[float] = deque(maxlen=16)
         self._lock = threading.Lock()
-
-    def collect(self) -> Iterator[Metric]:
-        yield from self.registry.collect()
-        self.note()
-
-    def restricted_registry(self, names: Iterable[str]) -> _Restricted:
-        return _Restricted(self, self.registry.restricted_registry(names))
 
     def note(self) -> None:
         with self._lock:
@@ -213,17 +211,36 @@ class _Scrapes:
         gaps = [b - a for a, b in itertools.pairwise(times)]
         return statistics.median(gaps) if gaps else None
 
+    def app(self, registry: CollectorRegistry) -> Callable[..., Iterable[bytes]]:
+        """prometheus-client's WSGI app for ``registry``, noting Prometheus's scrapes."""
+        metrics = make_wsgi_app(registry)
 
-class _Restricted:
-    """A ``name[]``-restricted scrape, noted like any other."""
+        def app(environ: dict[str, Any], start_response: Any) -> Iterable[bytes]:
+            body = metrics(environ, start_response)
+            if environ.get("HTTP_USER_AGENT", "").startswith(PROMETHEUS_USER_AGENT):
+                self.note()
+            return body
 
-    def __init__(self, scrapes: _Scrapes, registry: Any) -> None:
-        self._scrapes = scrapes
-        self._registry = registry
+        return app
 
-    def collect(self) -> Iterator[Metric]:
-        yield from self._registry.collect()
-        self._scrapes.note()
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        """Requests are not logged (prometheus-client's own server does the same)."""
+
+
+def _serve(addr: str, port: int, app: Callable[..., Iterable[bytes]]) -> WSGIServer:
+    """Serve ``app`` on ``addr:port`` (IPv4 or IPv6) in a daemon thread."""
+    family, _, _, _, sockaddr = socket.getaddrinfo(
+        addr, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+
+    class Server(ThreadingWSGIServer):
+        address_family = family
+
+    server = make_server(str(sockaddr[0]), port, app, Server, handler_class=_QuietHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
 
 
 class PrometheusExporter(Hook):
@@ -267,7 +284,7 @@ class PrometheusExporter(Hook):
             float_option(self.name, "stale_after", stale_after, strict=True)
         )
         self.registry = CollectorRegistry(auto_describe=True)
-        self.scrapes = _Scrapes(self.registry)
+        self.scrapes = _Scrapes()
         self.bound_port: int | None = None
         self._server: Any = None
         self._port_file: Path | None = None
@@ -298,11 +315,7 @@ class PrometheusExporter(Hook):
     async def setup(self) -> None:
         """Bind and serve /metrics; write the port file if its place is known."""
         try:
-            self._server, _ = start_http_server(
-                self.port,
-                addr=self.addr,
-                registry=self.scrapes,
-            )
+            self._server = _serve(self.addr, self.port, self.scrapes.app(self.registry))
         except OSError as exc:
             raise UsageError(
                 f"hook prometheus: cannot serve on {self.addr}:{self.port}: {exc.strerror or exc}"

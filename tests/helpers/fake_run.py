@@ -126,7 +126,9 @@ class FakeRun:
         if force or now - self.last_heartbeat >= 0.3:
             self.last_heartbeat = now
             for (s, d), pub in self.all_pubs.items():
-                pub.publish(Heartbeat(stage=s, replica=d, step=step))
+                # Where a stage in a step would be (heartbeats between steps say "").
+                doing = "RecvActivation m1 from stage 0" if s else "Forward m1"
+                pub.publish(Heartbeat(stage=s, replica=d, step=step, doing=doing, doing_s=0.002))
 
     def spans(self, step: int, start: float, end: float) -> None:
         """Every process's spans of one step, laid out between ``start`` and ``end``."""

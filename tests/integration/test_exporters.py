@@ -182,14 +182,22 @@ def test_recorder_flushes_while_the_run_goes_on(bus: BusAddress, procs: Any, wor
         wait_for_text(err, "hooks attached")
         procs.start(*fake_args(bus, steps=20, pause_at=10, pause=3.0))
         events = workdir / "events.jsonl"
+
+        def ended() -> list[tuple[int, int]]:
+            lines = events.read_text().splitlines() if events.exists() else []
+            records = [json.loads(line) for line in lines if line.endswith("}")]
+            return [(e["step"], e["stage"]) for e in records if e["type"] == "step.ended"]
+
         # Written during the pause: a heartbeat or two trigger the timed flush.
-        for stage in (0, 1):
-            wait_for_text(events, f'"step":9,"stage":{stage}', timeout=10)
+        deadline = time.monotonic() + 10
+        while len(ended()) < 18:
+            assert time.monotonic() < deadline, ended()
+            time.sleep(0.05)
         os.kill(recorder.pid, signal.SIGKILL)
         recorder.wait(timeout=5)
     content = events.read_text()
-    steps = [e for e in map(json.loads, content.splitlines()) if e["type"] == "step.ended"]
-    assert len(steps) == 18  # steps 1-9 of both stages, nothing lost to buffering
+    # Steps 1-9 of both stages, nothing lost to buffering.
+    assert sorted(ended()) == [(step, stage) for step in range(1, 10) for stage in (0, 1)]
     assert content.endswith("\n")
 
 
@@ -263,8 +271,15 @@ async def test_tensorboard_scalars_of_every_replica_once_a_step(
 # -- Prometheus -----------------------------------------------------------------------
 
 
-def _scrape(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+PROMETHEUS_AGENT = "Prometheus/2.42.0"
+"""The ``User-Agent`` Prometheus scrapes with."""
+
+
+def _scrape(port: int, agent: str = "Python-urllib/3.11") -> str:
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/metrics", headers={"User-Agent": agent}
+    )
+    with urllib.request.urlopen(request, timeout=5) as response:
         return response.read().decode()
 
 
@@ -675,11 +690,13 @@ def test_prometheus_labels_stay_bounded_and_follow_the_run() -> None:
 
 
 class _Scraper:
-    """Scrapes an exporter every ``interval`` seconds in a thread; keeps the last text."""
+    """Scrapes an exporter every ``interval`` seconds in a thread, as Prometheus (its
+    ``User-Agent``) or another reader; keeps the last text."""
 
-    def __init__(self, port: int, interval: float) -> None:
+    def __init__(self, port: int, interval: float, agent: str = PROMETHEUS_AGENT) -> None:
         self.port = port
         self.interval = interval
+        self.agent = agent
         self.last = ""
         self.count = 0
         self._stop = threading.Event()
@@ -689,7 +706,7 @@ class _Scraper:
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):
             try:
-                self.last = _scrape(self.port)
+                self.last = _scrape(self.port, self.agent)
                 self.count += 1
             except OSError:
                 return  # the exporter stopped serving
@@ -703,7 +720,12 @@ SHUTDOWN_S = 0.5
 """What stopping prometheus-client's HTTP server takes on its own (its poll interval)."""
 
 
-def _linger(exporter: PrometheusExporter, scrape_every: float | None, scrapes: int) -> float:
+def _linger(
+    exporter: PrometheusExporter,
+    scrape_every: float | None,
+    scrapes: int,
+    agent: str = PROMETHEUS_AGENT,
+) -> float:
     """Set up, see a run end (after ``scrapes`` scrapes), time the teardown."""
     import anyio
 
@@ -719,7 +741,7 @@ def _linger(exporter: PrometheusExporter, scrape_every: float | None, scrapes: i
         assert exporter.bound_port is not None
         await runner._handle(_run_started())
         if scrape_every is not None:
-            scraper = _Scraper(exporter.bound_port, scrape_every)
+            scraper = _Scraper(exporter.bound_port, scrape_every, agent)
             with anyio.fail_after(20):
                 while scraper.count < scrapes:
                     await anyio.sleep(0.01)
@@ -739,6 +761,14 @@ def _linger(exporter: PrometheusExporter, scrape_every: float | None, scrapes: i
 
 def test_prometheus_never_scraped_exits_at_once() -> None:
     assert _linger(PrometheusExporter(port=0), None, 0) < SHUTDOWN_S + 0.5
+
+
+def test_only_prometheus_scrapes_count_for_the_last_scrape() -> None:
+    """A curl or a test reading /metrics is no scrape: the exporter does not wait for
+    one after the run ended (nothing would carry the final values to Prometheus)."""
+    exporter = PrometheusExporter(port=0)
+    assert _linger(exporter, 0.2, scrapes=3, agent="curl/8.5.0") < SHUTDOWN_S + 0.5
+    assert exporter.scrapes.last is None
 
 
 def test_prometheus_lingers_until_a_scrape_after_the_run_ended() -> None:

@@ -580,8 +580,11 @@ def test_a_signal_ends_the_prometheus_hook_without_its_wait_for_a_last_scrape(
         )  # fmt: skip
         lines = json_lines(wait_for_text(stderr, "hooks attached"))
         port = next(line["port"] for line in lines if line["event"] == "serving prometheus metrics")
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
-            assert answer.status == 200  # a scraper is known from here on
+        scrape = urllib.request.Request(
+            f"http://127.0.0.1:{port}/metrics", headers={"User-Agent": "Prometheus/2.42.0"}
+        )
+        with urllib.request.urlopen(scrape, timeout=10) as answer:
+            assert answer.status == 200  # Prometheus scrapes it from here on
         fake = procs.start(*fake_args(bus, steps=5, stages=2))
         assert fake.wait(timeout=30) == 0
         wait_for_text(stderr, '"run ended"')  # the exporter handled RunEnded with it

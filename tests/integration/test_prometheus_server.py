@@ -1,5 +1,6 @@
 """A real Prometheus server scrapes the exporter of a real ``evtrain launch`` run, and that
-of a data-parallel fake run, on which every query of the Grafana dashboard is evaluated.
+of a data-parallel fake run, on which every query of the Grafana dashboard is evaluated;
+with deploy/rules.yml loaded, a run that hangs fires the stall and the hang alerts.
 
 Needs the ``prometheus`` binary (Debian: ``apt-get install -y prometheus``, 2.42);
 skipped without it.
@@ -28,7 +29,8 @@ from evtrain.bus.publisher import Publisher
 from evtrain.events import StopRun
 
 PROMETHEUS = shutil.which("prometheus")
-DASHBOARD = Path(__file__).resolve().parents[2] / "deploy/grafana/dashboards/evtrain.json"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+DASHBOARD = DEPLOY / "grafana/dashboards/evtrain.json"
 
 pytestmark = [
     pytest.mark.slow,
@@ -42,6 +44,7 @@ CONFIG = """\
 global:
   scrape_interval: 1s
   scrape_timeout: 1s
+  evaluation_interval: 1s
 scrape_configs:
   - job_name: evtrain
     static_configs:
@@ -75,12 +78,19 @@ def workdir() -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _start_prometheus(procs: Any, workdir: Path, exporter_port: int) -> int:
-    """A Prometheus server scraping the exporter every second; its own port."""
+def _start_prometheus(
+    procs: Any, workdir: Path, exporter_port: int, rules: str | None = None
+) -> int:
+    """A Prometheus server scraping the exporter every second, evaluating ``rules`` (a
+    rules file's text) every second; its own port."""
     assert PROMETHEUS is not None
     port = _free_port()
     config = workdir / "prometheus.yml"
-    config.write_text(CONFIG.format(port=exporter_port))
+    text = CONFIG.format(port=exporter_port)
+    if rules is not None:
+        (workdir / "rules.yml").write_text(rules)
+        text += "rule_files: [rules.yml]\n"
+    config.write_text(text)
     procs.start(
         PROMETHEUS,
         f"--config.file={config}",
@@ -203,3 +213,102 @@ def test_dashboard_queries_on_a_data_parallel_run(
         "rate(evtrain_step_duration_seconds_count[10s]))"
     )
     assert value(ratio) == [pytest.approx(1.1, rel=0.05)] * 2
+
+
+HANGING_SPEC = """\
+import functools
+import time
+
+import torch
+from torch import nn
+
+from evtrain.job import Job, layer
+
+
+class Stall(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        if self.training:
+            self.calls += 1
+            while self.calls > 4 * 20:  # training step 21 never ends
+                time.sleep(0.05)
+        return x
+
+
+def data():
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(64, 8, generator=g), torch.randn(64, 1, generator=g)
+
+
+job = Job(
+    name="hangs",
+    layers=[layer(nn.Linear, 8, 8), layer(Stall), layer(nn.Linear, 8, 1)],
+    balance=[1, 2],
+    loss_fn=nn.functional.mse_loss,
+    optimizer=functools.partial(torch.optim.SGD, lr=0.01),
+    train_data=data,
+    batch_size=16,
+    num_microbatches=4,
+    max_steps=1000,
+    stages=2,
+    run_dir={run_dir!r},
+    hooks=[dict(type="prometheus", port={port})],
+    microbatch_spans="off",
+    threads=1,
+)
+"""
+
+
+def _firing(port: int) -> set[str]:
+    url = f"http://127.0.0.1:{port}/api/v1/alerts"
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            alerts = json.load(response)["data"]["alerts"]
+    except OSError:
+        return set()
+    return {a["labels"]["alertname"] for a in alerts if a["state"] == "firing"}
+
+
+def test_a_hung_run_fires_the_stall_alert_and_then_the_hang_alert(
+    procs: Any, workdir: Path
+) -> None:
+    """deploy/rules.yml with its windows shortened (minutes to seconds): the stall alert
+    fires while the run hangs, the hang alert once the launcher reported it."""
+    rules = (DEPLOY / "rules.yml").read_text()
+    for long, short in (("[5m]", "[6s]"), ("for: 5m", "for: 2s")):
+        assert long in rules
+        rules = rules.replace(long, short)
+    exporter_port = _free_port()
+    spec = workdir / "spec.py"
+    spec.write_text(HANGING_SPEC.format(run_dir=str(workdir / "run"), port=exporter_port))
+    marker = new_marker()
+    logs = workdir / "logs"
+    logs.mkdir()
+    try:
+        prometheus_port = _start_prometheus(procs, workdir, exporter_port, rules)
+        launch = procs.start(
+            *launch_cmd(spec, "--quiet", "--hang-timeout", "20"),
+            env=launch_env(marker),
+            stdout=(logs / "launch.out").open("w"),
+            stderr=(logs / "launch.err").open("w"),
+        )
+        seen: list[set[str]] = []
+        deadline = time.monotonic() + 300
+        while "EvtrainHangReported" not in (firing := _firing(prometheus_port)):
+            assert time.monotonic() < deadline, (
+                seen,
+                (logs / "launch.err").read_text()[-3000:],
+                (workdir / "prometheus.log").read_text()[-3000:],
+                _query(prometheus_port, "evtrain_steps_total"),
+            )
+            if firing and (not seen or firing != seen[-1]):
+                seen.append(firing)
+            time.sleep(0.3)
+        # The stall alert fired while the launcher waited out its hang timeout.
+        assert any("EvtrainRunStalled" in f for f in seen), seen
+        assert launch.wait(timeout=60) == 4, (logs / "launch.err").read_text()[-3000:]
+    finally:
+        kill_marked(marker)
