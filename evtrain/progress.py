@@ -77,6 +77,10 @@ _WINDOW = 20
 PLAIN_INTERVAL_S = 30.0
 """Longest time between two plain progress lines while steps go on."""
 _PLAIN_MARKS = 10
+STALL_MIN_S = 10.0
+"""A run is stalled once no step ended for this long, and for 10 typical steps."""
+STALLED_LINE_S = 60.0
+"""Plain mode repeats a stalled run's line this often."""
 """Plain mode prints a progress line at every 1/_PLAIN_MARKS of the steps."""
 _RELAY_DRAIN_S = 2.0
 _NAME_LIMIT = 64
@@ -142,6 +146,8 @@ class ProgressStats:
     failures: list[StageFailed] = field(default_factory=list)
     first_step_ts: float | None = None
     last_step_ts: float | None = None
+    last_step_arrived: float | None = None
+    """When the latest timed step's event arrived here (`time.monotonic`)."""
     first_step_seen: int = 0
     """The step of the first `StepEnded` timed (``first_step_ts``)."""
     last_step_seen: int = 0
@@ -166,6 +172,21 @@ class ProgressStats:
         samples = sum(s for _, s in list(self.window)[1:])
         return samples / elapsed if elapsed > 0 else None
 
+    def stalled_s(self, now: float) -> float | None:
+        """Seconds since the latest step's event arrived, once that is far longer than a
+        step (`STALL_MIN_S`, and 10 recent steps); None while steps come (``now``:
+        `time.monotonic`; the events' own times are another machine's clock).
+
+        An evaluation in progress is not a stall: it shows its own progress.
+        """
+        arrived = self.last_step_arrived
+        if arrived is None or self.ended is not None or self.evaluating is not None:
+            return None
+        gap = now - arrived
+        steps = self.steps_per_s()
+        typical = 1.0 / steps if steps else 0.0
+        return gap if gap >= max(STALL_MIN_S, 10 * typical) else None
+
     def eta_s(self) -> float | None:
         """Seconds until ``max_steps`` at the recent rate."""
         rate = self.steps_per_s()
@@ -187,7 +208,7 @@ class Progress:
             if stats.first_step_ts is not None:
                 # The workers were restarted (elastic): time the new attempt only.
                 stats.window.clear()
-                stats.first_step_ts = stats.last_step_ts = None
+                stats.first_step_ts = stats.last_step_ts = stats.last_step_arrived = None
                 stats.steps_done = msg.start_step
                 stats.ended = None
             stats.name = msg.name
@@ -244,6 +265,7 @@ class Progress:
             stats.first_step_ts = msg.ts
             stats.first_step_seen = msg.step
         stats.last_step_ts = msg.ts
+        stats.last_step_arrived = time.monotonic()
         stats.last_step_seen = msg.step
         stats.window.append((msg.ts, msg.samples))
 
@@ -264,12 +286,17 @@ class Progress:
         total = f"/{stats.max_steps}" if stats.max_steps is not None else ""
         return f"{stats.steps_done}{total}"
 
-    def rates_text(self) -> str:
-        """Loss, throughput and ETA: ``"loss 0.21  9.1k samples/s  143 steps/s  ETA 0:02"``."""
+    def rates_text(self, now: float | None = None) -> str:
+        """Loss, throughput and ETA: ``"loss 0.21  9.1k samples/s  143 steps/s  ETA 0:02"``;
+        a stalled run's ``"loss 0.21  no step for 1:05"`` instead (``now``: monotonic)."""
         stats = self.stats
         parts = []
         if stats.last_loss is not None:
             parts.append(f"loss {stats.last_loss:.5g}")
+        stalled = stats.stalled_s(time.monotonic() if now is None else now)
+        if stalled is not None:
+            # The recent rate was true of steps that ended long ago, not of the run now.
+            return "  ".join([*parts, f"no step for {format_duration(stalled)}"])
         samples = stats.samples_per_s()
         if samples is not None:
             parts.append(f"{_rate(samples)} samples/s")
@@ -281,9 +308,9 @@ class Progress:
             parts.append(f"ETA {format_duration(eta)}")
         return "  ".join(parts)
 
-    def line(self) -> str:
+    def line(self, now: float | None = None) -> str:
         """The plain progress line: ``"step 150/300  loss ...  ETA 0:02"``."""
-        rates = self.rates_text()
+        rates = self.rates_text(now)
         return f"step {self.steps_text()}" + (f"  {rates}" if rates else "")
 
     def eval_text(self) -> str:
@@ -416,6 +443,7 @@ class RunConsole:
         self._stack = ExitStack()
         self._relay: _Relay | None = None
         self._last_plain = time.monotonic()
+        self._last_refresh = self._last_plain
         self._plain_step = -1
         self._plain_eval: tuple[int, int] | None = None
         self._closed = False
@@ -540,21 +568,32 @@ class RunConsole:
         if stats.steps_done // every > max(self._plain_step, stats.start_step) // every:
             self._plain_line()
 
-    def _plain_line(self) -> None:
+    def _plain_line(self, now: float | None = None) -> None:
         self._plain_step = self.progress.stats.steps_done
-        self._last_plain = time.monotonic()
-        self._emit(self.progress.line(), self.out)
+        self._last_plain = time.monotonic() if now is None else now
+        self._emit(self.progress.line(now), self.out)
 
     def tick(self, now: float | None = None) -> None:
         """Plain mode: a progress line if none was printed for ``interval`` seconds.
 
         While an evaluation runs, the line says how far it got instead (when
-        that changed since the last one).
+        that changed since the last one); while the run is stalled, a line
+        saying so every `STALLED_LINE_S`. Live mode: the bar's text, which
+        only events change otherwise, every second.
         """
-        if self.quiet or self.live:
+        if self.quiet:
             return
         now = time.monotonic() if now is None else now
+        if self.live:
+            if now - self._last_refresh >= 1.0:
+                self._last_refresh = now
+                self._refresh()
+            return
         stats = self.progress.stats
+        if stats.stalled_s(now) is not None:
+            if now - self._last_plain >= max(self.interval, STALLED_LINE_S):
+                self._plain_line(now)
+            return
         if stats.evaluating is not None:
             where = (stats.evaluating, stats.eval_done)
             if now - self._last_plain >= self.interval and where != self._plain_eval:

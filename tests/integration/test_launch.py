@@ -36,6 +36,7 @@ from evtrain.cli import build_parser, main, resolve_log_level
 from evtrain.events import (
     CheckpointCommitted,
     EvalEnded,
+    EvalStarted,
     Message,
     RunEnded,
     RunStarted,
@@ -136,6 +137,31 @@ def test_plain_console_a_line_at_least_every_interval() -> None:
     console.tick(now=now + 12)  # no step since: nothing new to say
     console.close()
     assert len(out.getvalue().splitlines()) == 1
+
+
+def test_a_stalled_run_says_since_when_instead_of_a_rate_no_longer_true() -> None:
+    """No step for far longer than a step: the line says so instead of the old rate and
+    ETA, live and plain (a line a minute, not one per interval)."""
+    out = _Stream(tty=False)
+    console = RunConsole(out, _Stream(tty=False), interval=5.0)
+    console.update(_started(max_steps=1000))
+    for i in range(1, 4):
+        console.update(_step(i, ts=100.0 + 0.1 * i))  # 10 steps/s
+    arrived = console.progress.stats.last_step_arrived
+    assert arrived is not None
+    assert "steps/s" in console.progress.rates_text(arrived + 9)
+    assert console.progress.stats.stalled_s(arrived + 9) is None
+    assert console.progress.rates_text(arrived + 75) == "loss 0.5  no step for 1:15"
+    console.tick(now=arrived + 75)
+    console.tick(now=arrived + 100)  # less than a minute after the last line
+    console.tick(now=arrived + 140)
+    assert out.getvalue().splitlines() == [
+        "step 3/1000  loss 0.5  no step for 1:15",
+        "step 3/1000  loss 0.5  no step for 2:20",
+    ]
+    console.update(EvalStarted(step=3, stage=1, num_batches=4))
+    assert console.progress.stats.stalled_s(arrived + 200) is None  # evaluating is no stall
+    console.close()
 
 
 def test_quiet_console_shows_only_the_story_and_warnings() -> None:
