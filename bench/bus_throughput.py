@@ -29,18 +29,7 @@ holds the CPU per event of each process in the fastest lossless trial
 and the 1-minute load average before and after (``load_average``): on a shared
 machine the CPU figures move less than the rates.
 
-Measured on a 2-core machine shared with other work, ``--count 200000
---repeats 3``. Before `Subscriber` drained at most `DRAIN_LIMIT` messages and
-decoded inline (drains of up to 4096): ratio 0.698 (0.775, 0.589, 0.698) on a
-quiet machine, publish median 1.35 us; 0.479 (0.478, 0.504, 0.479) at load
-average 1.5, raw 250,874 ev/s. The hook falls behind first (publishers drop
-nothing, the broker's queue to the hook overflows), so its CPU per event bounds
-the ratio. Back to back at load 4.6-6.7, before then after: hook 6.66 -> 3.90
-us per event (bursts 5.8-6.0 -> 3.6-5.1); broker 6.15 -> 4.15 and publisher
-4.09 -> 3.09, whose code did not change (that much is the load); lossless
-bus 64,954 -> 81,073 ev/s; ratio 0.46 (0.411, 0.496, 0.46) -> 0.842 (1.001,
-0.842, 0.58), though at that load raw fell to 81-141k ev/s and the ratios say
-little; publish median 1.94 -> 1.73 us.
+Figures: docs/benchmarks.md (Bus throughput).
 """
 
 from __future__ import annotations

@@ -29,18 +29,7 @@ null). Goal: both ratios <= 1.02. The last line printed is one JSON object.
     python bench/hook_overhead.py [--steps 150] [--warmup 20] [--repeats 2]
         [--configs no_hooks,all_hooks,slow_hook]
 
-Measured (2 cores shared with other work; 150 steps). Hook CPU per step,
-all_hooks: one host process 1.13-1.53 ms in each of 24 runs; the same bench
-against one process per built-in (8 processes) 5.0-6.7 ms in each of 18
-runs: sharing the host cuts the hooks' CPU about 4.4x. The step-time ratio
-all_hooks / no_hooks is noise-bound there. One host, 1-min load 0.7-1.9,
-no_hooks 51-61 ms/step, 6 repeats: 0.970, 1.105, 0.988, 1.038, 0.951,
-1.055, median 1.013. Eight processes right after, load 0.9-3.4, no_hooks
-48-59 ms/step: 0.957, 0.949, 0.969, 1.217, 1.119, 1.043, median 1.006. At
-load 2-6 (no_hooks 54-165 ms/step) single repeats of either spread
-0.53-2.5. So the ratio's goal (<= 1.02) is met in the quiet run, yet the
-repeats' +-5-20% spread hides the 1.13 measured for eight processes on a
-quiet machine: the CPU figure is the one that shows the difference here.
+Figures: docs/benchmarks.md (Hook isolation).
 """
 
 from __future__ import annotations
