@@ -196,9 +196,9 @@ class StragglerReported(Event, kw_only=True, tag="run.straggler"):
     stopped being one (``straggling`` false) (`evtrain.launcher.stragglers`).
 
     ``slowdown``: how many times slower than expected it is over the recent
-    steps: for a replica, its forward time against its stage's other
-    replicas'; for a stage, its busy time's ratio to the other stages' against
-    the ratio it had at the start.
+    steps: for a replica, its work (forward time; CPU time on the CPU)
+    against its stage's other replicas'; for a stage, its busy time's ratio to
+    the other stages' against the ratio it had at the start.
     """
 
     step: Count
@@ -217,7 +217,7 @@ class StragglerReported(Event, kw_only=True, tag="run.straggler"):
         if self.whole_stage:
             how = f"relative to the other stages, its steps take {times} at the start"
         else:
-            how = f"its forwards take {times} its stage's other replicas'"
+            how = f"its work takes {times} its stage's other replicas'"
         return f"{who} is a straggler from step {self.step}: {how}"
 
 
@@ -308,6 +308,9 @@ class StepEnded(Event, kw_only=True, tag="step.ended"):
     forward_s: Seconds = 0.0
     backward_s: Seconds = 0.0
     comm_wait_s: Seconds = 0.0
+    cpu_s: Seconds = 0.0
+    """On a CPU device: CPU seconds of the thread that ran the step, the stage's own work
+    (0 on other devices)."""
     peak_memory_bytes: Count | None = None
     metrics: dict[str, float] = msgspec.field(default_factory=dict)
 

@@ -692,6 +692,7 @@ class StageActor:
                 forward_s=stats.forward_s,
                 backward_s=stats.backward_s,
                 comm_wait_s=stats.comm_wait_s,
+                cpu_s=stats.cpu_s,
                 peak_memory_bytes=self._peak_memory(),
                 metrics=metrics,
             )

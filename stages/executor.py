@@ -165,6 +165,10 @@ class StepStats:
     forward_s: float
     backward_s: float
     comm_wait_s: float
+    cpu_s: float
+    """CPU seconds of the thread that ran the step: the stage's own work, without its
+    process's other threads (events, communication). 0 on other devices than the CPU,
+    where the work is the device's."""
     control: ControlResult
     spans: list[Span] = field(default_factory=list)
     skipped: bool = False
@@ -380,6 +384,7 @@ class StageExecutor:
     def train_step(self, step: int, *, record_spans: bool = False) -> StepStats:
         """Run training step ``step`` (1-based: step k reads the data of index k-1)."""
         start = time.perf_counter()
+        cpu_start = time.thread_time()
         self._bind_device()
         # The boundary's control receives, posted now so the peers' numbers
         # are waiting when this stage reaches the boundary.
@@ -427,6 +432,7 @@ class StageExecutor:
             forward_s=self._forward_s,
             backward_s=self._backward_s,
             comm_wait_s=self.mailbox.reset_wait(),
+            cpu_s=time.thread_time() - cpu_start if self.device.type == "cpu" else 0.0,
             control=control,
             spans=self._spans or [],
             skipped=self.update.skipped,

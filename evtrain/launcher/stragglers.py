@@ -2,14 +2,18 @@
 
 A pipeline runs at the pace of its slowest stage, and the others wait on it:
 their step times grow with its own, so step time alone does not tell which
-stage is slow. Busy time does: a step's duration less the time spent
-blocked on other stages (`evtrain.events.StepEnded.comm_wait_s`).
+stage is slow. Busy time does: on a device, a step's duration less the time
+spent blocked on other stages (`evtrain.events.StepEnded.comm_wait_s`); on
+the CPU, the CPU time of the thread that ran the step (`StepEnded.cpu_s`),
+which a thread waiting for a core does not accrue — processes that share
+cores would otherwise be named in turn.
 
-* **Replicas** of one stage do the same work: a replica whose forward time
-  is more than `SLOWER` times the median of its stage's other replicas',
-  over the last `WINDOW` steps, is a straggler from the first steps on.
-  Forward time, not busy time: the replicas' gradient all-reduce completes
-  inside the last backward, where the fast replicas wait for the slow one.
+* **Replicas** of one stage do the same work: a replica whose work is more
+  than `SLOWER` times the median of its stage's other replicas', over the
+  last `WINDOW` steps, is a straggler from the first steps on. On a device
+  its work is its forward time, not its busy time: the replicas' gradient
+  all-reduce completes inside the last backward, where the fast replicas
+  wait for the slow one.
 * **Stages** do different work (the split is never perfectly even), so each
   stage is measured against its own start: its busy time over the median of
   the other stages', over `BASELINE` steps after `WARMUP`. A stage whose
@@ -18,7 +22,8 @@ blocked on other stages (`evtrain.events.StepEnded.comm_wait_s`).
   slowdown names nobody). A stage slow from its first step is the split's
   imbalance, which ``evtrain top`` shows.
 
-A straggler is named once it is one, and again once it is not any more
+Either way only one that costs the step at least `MIN_SHARE` of its time is
+named. A straggler is named once it is one, and again once it is not any more
 (below `RECOVERED`): `StragglerWatch.step_ended` returns the change, which
 the launcher prints (the first time) and publishes
 (`evtrain.events.StragglerReported`); the exporter keeps it as
@@ -46,8 +51,10 @@ SLOWER = 2.0
 half that from their start, with nothing wrong."""
 RECOVERED = 1.5
 """How much slower than expected a straggler may still be once it is not one any more."""
-MIN_EXTRA_S = 0.002
-"""A straggler's busy time exceeds the expected one by at least this (timer noise)."""
+MIN_SHARE = 0.1
+"""A straggler costs the step at least this share of its time (the median over the window
+of its extra time over the step's duration): a tiny forward twice as slow as its peers'
+costs nothing and is mostly timer and scheduling noise."""
 _PENDING_STEPS = 16
 """Incomplete steps kept while waiting for their last events."""
 
@@ -59,7 +66,8 @@ class _Series:
     """One stage's (or replica's) ratios to its peers, recent first out."""
 
     baseline: list[float]
-    recent: deque[float]
+    recent: deque[tuple[float, float]]
+    """(ratio to its peers, extra time over the step's duration) of the recent steps."""
     straggling: bool = False
 
 
@@ -70,8 +78,9 @@ class StragglerWatch:
         self.stages = stages
         self.replicas = replicas
         self.start_step = start_step
-        self._steps: dict[int, dict[Place, tuple[float, float]]] = {}
-        """Each incomplete step's (busy, forward) seconds by stage and replica."""
+        self._steps: dict[int, dict[Place, tuple[float, float, float]]] = {}
+        """Each incomplete step's (duration, busy, work) seconds by stage and replica: what
+        stages and what replicas are compared by."""
         self._stage_series = {s: _series() for s in range(stages)}
         self._replica_series = {(s, r): _series() for s in range(stages) for r in range(replicas)}
 
@@ -81,39 +90,44 @@ class StragglerWatch:
             return []
         if ev.step <= self.start_step + WARMUP:
             return []
-        busy = max(ev.duration_s - ev.comm_wait_s, 0.0)
+        if ev.cpu_s > 0:
+            busy = work = ev.cpu_s
+        else:
+            busy, work = max(ev.duration_s - ev.comm_wait_s, 0.0), ev.forward_s
         step = self._steps.setdefault(ev.step, {})
-        step[(ev.stage, ev.replica)] = (busy, ev.forward_s)
+        step[(ev.stage, ev.replica)] = (ev.duration_s, busy, work)
         if len(step) < self.stages * self.replicas:
             for old in sorted(self._steps)[:-_PENDING_STEPS]:
                 del self._steps[old]  # its other events were lost
             return []
         del self._steps[ev.step]
-        return self._replicas(ev.step, step) + self._stages(ev.step, step)
+        duration = max(d for d, _, _ in step.values())
+        return self._replicas(ev.step, step, duration) + self._stages(ev.step, step, duration)
 
     def _replicas(
-        self, step: int, times: dict[Place, tuple[float, float]]
+        self, step: int, times: dict[Place, tuple[float, float, float]], duration: float
     ) -> list[StragglerReported]:
         if self.replicas < 2:
             return []
-        forward = {place: f for place, (_, f) in times.items()}
+        work = {place: w for place, (_, _, w) in times.items()}
         changes = []
-        for (stage, replica), own in sorted(forward.items()):
-            others = [f for (s, r), f in forward.items() if s == stage and r != replica]
+        for (stage, replica), own in sorted(work.items()):
+            others = [w for (s, r), w in work.items() if s == stage and r != replica]
             expected = statistics.median(others)
             series = self._replica_series[(stage, replica)]
-            series.recent.append(own / expected if expected > 0 else 1.0)
-            change = _judge(series, 1.0, own - expected)
+            ratio = own / expected if expected > 0 else 1.0
+            series.recent.append((ratio, _share(own - expected, duration)))
+            change = _judge(series, 1.0)
             if change is not None:
                 changes.append(_report(step, stage, replica, *change))
         return changes
 
     def _stages(
-        self, step: int, times: dict[Place, tuple[float, float]]
+        self, step: int, times: dict[Place, tuple[float, float, float]], duration: float
     ) -> list[StragglerReported]:
         if self.stages < 2:
             return []
-        busy = {place: b for place, (b, _) in times.items()}
+        busy = {place: b for place, (_, b, _) in times.items()}
         # A stage's replicas do the same work: their median is the stage's time.
         per_stage = {
             s: statistics.median(b for (stage, _), b in busy.items() if stage == s)
@@ -127,9 +141,9 @@ class StragglerWatch:
             if len(series.baseline) < BASELINE:
                 series.baseline.append(ratio)
                 continue
-            series.recent.append(ratio)
             usual = statistics.median(series.baseline)
-            change = _judge(series, usual, own - usual * expected)
+            series.recent.append((ratio, _share(own - usual * expected, duration)))
+            change = _judge(series, usual)
             if change is not None:
                 changes.append(_report(step, stage, None, *change))
         return changes
@@ -139,14 +153,18 @@ def _series() -> _Series:
     return _Series(baseline=[], recent=deque(maxlen=WINDOW))
 
 
-def _judge(series: _Series, usual: float, extra_s: float) -> tuple[float, bool] | None:
+def _share(extra_s: float, duration: float) -> float:
+    return extra_s / duration if duration > 0 else 0.0
+
+
+def _judge(series: _Series, usual: float) -> tuple[float, bool] | None:
     """(slowdown, straggling) when ``series`` became or stopped being a straggler, else
-    None. ``usual``: its usual ratio to its peers; ``extra_s``: its busy time now over
-    the one expected."""
+    None. ``usual``: its usual ratio to its peers."""
     if len(series.recent) < WINDOW or usual <= 0:
         return None
-    slowdown = statistics.median(series.recent) / usual
-    if not series.straggling and slowdown > SLOWER and extra_s >= MIN_EXTRA_S:
+    slowdown = statistics.median(r for r, _ in series.recent) / usual
+    costly = statistics.median(share for _, share in series.recent) >= MIN_SHARE
+    if not series.straggling and slowdown > SLOWER and costly:
         series.straggling = True
     elif series.straggling and slowdown < RECOVERED:
         series.straggling = False

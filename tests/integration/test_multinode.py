@@ -63,10 +63,12 @@ RUN_TIMEOUT_S = 120.0
 SCRAPER = """\
 import sys, time, urllib.request
 url, out, deadline = sys.argv[1], sys.argv[2], time.monotonic() + float(sys.argv[3])
+# As Prometheus: the exporter holds the run's final state for Prometheus's scrape only.
+scrape = urllib.request.Request(url, headers={"User-Agent": "Prometheus/2.42.0"})
 body = ""
 while time.monotonic() < deadline:
     try:
-        body = urllib.request.urlopen(url, timeout=1).read().decode()
+        body = urllib.request.urlopen(scrape, timeout=1).read().decode()
     except OSError:
         body = ""
     if 'evtrain_runs_ended_total{status="completed"} 1.0' in body:
@@ -74,7 +76,8 @@ while time.monotonic() < deadline:
     time.sleep(0.1)
 open(out, "w").write(body)
 """
-"""Scrapes a URL until the run it serves has completed; writes the last body it got."""
+"""Scrapes a URL as Prometheus until the run it serves has completed; writes the last body
+it got."""
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:

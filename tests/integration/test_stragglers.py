@@ -1,7 +1,7 @@
 """Stragglers in real launches: a slowed stage, a slowed replica, and a run with neither.
 
-A layer sleeps in its training forwards on one stage (from a given step)
-or on one replica; the launcher names it on the console once and publishes
+A layer does extra work in its training forwards on one stage (from a given
+step) or on one replica; the launcher names it on the console once and publishes
 ``StragglerReported``, which the recorder hook writes down. An un-slowed
 run names nobody.
 """
@@ -19,11 +19,10 @@ from evtrain.exporters.recorder import read_recording
 pytestmark = pytest.mark.slow
 
 SPEC = '''\
-"""A small pipeline; one layer may sleep in its training forwards (generated)."""
+"""A small pipeline; one layer may do extra work in its training forwards (generated)."""
 
 import functools
 import os
-import time
 
 import torch
 from torch import nn
@@ -31,13 +30,14 @@ from torch import nn
 from evtrain.job import Job, layer
 
 
-class Sleepy(nn.Module):
-    """Identity; sleeps `seconds` in each training forward from its step `start` on, on
-    the rank `rank` (None: every rank it runs on)."""
+class Slowed(nn.Module):
+    """Identity; adds `work` (a count) of CPU work to each training forward from its step
+    `start` on, on the rank `rank` (None: every rank it runs on). Work, not a sleep: on
+    the CPU, busy time is CPU time."""
 
-    def __init__(self, seconds, start, rank, microbatches):
+    def __init__(self, work, start, rank, microbatches):
         super().__init__()
-        self.seconds, self.start, self.rank, self.m = seconds, start, rank, microbatches
+        self.work, self.start, self.rank, self.m = work, start, rank, microbatches
         self.calls = 0
 
     def forward(self, x):
@@ -46,7 +46,7 @@ class Sleepy(nn.Module):
             step = (self.calls - 1) // self.m + 1
             mine = self.rank is None or os.environ["RANK"] == str(self.rank)
             if mine and step >= self.start:
-                time.sleep(self.seconds)
+                sum(range(self.work))
         return x
 
 
@@ -59,7 +59,7 @@ job = Job(
     name="stragglers",
     layers=[
         layer(nn.Linear, 16, 16),
-        layer(Sleepy, {seconds}, {start}, {rank}, 4),
+        layer(Slowed, {work}, {start}, {rank}, 4),
         layer(nn.Linear, 16, 16),
         layer(nn.Linear, 16, 1),
     ],
@@ -80,12 +80,16 @@ job = Job(
 '''
 
 
+WORK = 1_000_000
+"""About 10-20 ms of CPU per forward: four times per step, many times a step's own."""
+
+
 def launch(
     tmp_path: Path,
     *,
     stages: int,
     replicas: int = 1,
-    seconds: float = 0.0,
+    work: int = 0,
     start: int = 1,
     rank: int | None = None,
     steps: int = 40,
@@ -95,7 +99,7 @@ def launch(
     spec = tmp_path / "spec.py"
     spec.write_text(
         SPEC.format(
-            seconds=seconds,
+            work=work,
             start=start,
             rank=rank,
             balance=balance,
@@ -115,7 +119,7 @@ def launch(
 
 def test_a_stage_that_slows_down_is_named_within_20_steps(tmp_path: Path) -> None:
     start = 14  # after the warm-up and the steps that set each stage's usual share
-    err, reports = launch(tmp_path, stages=3, seconds=0.03, start=start)
+    err, reports = launch(tmp_path, stages=3, work=WORK, start=start)
     named = [r for r in reports if r.straggling]
     assert [(r.stage, r.whole_stage) for r in named] == [(1, True)], reports
     assert start < named[0].step <= start + 20
@@ -125,7 +129,7 @@ def test_a_stage_that_slows_down_is_named_within_20_steps(tmp_path: Path) -> Non
 
 def test_a_slow_replica_is_named_against_its_stage(tmp_path: Path) -> None:
     # P=1, D=2: rank 1 is replica 1 of the only stage.
-    err, reports = launch(tmp_path, stages=1, replicas=2, seconds=0.02, rank=1, steps=30)
+    err, reports = launch(tmp_path, stages=1, replicas=2, work=WORK, rank=1, steps=30)
     named = [(r.stage, r.replica, r.whole_stage) for r in reports if r.straggling]
     assert named == [(0, 1, False)], reports
     assert "stage 0 replica 1 is a straggler" in err, err

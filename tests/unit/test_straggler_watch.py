@@ -85,8 +85,7 @@ def test_a_slow_replica_is_named_against_its_stage_from_the_first_steps() -> Non
     assert changes[0].step == WARMUP + WINDOW
     assert "stage 1 replica 1 is a straggler" in changes[0].describe()
     assert (
-        "its forwards take 3.0 times as long as its stage's other replicas'"
-        in changes[0].describe()
+        "its work takes 3.0 times as long as its stage's other replicas'" in changes[0].describe()
     )
 
 
@@ -100,3 +99,15 @@ def test_noise_below_the_threshold_and_lost_events_name_nobody() -> None:
     # A step whose other stage's event never came is not judged.
     assert watch.step_ended(StepEnded(step=41, stage=0, duration_s=9.0)) == []
     assert BASELINE > 0
+
+
+def test_a_slower_part_that_costs_the_step_little_is_no_straggler() -> None:
+    # Replica 1's forwards take 3x its peer's, but they are 1 % of a 1-second step.
+    watch = StragglerWatch(1, 2)
+    changes = []
+    for step in range(1, 40):
+        for replica in (0, 1):
+            forward = 0.003 if replica else 0.001
+            ev = StepEnded(step=step, stage=0, replica=replica, duration_s=1.0, forward_s=forward)
+            changes += watch.step_ended(ev)
+    assert changes == []
