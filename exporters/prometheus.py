@@ -515,7 +515,11 @@ class PrometheusExporter(Hook):
         self.m.steps_done.set(ev.start_step)
         self.m.run_info.clear()  # one run at a time: its labels do not pile up
         self.m.run_info.labels(
-            safe_text(ev.run_id, 100), safe_text(ev.name, 100), safe_text(ev.schedule, 40)
+            safe_text(ev.run_id, 100),
+            safe_text(ev.name, 100),
+            safe_text(ev.schedule, 40),
+            str(ev.num_stages),
+            str(ev.data_parallel),
         ).set(1)
         self._ended_at = None
         self._write_port_file()

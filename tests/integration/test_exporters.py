@@ -843,7 +843,7 @@ def test_info_and_timestamp_series_an_sre_alerts_on() -> None:
         if metric.name == "evtrain_run_info"
         for sample in metric.samples
     ]
-    assert infos == [{"run_id": "b", "name": "r", "schedule": "zb"}]
+    assert infos == [{"run_id": "b", "name": "r", "schedule": "zb", "stages": "1", "replicas": "1"}]
     version = importlib.metadata.version("evtrain")
     assert value("evtrain_build_info", {"version": version}) == 1
 
