@@ -112,7 +112,7 @@ class LaunchResult:
     """How a run ended, from its ``run.json`` and its checkpoints."""
 
     status: str
-    """``completed``, ``stopped``, ``failed`` or ``interrupted``."""
+    """``completed``, ``stopped``, ``failed``, ``hung`` or ``interrupted``."""
     exit_status: int
     """What ``evtrain launch`` would have exited with (0: completed or stopped cleanly)."""
     run_id: str
@@ -165,6 +165,7 @@ def launch(
     quiet: bool = False,
     out: TextIO | None = None,
     curve_dir: str | os.PathLike[str] | None = None,
+    hang_timeout: float | None = None,
     **overrides: Any,
 ) -> LaunchResult:
     """Train ``spec`` (a spec file or a `Job`) to the end; see the module docstring.
@@ -173,7 +174,9 @@ def launch(
     else step 0), ``"latest"`` (it must exist) or a checkpoint path.
     ``overwrite`` starts over in a run directory that holds a run.
     ``curve_dir``: secure the run's bus with the CURVE keys there, as
-    ``evtrain launch --curve-dir`` does.
+    ``evtrain launch --curve-dir`` does. ``hang_timeout``: as ``--hang-timeout``
+    (seconds without progress before the run is reported hung and ended; None:
+    derived from the step time; 0: never).
     """
     options = LaunchOptions(
         **_source(spec),
@@ -186,6 +189,7 @@ def launch(
         quiet=quiet,
         log_level=_log_level(quiet),
         curve_dir=None if curve_dir is None else str(curve_dir),
+        hang_timeout=hang_timeout,
     )
     launcher = Launcher(options, out=out)
     status = _run(launcher)
