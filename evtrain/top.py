@@ -71,6 +71,7 @@ from evtrain.events import (
     StageStarted,
     StageStopped,
     StepEnded,
+    StragglerReported,
 )
 from evtrain.formatting import fmt_bytes, fmt_duration, safe_text
 from evtrain.hooks.hook import Hook, on
@@ -137,6 +138,8 @@ class StageView:
     """The instruction its last heartbeat was in (`evtrain.events.Heartbeat.doing`)."""
     doing_s: float = 0.0
     """How long it had been in it then, plus the heartbeat's age."""
+    straggler: float | None = None
+    """How many times slower than expected, while the launcher names it a straggler."""
 
 
 @dataclass(frozen=True)
@@ -223,6 +226,7 @@ class _Stage:
     started: bool = False
     last: StepEnded | None = None
     """The latest step event of a replica > 0 (replica 0's is in the run's state)."""
+    straggler: float | None = None
 
 
 class TopModel(Hook):
@@ -316,6 +320,17 @@ class TopModel(Hook):
         stage = self._stage(ev.stage, ev.replica)
         if stage is not None:
             stage.heartbeat, stage.heartbeat_at = ev, time.time()
+
+    @on(StragglerReported)
+    def straggler(self, ev: StragglerReported) -> None:
+        """The launcher named a straggler, or one recovered (a whole stage: each replica)."""
+        if not self.of_this_run(ev):
+            return
+        replicas = range(self.state.data_parallel or 1) if ev.whole_stage else [ev.replica]
+        for replica in replicas:
+            stage = self._stage(ev.stage, replica)
+            if stage is not None:
+                stage.straggler = ev.slowdown if ev.straggling else None
 
     @on(StageStopped)
     def stage_stopped(self, ev: StageStopped) -> None:
@@ -470,6 +485,7 @@ class TopModel(Hook):
                         if stage.heartbeat is not None
                         else 0.0
                     ),
+                    straggler=stage.straggler,
                 )
             )
         return tuple(views)
@@ -693,6 +709,9 @@ def _stage_part(stages: tuple[StageView, ...]) -> list[RenderableType]:
             # Where a stage has been for a while: a wait that long is what to look at.
             line = f"in {view.doing} for {view.doing_s:.0f} s"
             errors.append(_joined(Text(f"{where}:", "bold yellow"), _text(line, 2 * _TEXT)))
+        if view.straggler is not None and view.status != "stopped":
+            line = f"straggler: {view.straggler:.1f}x as slow as expected"
+            errors.append(_joined(Text(f"{where}:", "bold yellow"), Text(line)))
     return [table, *errors]
 
 

@@ -38,7 +38,9 @@ from evtrain.events import (
     HookStarted,
     Message,
     RunEnded,
+    RunStarted,
     StepEnded,
+    StragglerReported,
 )
 from evtrain.hooks import Hook, HookRunner, on
 from evtrain.run_record import process_start_ticks, write_run_record
@@ -275,6 +277,34 @@ def test_a_stage_long_in_one_instruction_is_shown_with_it() -> None:
     screen = draw(view)
     assert re.search(r"stage 0:\s+in RecvGrad m2 from stage 1 for 41 s", screen), screen
     assert "Forward m3" not in screen
+
+
+def test_a_straggler_is_shown_while_it_is_one() -> None:
+    """The launcher's straggler reports: a whole stage marks each of its replicas, until
+    it recovers."""
+    from evtrain.replay import ReplayRunner
+
+    started = RunStarted(
+        name="x", num_stages=2, num_microbatches=4, schedule="1f1b", max_steps=50,
+        batch_size=8, data_parallel=2, run_id="r1", ts=1.0,
+    )  # fmt: skip
+
+    def report(straggling: bool) -> StragglerReported:
+        return StragglerReported(
+            step=20, stage=1, whole_stage=True, slowdown=2.4, straggling=straggling,
+            run_id="r1",
+        )  # fmt: skip
+
+    model = TopModel()
+    runner = ReplayRunner([model])
+    anyio.run(runner.replay, [started, report(True)])
+    screen = draw(model.view())
+    # Replica 0 is named as the stage, replica 1 with its number.
+    for where in ("stage 1", "stage 1 replica 1"):
+        assert re.search(rf"{where}:\s+straggler: 2.4x as slow as expected", screen), screen
+    assert not re.search(r"stage 0[ :].*straggler", screen)
+    anyio.run(runner.replay, [report(False)])
+    assert "straggler" not in draw(model.view())
 
 
 def test_waiting_for_a_run_names_the_bus() -> None:
