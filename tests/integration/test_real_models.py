@@ -53,6 +53,16 @@ def reference(job: Job, steps: int) -> tuple[dict[str, torch.Tensor], list[bool]
     on their own, as on the stages; fp16 scales the loss and skips a step whose
     gradient norm is not finite.
     """
+    threads = torch.get_num_threads()
+    # The stages' own thread count: another sums in another order, which fp16 shows.
+    torch.set_num_threads(job.threads or 1)
+    try:
+        return _reference(job, steps)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reference(job: Job, steps: int) -> tuple[dict[str, torch.Tensor], list[bool]]:
     model = build_full_model(job)
     optimizer = job.optimizer(model.parameters())
     data = job_data(job).train_tensors()
