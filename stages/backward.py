@@ -32,7 +32,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 from torch import nn
@@ -101,6 +101,13 @@ def _weight_grads(layer: nn.Linear, x: torch.Tensor, dy: torch.Tensor) -> None:
         bias.grad = db if bias.grad is None else bias.grad.add_(db)
 
 
+def _routable(layer: nn.Module) -> TypeGuard[nn.Linear]:
+    """Whether ``layer`` computes ``nn.Linear``'s forward: a subclass may compute
+    something else, but one that only wraps it (FSDP swaps a layer's class for a
+    subclass with hooks around the same forward) does not."""
+    return isinstance(layer, nn.Linear) and type(layer).forward is nn.Linear.forward
+
+
 def _linear_forward(layer: nn.Linear, store: _Store, x: torch.Tensor) -> torch.Tensor:
     if torch.is_grad_enabled() and (layer.weight.requires_grad or x.requires_grad):
         out: torch.Tensor = _DeferredLinear.apply(x, layer.weight, layer.bias, layer, store)
@@ -120,10 +127,10 @@ class _Deferred:
 class SplitBackward:
     """The two halves of one stage's backward, microbatch by microbatch.
 
-    Construct it before the stage's first forward: it routes every
-    ``nn.Linear`` of the ``deferring`` modules (the parts of ``module`` whose
-    input takes a gradient: ``module`` itself or some of its model chunks)
-    through `_DeferredLinear`. `input_half` leaves the input gradients in
+    Construct it before the stage's first forward: it routes every linear
+    layer (`_routable`) of the ``deferring`` modules (the parts of ``module``
+    whose input takes a gradient: ``module`` itself or some of its model
+    chunks) through `_DeferredLinear`. `input_half` leaves the input gradients in
     ``inputs[i].grad`` and every gradient of the parameters that are not
     linear weights; `weight_half` adds the rest.
     """
@@ -134,7 +141,7 @@ class SplitBackward:
         self._deferred: dict[int, _Deferred] = {}
         for part in deferring:
             for layer in part.modules():
-                if type(layer) is nn.Linear:  # a subclass may compute something else
+                if _routable(layer):
                     layer.forward = functools.partial(_linear_forward, layer, self._store)  # type: ignore[method-assign]
 
     def input_half(

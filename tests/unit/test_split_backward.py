@@ -152,3 +152,61 @@ def test_a_view_output() -> None:
     split.weight_half(0)
     for p, e in zip(model.parameters(), expected, strict=True):
         torch.testing.assert_close(p.grad, e)
+
+
+def test_a_layer_whose_class_fsdp_swapped_is_still_routed() -> None:
+    """FSDP2 swaps each sharded layer's class for a subclass with hooks around the same
+    forward: such a linear layer still defers its weight gradients to W, and I then W
+    still give one backward's gradients. One process on a one-rank gloo group."""
+    from torch import distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    def linears() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16))
+
+    reference = linears()
+    xs = [torch.randn(4, 8) for _ in range(2)]
+    gs = [torch.randn(4, 16) for _ in range(2)]
+    expected = [torch.zeros_like(p) for p in reference.parameters()]
+    for x, g in zip(xs, gs, strict=True):
+        _, grads = whole(reference, x, g)
+        expected = [e + w for e, w in zip(expected, grads, strict=True)]
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        model = linears()
+        mesh = init_device_mesh("cpu", (1,))
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh, reshard_after_forward=False)
+        fully_shard(model, mesh=mesh, reshard_after_forward=False)
+        assert type(model[0]) is not nn.Linear
+        model.set_requires_gradient_sync(False)
+        split = SplitBackward(model, [model])
+        leaves = [x.clone().requires_grad_(True) for x in xs]
+        outputs = [model(leaf) for leaf in leaves]
+        for m in range(2):
+            split.input_half(m, [outputs[m]], [gs[m]], [leaves[m]])
+            assert len(split._deferred[m].linear) == 2  # both layers wait for W
+        for m in range(2):
+            split.weight_half(m)
+        # What a step's reduction does with FSDP: every group reduces once.
+        model.set_requires_gradient_sync(True)
+        model.set_is_last_backward(True)
+        model.set_reshard_after_backward(True)
+        state = fully_shard.state(model)
+        for each in state._state_ctx.all_states:
+            for group in each._fsdp_param_groups:
+                group.post_backward()
+        state._root_post_backward_final_callback()
+        got = [
+            p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            for p in model.parameters()
+        ]
+    finally:
+        dist.destroy_process_group()
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e)
