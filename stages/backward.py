@@ -136,7 +136,7 @@ class SplitBackward:
     """
 
     def __init__(self, module: nn.Module, deferring: Sequence[nn.Module]) -> None:
-        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.module = module
         self._store = _Store()
         self._deferred: dict[int, _Deferred] = {}
         for part in deferring:
@@ -160,7 +160,10 @@ class SplitBackward:
         try:
             # Every parameter too: those reached other than through a linear layer
             # (a weight tied to an embedding) get their gradient here.
-            torch.autograd.backward(roots, grads, inputs=[*inputs, *self.params])
+            # The parameters as registered now, not at construction: a wrapper that
+            # shards them (FSDP) registers the gathered ones while they are in use.
+            params = [p for p in self.module.parameters() if p.requires_grad]
+            torch.autograd.backward(roots, grads, inputs=[*inputs, *params])
         finally:
             self._store.active = None
         self._deferred[microbatch] = _Deferred(linear=kept)

@@ -154,20 +154,18 @@ def test_a_view_output() -> None:
         torch.testing.assert_close(p.grad, e)
 
 
-def test_a_layer_whose_class_fsdp_swapped_is_still_routed() -> None:
+def test_a_stage_sharded_with_fsdp_still_splits_its_backward() -> None:
     """FSDP2 swaps each sharded layer's class for a subclass with hooks around the same
-    forward: such a linear layer still defers its weight gradients to W, and I then W
-    still give one backward's gradients. One process on a one-rank gloo group."""
+    forward: such a linear layer still defers its weight gradients to W. And it
+    registers the gathered parameters in place of the sharded ones while they are in
+    use: I differentiates those, so the LayerNorm's gradients are not lost. I then W
+    give one backward's gradients. One process on a one-rank gloo group."""
     from torch import distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    def linears() -> nn.Sequential:
-        torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16))
-
-    reference = linears()
+    reference = mlp()
     xs = [torch.randn(4, 8) for _ in range(2)]
     gs = [torch.randn(4, 16) for _ in range(2)]
     expected = [torch.zeros_like(p) for p in reference.parameters()]
@@ -177,15 +175,18 @@ def test_a_layer_whose_class_fsdp_swapped_is_still_routed() -> None:
 
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     try:
-        model = linears()
+        model = mlp()
         mesh = init_device_mesh("cpu", (1,))
         for layer in model:
             if isinstance(layer, nn.Linear):
                 fully_shard(layer, mesh=mesh, reshard_after_forward=False)
         fully_shard(model, mesh=mesh, reshard_after_forward=False)
         assert type(model[0]) is not nn.Linear
-        model.set_requires_gradient_sync(False)
         split = SplitBackward(model, [model])
+        # How a step of a sharded stage begins: gathered once, reduced once at its end.
+        model.set_requires_gradient_sync(False)
+        model.set_is_last_backward(False)
+        model.set_reshard_after_backward(False)
         leaves = [x.clone().requires_grad_(True) for x in xs]
         outputs = [model(leaf) for leaf in leaves]
         for m in range(2):
