@@ -230,6 +230,12 @@ class RankInfo:
         )
 
 
+BUS_CONNECT_S = 60.0
+"""How long a stage waits for the broker to answer. Whoever started the stage made sure
+the broker runs (the launcher answers for it before any stage starts): a slow answer
+is a loaded machine, which the publisher's 10 s default failed runs on."""
+
+
 def spans_enabled(mode: str, step: int) -> bool:
     """Whether step ``step`` (1-based) publishes microbatch spans under ``mode``."""
     if mode == "all":
@@ -368,6 +374,7 @@ class StageActor:
                 source=f"stage/{self.stage}" + (f"/{self.replica}" if self.replica else ""),
                 run_id=self.config.run_id,
                 curve=curve,
+                connect_timeout=BUS_CONNECT_S,
             )
             # Replica 0 answers for its stage: one acknowledgement per stage.
             self.ledger = CommandLedger(self.stage, None if self.replica else self.publisher)
