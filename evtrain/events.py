@@ -208,6 +208,10 @@ class StragglerReported(Event, kw_only=True, tag="run.straggler"):
     slowdown: Annotated[float, msgspec.Meta(ge=0)]
     straggling: bool = True
 
+    def replicas(self, data_parallel: int) -> list[int]:
+        """The replicas it names: every one of the stage's for a whole stage."""
+        return list(range(data_parallel)) if self.whole_stage else [self.replica]
+
     def describe(self) -> str:
         """One line: ``"stage 1 is a straggler from step 20: ..."``."""
         who = f"stage {self.stage}" + ("" if self.whole_stage else f" replica {self.replica}")

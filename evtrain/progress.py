@@ -77,11 +77,11 @@ _WINDOW = 20
 PLAIN_INTERVAL_S = 30.0
 """Longest time between two plain progress lines while steps go on."""
 _PLAIN_MARKS = 10
+"""Plain mode prints a progress line at every 1/_PLAIN_MARKS of the steps."""
 STALL_MIN_S = 10.0
 """A run is stalled once no step ended for this long, and for 10 typical steps."""
 STALLED_LINE_S = 60.0
 """Plain mode repeats a stalled run's line this often."""
-"""Plain mode prints a progress line at every 1/_PLAIN_MARKS of the steps."""
 _RELAY_DRAIN_S = 2.0
 _NAME_LIMIT = 64
 

@@ -326,8 +326,7 @@ class TopModel(Hook):
         """The launcher named a straggler, or one recovered (a whole stage: each replica)."""
         if not self.of_this_run(ev):
             return
-        replicas = range(self.state.data_parallel or 1) if ev.whole_stage else [ev.replica]
-        for replica in replicas:
+        for replica in ev.replicas(self.state.data_parallel or 1):
             stage = self._stage(ev.stage, replica)
             if stage is not None:
                 stage.straggler = ev.slowdown if ev.straggling else None

@@ -574,8 +574,7 @@ class PrometheusExporter(Hook):
     @on(StragglerReported)
     def straggler(self, ev: StragglerReported) -> None:
         """A stage or replica became a straggler, or stopped being one."""
-        replicas = range(self.state.data_parallel or 1) if ev.whole_stage else [ev.replica]
-        for replica in replicas:
+        for replica in ev.replicas(self.state.data_parallel or 1):
             labels = self._place(ev.stage, replica, ev)
             if labels is not None:
                 self.m.straggler.labels(*labels).set(1 if ev.straggling else 0)

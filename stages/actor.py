@@ -200,7 +200,7 @@ from evtrain.stages.worker import (
     StageReport,
     WorkerConfig,
     enable_stack_dumps,
-    flight_recorder_env,
+    keep_flight_recorder,
     this_host,
 )
 
@@ -330,10 +330,7 @@ class StageActor:
             # Before the first report: the launcher asks for stacks only of a
             # stage that reported, and the signal would otherwise end it.
             self._stacks = enable_stack_dumps(config.report_dir, attempt, ranks.rank)
-            recorder = flight_recorder_env(config.report_dir, config.run_id, attempt)
-            for names, value in recorder.items():
-                if not any(name in os.environ for name in names):
-                    os.environ[names[0]] = value
+            keep_flight_recorder(config.report_dir, config.run_id, attempt)
         # Span times are perf_counter readings; this turns them into wall clock.
         self._clock_offset = time.time() - time.perf_counter()
 

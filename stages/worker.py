@@ -25,7 +25,7 @@
   whatever its threads are blocked in. Under NCCL, torch's Flight Recorder
   (the last collectives of each rank) is kept and dumped the same way: the
   worker sets torch's ``TORCH_FR_*`` and ``TORCH_NCCL_DEBUG_INFO_PIPE_FILE``
-  variables unless the user did (`flight_recorder_env`), and writing to its
+  variables unless the user did (`keep_flight_recorder`), and writing to its
   named pipe makes torch write ``attempt-{a}/flight-recorder-rank-{r}``
   (`request_flight_recorder`).
 
@@ -34,6 +34,7 @@ The module is torch-free: the launcher reads it without the stage runtime.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import signal
@@ -52,7 +53,7 @@ __all__ = [
     "WorkerConfig",
     "enable_stack_dumps",
     "flight_recorder_dumps",
-    "flight_recorder_env",
+    "keep_flight_recorder",
     "read_stage_reports",
     "remove_flight_recorder_pipes",
     "request_flight_recorder",
@@ -218,17 +219,11 @@ def enable_stack_dumps(directory: str | os.PathLike[str], attempt: int, rank: in
     return stream
 
 
-def request_stacks(pids: list[int]) -> list[int]:
-    """Ask each process of ``pids`` (this machine's workers) for its stacks; those that
-    could be signalled."""
-    asked = []
+def request_stacks(pids: list[int]) -> None:
+    """Ask each process of ``pids`` (this machine's workers) for its stacks."""
     for pid in pids:
-        try:
+        with contextlib.suppress(OSError):  # gone already
             os.kill(pid, STACK_SIGNAL)
-        except OSError:
-            continue
-        asked.append(pid)
-    return asked
 
 
 def _flight_recorder_pipe_stem(run_id: str, attempt: int) -> str:
@@ -236,18 +231,20 @@ def _flight_recorder_pipe_stem(run_id: str, attempt: int) -> str:
     return os.path.join(tempfile.gettempdir(), f"evtrain-{run_id}-{attempt}-fr-")
 
 
-def flight_recorder_env(
-    directory: str | os.PathLike[str], run_id: str, attempt: int
-) -> dict[tuple[str, ...], str]:
-    """What keeps torch's NCCL Flight Recorder and lets `request_flight_recorder` dump it
-    (without NCCL it does nothing): each value under the variable names torch reads
-    for it; a worker sets the first name where the user set none of them."""
+def keep_flight_recorder(directory: str | os.PathLike[str], run_id: str, attempt: int) -> None:
+    """Set what keeps torch's NCCL Flight Recorder and lets `request_flight_recorder`
+    dump it, before the process group exists (without NCCL it does nothing). Each
+    value goes under the first of the names torch reads for it, unless the user set
+    any of them."""
     dumps = _attempt_dir(directory, attempt) / "flight-recorder-rank-"
-    return {
+    wanted = {
         ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"): "2000",
         ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"): str(dumps),
         ("TORCH_NCCL_DEBUG_INFO_PIPE_FILE",): _flight_recorder_pipe_stem(run_id, attempt),
     }
+    for names, value in wanted.items():
+        if not any(name in os.environ for name in names):
+            os.environ[names[0]] = value
 
 
 def request_flight_recorder(run_id: str, attempt: int) -> int:

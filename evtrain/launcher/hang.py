@@ -28,26 +28,43 @@ committed checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import re
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import anyio
+import structlog
+
 from evtrain.events import doing_kind
 from evtrain.failures import frame_text, is_user_file
 from evtrain.formatting import fmt_duration
-from evtrain.stages.worker import StageReport
+from evtrain.stages.worker import (
+    StageReport,
+    flight_recorder_dumps,
+    request_flight_recorder,
+    request_stacks,
+    stacks_path,
+    this_host,
+)
 
 __all__ = [
+    "HANG_FILE",
     "HANG_FLOOR_S",
     "HANG_STEP_FACTOR",
     "Hang",
     "HangWatch",
     "StackFrame",
     "Thread",
+    "gather_hang",
     "parse_stacks",
     "process_state",
+    "write_hang",
 ]
+
+log = structlog.get_logger(__name__)
 
 HANG_FLOOR_S = 300.0
 """The default hang timeout's least value (seconds)."""
@@ -55,6 +72,11 @@ HANG_STEP_FACTOR = 10.0
 """The default hang timeout is at least this many times the slowest step seen."""
 SILENT_AFTER_S = 5.0
 """A stage whose report is older than this has stopped responding (it writes every second)."""
+STACKS_WAIT_S = 3.0
+"""Seconds a hang report waits for the stages' stacks (a stopped process sends none)."""
+HANG_FILE = "hang.txt"
+"""The report of the hang that ended a run, in ``RUN_DIR/launches/RUN_ID/``
+(``hang-attempt-N.txt`` for one that elastic restarted)."""
 
 _UNRESPONSIVE = ("stopped", "stopped by a debugger", "exited", "gone")
 _PEER = re.compile(r" (?:from|to) stage (\d+)")
@@ -192,9 +214,8 @@ class StageState:
     """Seconds since its report stopped changing, when it stopped responding (else None)."""
     process: str = ""
     """`process_state` of its process ("": running, or not on this machine)."""
-    stack: str = ""
-    """Its faulthandler dump ("": none came)."""
     threads: list[Thread] = field(default_factory=list)
+    """Its faulthandler dump's threads (none: no dump came)."""
 
     @classmethod
     def of(
@@ -208,7 +229,6 @@ class StageState:
             replicas=replicas,
             silent_s=max(age, 0.0) if unresponsive and report.status == "running" else None,
             process=process,
-            stack=stack,
             threads=parse_stacks(stack),
         )
 
@@ -242,14 +262,10 @@ class StageState:
         peer = self.waits_on_rank()
         if peer is not None:
             return f"stage {peer // self.replicas}"
-        collective = _COLLECTIVE.get(self.instruction) or _COLLECTIVE.get(
-            self.report.doing.split(" ", 1)[0]
-        )
+        collective = _COLLECTIVE.get(self.instruction)
         if collective is not None:
             return collective
-        if self.report.doing.startswith(_HOOK_WAITS):
-            return "a hook"
-        return ""
+        return "a hook" if self.instruction in _HOOK_WAITS else ""
 
     @property
     def busy(self) -> bool:
@@ -415,3 +431,61 @@ def _plain(frame: StackFrame) -> str:
 
 def _seconds(value: float) -> str:
     return f"{value:.0f} s" if value < 120 else fmt_duration(value)
+
+
+async def gather_hang(
+    reports: dict[int, StageReport],
+    *,
+    report_dir: Path,
+    run_id: str,
+    attempt: int,
+    replicas: int,
+    still_s: float,
+) -> Hang:
+    """The hang of ``reports`` (by rank), with the stacks of this machine's stages and
+    their Flight Recorder dumps asked for and waited on (`STACKS_WAIT_S` at most)."""
+    host = this_host()
+    local = {rank: r for rank, r in reports.items() if r.host == host}
+    paths = {rank: stacks_path(report_dir, attempt, rank) for rank in local}
+    request_stacks([r.pid for r in local.values()])
+    recorders = request_flight_recorder(run_id, attempt)
+    deadline = time.monotonic() + STACKS_WAIT_S
+    sizes: dict[int, int] = {}
+    while time.monotonic() < deadline:
+        await anyio.sleep(0.1)
+        now_sizes = {rank: _size(path) for rank, path in paths.items()}
+        # Every dump written and none still growing: a stopped process writes none.
+        recorded = len(flight_recorder_dumps(report_dir, attempt)) >= recorders
+        if all(now_sizes.values()) and now_sizes == sizes and recorded:
+            break
+        sizes = now_sizes
+    wall, states = time.time(), []
+    for rank, report in sorted(reports.items()):
+        stack = ""
+        if rank in paths:
+            with contextlib.suppress(OSError):
+                stack = paths[rank].read_text(errors="replace")
+        process = process_state(report.pid) if rank in local else ""
+        states.append(
+            StageState.of(report, replicas=replicas, wall=wall, process=process, stack=stack)
+        )
+    return Hang.compose(states, still_s)
+
+
+def write_hang(hang: Hang, report_dir: Path, attempt: int, *, restarting: bool) -> Path | None:
+    """Write ``hang``'s whole report (`HANG_FILE`, or ``hang-attempt-N.txt`` when elastic
+    restarts the workers); its path (None: it could not be written)."""
+    path = report_dir / (f"hang-attempt-{attempt}.txt" if restarting else HANG_FILE)
+    try:
+        path.write_text(hang.text(flight_recorder=flight_recorder_dumps(report_dir, attempt)))
+    except OSError as exc:
+        log.warning("cannot write the hang report", path=str(path), error=str(exc))
+        return None
+    return path
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0

@@ -28,6 +28,7 @@ from evtrain.events import (
     EvalEnded,
     EvalProgress,
     EvalStarted,
+    Event,
     HangReported,
     Heartbeat,
     HookStarted,
@@ -42,7 +43,7 @@ from evtrain.failures import RootCause
 from evtrain.hook_supervisor import HookSupervisor
 from evtrain.launcher.agent import AgentProcess, agent_config, agent_report_path, cleanup_message
 from evtrain.launcher.bus import RunBus
-from evtrain.launcher.hang import Hang, HangWatch, StageState, process_state
+from evtrain.launcher.hang import Hang, HangWatch, gather_hang, write_hang
 from evtrain.launcher.hooks import finish_hooks, start_hooks, wait_attached
 from evtrain.launcher.options import (
     EXIT_FAILED,
@@ -60,15 +61,7 @@ from evtrain.launcher.stragglers import StragglerWatch
 from evtrain.launcher.watch import BusWatch, FailureWatch, workers_outstay_failure
 from evtrain.progress import RunConsole
 from evtrain.run_record import LAUNCHES_DIR
-from evtrain.stages.worker import (
-    StageReport,
-    flight_recorder_dumps,
-    remove_flight_recorder_pipes,
-    request_flight_recorder,
-    request_stacks,
-    stacks_path,
-    this_host,
-)
+from evtrain.stages.worker import remove_flight_recorder_pipes, this_host
 
 __all__ = ["Launcher"]
 
@@ -87,8 +80,6 @@ _TOPICS = (
     Heartbeat.topic.decode(),
 )
 _POLL_S = 0.1
-STACKS_WAIT_S = 3.0
-"""Seconds a hang report waits for the stages' stacks (a stopped process sends none)."""
 
 
 def _exit_on_signal(signum: int, frame: object) -> None:
@@ -514,17 +505,16 @@ class Launcher:
             return
         attempt = failures.current_attempt()
         number = attempt.attempt if attempt is not None else 0
-        hang = await self._compose_hang(failures.stage_reports, number, watch.still_for(now))
+        hang = await gather_hang(
+            failures.stage_reports,
+            report_dir=self.report_dir,
+            run_id=self.run_id,
+            attempt=number,
+            replicas=self.job.data_parallel,
+            still_s=watch.still_for(now),
+        )
         restarting = failures.restart_pending(attempt)
-        name = f"hang-attempt-{number}.txt" if restarting else "hang.txt"
-        path: Path | None = self.report_dir / name
-        assert path is not None
-        try:
-            recorder = flight_recorder_dumps(self.report_dir, number)
-            path.write_text(hang.text(flight_recorder=recorder))
-        except OSError as exc:
-            log.warning("cannot write the hang report", error=str(exc))
-            path = None
+        path = write_hang(hang, self.report_dir, number, restarting=restarting)
         culprit = hang.culprit.report
         event = HangReported(
             step=hang.step,
@@ -536,8 +526,7 @@ class Launcher:
             report=str(path or ""),
             restarting=restarting,
         )
-        if self._publisher is not None and not self._bus_down():
-            self._publisher.publish(event)
+        self._send(event)
         self.console.error(hang.summary(path))
         if restarting:
             # Elastic restarts a worker group one of whose workers died.
@@ -556,52 +545,23 @@ class Launcher:
         self.stop.killed_workers()  # their deaths are ours, not a failure
         self._kill_agent()
 
-    async def _compose_hang(
-        self, reports: dict[int, StageReport], attempt: int, still_s: float
-    ) -> Hang:
-        """The hang report, with the stacks of this machine's stages (`Hang.compose`)."""
-        host = this_host()
-        local = {rank: r for rank, r in reports.items() if r.host == host}
-        paths = {rank: stacks_path(self.report_dir, attempt, rank) for rank in local}
-        request_stacks([r.pid for r in local.values()])
-        recorders = request_flight_recorder(self.run_id, attempt)
-        deadline = time.monotonic() + STACKS_WAIT_S
-        sizes: dict[int, int] = {}
-        while time.monotonic() < deadline:
-            await anyio.sleep(0.1)
-            now_sizes = {rank: _size(path) for rank, path in paths.items()}
-            # Every dump written and none still growing: a stopped process writes none.
-            recorded = len(flight_recorder_dumps(self.report_dir, attempt)) >= recorders
-            if all(now_sizes.values()) and now_sizes == sizes and recorded:
-                break
-            sizes = now_sizes
-        wall, states = time.time(), []
-        for rank, report in sorted(reports.items()):
-            stack = ""
-            if rank in paths:
-                with contextlib.suppress(OSError):
-                    stack = paths[rank].read_text(errors="replace")
-            process = process_state(report.pid) if rank in local else ""
-            replicas = self.job.data_parallel
-            states.append(
-                StageState.of(report, replicas=replicas, wall=wall, process=process, stack=stack)
-            )
-        return Hang.compose(states, still_s)
-
     def _on_step(self, msg: StepEnded, stragglers: StragglerWatch) -> None:
         """Stragglers found or recovered with this step: published; named once."""
         for change in stragglers.step_ended(msg):
-            if self._publisher is not None and not self._bus_down():
-                self._publisher.publish(change)
+            self._send(change)
             key = (change.stage, None if change.whole_stage else change.replica)
             if change.straggling and key not in self._stragglers_named:
                 self._stragglers_named.add(key)
                 self.console.warn(change.describe())
 
+    def _send(self, event: Event) -> None:
+        """Publish ``event`` from the launcher, unless the bus is lost."""
+        if self._publisher is not None and not self._bus_down():
+            self._publisher.publish(event)
+
     def _publish(self, event: RunEnded, *, on_bus: StageFailed | None = None) -> None:
         """The run ended with ``event``: published (or ``on_bus`` instead) and remembered."""
-        if self._publisher is not None and not self._bus_down():
-            self._publisher.publish(event if on_bus is None else on_bus)
+        self._send(event if on_bus is None else on_bus)
         self._published = event
         self._published_at = time.monotonic()
         if self._supervisor is not None:
@@ -624,10 +584,3 @@ class Launcher:
         if self.bus is not None:
             self.bus.stop()
         self.console.close()
-
-
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0

@@ -31,7 +31,7 @@ from evtrain.checkpoint import read_manifest
 from evtrain.events import RunEnded
 from evtrain.failures import RootCause
 from evtrain.launcher.bus import RunBus, curve_dir
-from evtrain.launcher.hang import Hang
+from evtrain.launcher.hang import HANG_FILE, Hang
 from evtrain.launcher.options import (
     EXIT_BUS_LOST,
     EXIT_FAILED,
@@ -348,7 +348,7 @@ class Report:
                 "replica": culprit.replica,
                 "doing": culprit.doing,
                 "location": hang.culprit.location(),
-                "report": str(self.report_dir / "hang.txt"),
+                "report": str(self.report_dir / HANG_FILE),
             }
         bus_lost = self.bus_watch.record(checkpointing=plan.checkpointing, run_dir=self.run_dir)
         if bus_lost is not None:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from evtrain.events import StepEnded, StragglerReported
 
@@ -65,8 +65,8 @@ Place = tuple[int, int]
 class _Series:
     """One stage's (or replica's) ratios to its peers, recent first out."""
 
-    baseline: list[float]
-    recent: deque[tuple[float, float]]
+    baseline: list[float] = field(default_factory=list)
+    recent: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=WINDOW))
     """(ratio to its peers, extra time over the step's duration) of the recent steps."""
     straggling: bool = False
 
@@ -81,8 +81,8 @@ class StragglerWatch:
         self._steps: dict[int, dict[Place, tuple[float, float, float]]] = {}
         """Each incomplete step's (duration, busy, work) seconds by stage and replica: what
         stages and what replicas are compared by."""
-        self._stage_series = {s: _series() for s in range(stages)}
-        self._replica_series = {(s, r): _series() for s in range(stages) for r in range(replicas)}
+        self._stage_series = {s: _Series() for s in range(stages)}
+        self._replica_series = {(s, r): _Series() for s in range(stages) for r in range(replicas)}
 
     def step_ended(self, ev: StepEnded) -> list[StragglerReported]:
         """Fold ``ev`` in; what changed once its step is complete."""
@@ -147,10 +147,6 @@ class StragglerWatch:
             if change is not None:
                 changes.append(_report(step, stage, None, *change))
         return changes
-
-
-def _series() -> _Series:
-    return _Series(baseline=[], recent=deque(maxlen=WINDOW))
 
 
 def _share(extra_s: float, duration: float) -> float:

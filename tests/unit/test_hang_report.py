@@ -196,7 +196,7 @@ def test_a_faulthandler_dump_is_parsed_and_the_user_frame_found() -> None:
     threads = parse_stacks(text)
     assert len(threads) >= 2
     this = state(report(0, 1, "Forward m0"))
-    this = StageState(report=this.report, replicas=1, silent_s=None, stack=text, threads=threads)
+    this = StageState(report=this.report, replicas=1, silent_s=None, threads=threads)
     # This test file is user code; threading's frames are not.
     assert "test_hang_report.py" in this.location()
     blocked = next(
