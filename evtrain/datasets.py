@@ -159,11 +159,12 @@ class TokenFile:
         state["_fd_pid"] = 0
         return state
 
-    def __del__(self) -> None:
+    def __del__(self, _getpid: Any = os.getpid, _close: Any = os.close) -> None:
+        # ``os`` may already be torn down when this runs at interpreter exit.
         fd = getattr(self, "_fd", None)
-        if fd is not None and getattr(self, "_fd_pid", 0) == os.getpid():
+        if fd is not None and getattr(self, "_fd_pid", 0) == _getpid():
             try:
-                os.close(fd)
+                _close(fd)
             except OSError:
                 pass
 

@@ -9,6 +9,7 @@ import os
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -76,13 +77,21 @@ class Bus:
             time.sleep(0.005)
         raise AssertionError(f"no matching event within {timeout} s; got {self.summary()}")
 
-    def settle(self, quiet: float = 0.3, timeout: float = 5.0) -> None:
-        """Drain until nothing arrived for ``quiet`` seconds."""
+    def wait_count(
+        self, kind: type[Message], count: int, run_id: str | None = None, timeout: float = 60.0
+    ) -> None:
+        """Pump until ``count`` events of ``kind`` (of ``run_id``) arrived.
+
+        Waiting for the last events a run publishes, rather than for a quiet
+        spell, keeps a test right on a machine too busy to forward promptly."""
         deadline = time.monotonic() + timeout
-        last = time.monotonic()
-        while time.monotonic() < deadline and time.monotonic() - last < quiet:
-            if self.pump():
-                last = time.monotonic()
+        while len(self.of(kind, run_id)) < count:
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"{len(self.of(kind, run_id))} of {count} {kind.__name__} ({run_id}) "
+                    f"within {timeout} s; got {self.summary()}"
+                )
+            self.pump()
             time.sleep(0.01)
 
     def send(self, command: Message) -> None:
@@ -117,13 +126,20 @@ def start_driver(procs: Any, runs: list[tuple[int, WorkerConfig]]) -> subprocess
     )
 
 
-def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:  # type: ignore[type-arg]
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
+def finish(proc: subprocess.Popen, timeout: float, bus: Bus) -> tuple[int, str]:  # type: ignore[type-arg]
+    """The driver's exit status and output; ``bus`` is pumped meanwhile, so no
+    event waits in the broker's queue for the subscriber."""
+    result: list[tuple[str, str]] = []
+    reader = threading.Thread(target=lambda: result.append(proc.communicate()), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + timeout
+    while reader.is_alive() and time.monotonic() < deadline:
+        bus.pump()
+        reader.join(0.02)
+    if reader.is_alive():
         os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        raise AssertionError(
-            f"launch did not finish in {timeout} s:\n{out}\n{err[-4000:]}"
-        ) from None
+        reader.join()
+        out, err = result[0]
+        raise AssertionError(f"launch did not finish in {timeout} s:\n{out}\n{err[-4000:]}")
+    out, err = result[0]
     return proc.returncode, out + err

@@ -22,7 +22,7 @@ from helpers.stage_driver import Bus, finish, start_driver
 from safetensors.torch import load_file
 
 from evtrain.errors import SpecError
-from evtrain.events import StepEnded
+from evtrain.events import StageStopped, StepEnded
 from evtrain.overrides import apply_overrides
 from evtrain.spec import load_job
 from evtrain.stages.job_data import job_data
@@ -161,9 +161,10 @@ def test_token_weighted_steps_equal_whole_batch_training(
         )
         runs.append((2 * replicas, config, spec, clip, weighted))
     proc = start_driver(procs, [(nproc, config) for nproc, config, *_ in runs])
-    code, output = finish(proc, timeout=600)
+    code, output = finish(proc, timeout=600, bus=bus)
     assert code == 0, output[-4000:]
-    bus.settle()
+    for nproc, config, *_ in runs:
+        bus.wait_count(StageStopped, nproc, config.run_id)
 
     for _nproc, config, spec, clip, weighted in runs:
         what = f"{config.overrides} weighted={weighted} {spec.name}"

@@ -236,9 +236,10 @@ def test_pipeline_equals_single_process(stages: int, tmp_path: Path, bus: Bus, p
         )
         runs.append((stages, config, spec, overrides, dump))
     proc = start_driver(procs, [(n, cfg) for n, cfg, *_ in runs])
-    code, output = finish(proc, timeout=120)
+    code, output = finish(proc, timeout=120, bus=bus)
     assert code == 0, output[-4000:]
-    bus.settle()
+    for _stages, config, *_ in runs:
+        bus.wait_count(StageStopped, stages, config.run_id)
 
     for _stages, config, spec, overrides, dump in runs:
         what = f"P={stages} {overrides}"
@@ -358,9 +359,9 @@ def test_commands_apply_at_one_boundary_and_are_acked(tmp_path: Path, bus: Bus, 
     assert {a.stage for a in ckpts} == set(range(stages)) and len({a.step for a in ckpts}) == 1
 
     stops = send_until_acked(StopRun(command_id="stop-1", reason="enough"))
-    code, output = finish(proc, timeout=60)
+    code, output = finish(proc, timeout=60, bus=bus)
     assert code == 0, output[-4000:]
-    bus.settle()
+    bus.wait_count(StageStopped, stages)
     stops = acked("stop-1")
     assert {a.stage for a in stops} == set(range(stages)) and len({a.step for a in stops}) == 1
     stop_step = stops[0].step
@@ -388,9 +389,9 @@ def test_sigterm_stops_every_stage_cleanly(tmp_path: Path, bus: Bus, procs: Any)
     bus.wait_for(lambda e: isinstance(e, StepEnded) and e.step >= 3, timeout=60)
     pid = next(e.pid for e in bus.of(StageStarted) if e.stage == 1)
     os.kill(pid, signal.SIGTERM)
-    code, output = finish(proc, timeout=30)
+    code, output = finish(proc, timeout=30, bus=bus)
     assert code == 0, output[-4000:]
-    bus.settle()
+    bus.wait_count(StageStopped, stages)
     ended = bus.of(RunEnded)
     assert [(e.status, e.reason) for e in ended] == [("stopped", "signal")]
     last_steps = {s: max(e.step for e in bus.of(StepEnded) if e.stage == s) for s in range(stages)}
@@ -411,11 +412,11 @@ def test_failing_stage_fails_the_run_quickly(tmp_path: Path, bus: Bus, procs: An
     )
     start = time.monotonic()
     proc = start_driver(procs, [(stages, config)])
-    code, output = finish(proc, timeout=60)
+    code, output = finish(proc, timeout=60, bus=bus)
     elapsed = time.monotonic() - start
     assert code != 0
     assert "LAUNCH FAILED" in output
-    bus.settle()
+    bus.wait_count(StageFailed, 1)
     failed = {e.stage: e for e in bus.of(StageFailed)}
     assert 1 in failed, bus.summary()
     assert "flaky layer failed on call 10" in failed[1].error
