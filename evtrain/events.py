@@ -316,6 +316,9 @@ class StepEnded(Event, kw_only=True, tag="step.ended"):
     """On a CPU device: CPU seconds of the thread that ran the step, the stage's own work
     (0 on other devices)."""
     peak_memory_bytes: Count | None = None
+    state_bytes: Count | None = None
+    """Bytes of the parameters and optimizer state this process holds between steps:
+    its shards under `evtrain.job.Job.shard`."""
     metrics: dict[str, float] = msgspec.field(default_factory=dict)
 
 

@@ -289,6 +289,15 @@ class Job:
     equals one on the whole batch; `batch_size` is the global batch and must be a
     multiple of ``num_microbatches * data_parallel``."""
 
+    shard: str = "none"
+    """With `data_parallel` > 1, what each stage's replicas split between them instead
+    of each holding it whole (torch's FSDP2 over the stage's replicas): ``"none"``
+    (DDP), ``"optimizer"`` (the optimizer state; parameters and gradients are whole
+    during a step), ``"grads"`` (also the gradients, reduced after every
+    microbatch) or ``"full"`` (also the parameters, gathered for each microbatch).
+    Between steps every mode holds 1/D of the stage's state; docs/scale.md says
+    what each costs."""
+
     precise_bn: int | None = None
     """Recompute the BatchNorm running statistics before every evaluation over this many
     training batches (those that follow the evaluated step), run forward through the

@@ -37,6 +37,7 @@ __all__ = [
 ]
 
 SCHEDULES: tuple[str, ...] = tuple(s.value for s in Schedule)
+SHARD_MODES: tuple[str, ...] = ("none", "optimizer", "grads", "full")
 """Pipeline schedule names (``"gpipe"``, ``"1f1b"``, ``"zb"``, ``"interleaved"``, ``"zbv"``)."""
 
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
@@ -198,6 +199,7 @@ def check_job(job: Job) -> None:
             f"unknown schedule {job.schedule!r}; choose one of {', '.join(SCHEDULES)}",
         )
     _virtual_stages(job)
+    _shard(job)
     if job.layers is not None and job.num_chunks > len(job.layers):
         what = "stages" if job.virtual_stages == 1 else "model chunks"
         raise SpecError(
@@ -251,6 +253,37 @@ def _virtual_stages(job: Job) -> None:
         check_virtual_stages(job.schedule, job.stages, job.num_microbatches, job.virtual_stages)
     except UsageError as exc:
         raise SpecError("virtual_stages", str(exc)) from None
+
+
+def _shard(job: Job) -> None:
+    if job.shard not in SHARD_MODES:
+        raise SpecError(
+            "shard", f"unknown mode {job.shard!r}; choose one of {', '.join(SHARD_MODES)}"
+        )
+    if job.shard == "none":
+        return
+    if job.data_parallel == 1:
+        raise SpecError(
+            "shard",
+            f"{job.shard!r} splits a stage's state between its replicas: it needs "
+            "data_parallel > 1",
+        )
+    refused = None
+    if job.virtual_stages > 1:
+        refused = f"schedule {job.schedule!r} (several model chunks per stage)"
+    elif job.shard != "optimizer" and Schedule(job.schedule).splits_backward:
+        refused = (
+            f"schedule {job.schedule!r}: its split backward reduces once per step; "
+            "use shard='optimizer'"
+        )
+    elif job.tied:
+        refused = "tied weights"
+    elif job.find_unused_parameters:
+        refused = "find_unused_parameters"
+    elif job.data_loader is not None:
+        refused = "a data_loader (shapes agreed during training)"
+    if refused is not None:
+        raise SpecError("shard", f"{job.shard!r} cannot be combined with {refused}")
 
 
 def _balance(job: Job) -> None:

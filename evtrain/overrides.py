@@ -84,6 +84,13 @@ OVERRIDES: dict[str, Override] = {
             "data-parallel replicas D of the pipeline (P x D processes)",
         ),
         Override(
+            "shard",
+            "shard",
+            _parse_str,
+            "a mode",
+            "what a stage's replicas split: none (DDP), optimizer, grads or full",
+        ),
+        Override(
             "microbatches",
             "num_microbatches",
             _parse_int,

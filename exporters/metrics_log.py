@@ -7,7 +7,8 @@ One JSON object per line:
     {"type": "step", "step": 9, "time": 1718000000.1, "epoch": 0, "samples": 64,
      "loss": 0.41, "lr": 0.003, "grad_norm": 1.2, "step_time_s": 0.051,
      "stages": {"0": {"duration_s": 0.05, "forward_s": 0.02, "backward_s": 0.025,
-                      "comm_wait_s": 0.004, "peak_memory_bytes": null}, "1": {...}},
+                      "comm_wait_s": 0.004, "peak_memory_bytes": null,
+                      "state_bytes": 1048576}, "1": {...}},
      ...values reported with evtrain.report...}
 
   ``stages`` holds replica 0's times; with data parallelism the other
@@ -60,6 +61,7 @@ def _times(ev: StepEnded) -> dict[str, Any]:
         "backward_s": ev.backward_s,
         "comm_wait_s": ev.comm_wait_s,
         "peak_memory_bytes": ev.peak_memory_bytes,
+        "state_bytes": ev.state_bytes,
     }
 
 

@@ -431,6 +431,7 @@ class PrometheusExporter(Hook):
             self.m.comm_wait,
             self.m.bubble,
             self.m.peak_memory,
+            self.m.state_bytes,
             self.m.checkpoint_blocked,
             self.m.stage_up,
             self.m.stage_last_seen,
@@ -630,6 +631,8 @@ class PrometheusExporter(Hook):
             self.m.bubble.labels(*labels).set(sum(w for w, _ in waits) / total)
         if ev.peak_memory_bytes is not None:
             self.m.peak_memory.labels(*labels).set(ev.peak_memory_bytes)
+        if ev.state_bytes is not None:
+            self.m.state_bytes.labels(*labels).set(ev.state_bytes)
         if ev.lr is not None:
             self.m.lr.labels(*labels).set(ev.lr)
         if ev.replica == 0:

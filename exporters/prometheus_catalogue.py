@@ -150,6 +150,13 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         STAGE_LABELS,
         "peak memory the stage reported (CUDA: max allocated; CPU: peak RSS)",
     ),
+    MetricSpec(
+        "state_bytes",
+        "evtrain_stage_state_bytes",
+        "gauge",
+        STAGE_LABELS,
+        "parameters and optimizer state the process holds (its shards when sharded)",
+    ),
     MetricSpec("evals", "evtrain_evals", "counter", (), "evaluations finished"),
     MetricSpec(
         "eval_metric",

@@ -698,6 +698,7 @@ class StageActor:
                 comm_wait_s=stats.comm_wait_s,
                 cpu_s=stats.cpu_s,
                 peak_memory_bytes=self._peak_memory(),
+                state_bytes=self._rt.executor.update.state_bytes(),
                 metrics=metrics,
             )
         )

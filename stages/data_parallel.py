@@ -45,7 +45,7 @@ so what is evaluated and saved does not depend on the replica.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -57,7 +57,7 @@ from torch.nn.parallel.distributed import _find_tensors
 
 from evtrain.errors import UsageError
 
-__all__ = ["Replicas", "all_gathered", "average_in_place"]
+__all__ = ["Replicas", "all_gathered", "average_in_place", "check_used"]
 
 
 def average_in_place(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> None:
@@ -81,9 +81,24 @@ def all_gathered(value: Any, group: dist.ProcessGroup) -> list[Any]:
     return values
 
 
+def check_used(params: Sequence[nn.Parameter], names: Mapping[nn.Parameter, str]) -> None:
+    """Raise `UsageError` naming the trainable parameters that got no gradient in this
+    step (before any collective that would not match across replicas)."""
+    unused = [names.get(p, "?") for p in params if p.grad is None]
+    if unused:
+        shown = ", ".join(unused[:5]) + (f" and {len(unused) - 5} more" if unused[5:] else "")
+        raise UsageError(
+            f"parameters {shown} got no gradient in this step: set "
+            "Job(find_unused_parameters=True) or freeze them (requires_grad=False)"
+        )
+
+
 class Replicas:
     """One stage's DDP wrapper; construct it on every replica (collective: DDP
     broadcasts replica 0's parameters and buffers to the others)."""
+
+    sharded = False
+    """Each replica holds the whole stage (`ShardedReplicas`: a shard of it)."""
 
     def __init__(
         self,
@@ -105,17 +120,10 @@ class Replicas:
         self._names = {p: name for name, p in module.named_parameters() if p.requires_grad}
 
     def check_used(self, params: Sequence[nn.Parameter]) -> None:
-        """Raise `UsageError` naming the trainable parameters that got no gradient in this
-        step (unless the job lets them: `Job.find_unused_parameters`)."""
-        if self.find_unused:
-            return
-        unused = [self._names.get(p, "?") for p in params if p.grad is None]
-        if unused:
-            shown = ", ".join(unused[:5]) + (f" and {len(unused) - 5} more" if unused[5:] else "")
-            raise UsageError(
-                f"parameters {shown} got no gradient in this step: set "
-                "Job(find_unused_parameters=True) or freeze them (requires_grad=False)"
-            )
+        """`check_used`, unless the job lets parameters go unused
+        (`Job.find_unused_parameters`)."""
+        if not self.find_unused:
+            check_used(params, self._names)
 
     @property
     def module(self) -> nn.Module:
@@ -132,7 +140,16 @@ class Replicas:
         """Make the next backward, from ``tensors``, reduce over the replicas."""
         self.ddp.reducer.prepare_for_backward(list(_find_tensors(list(tensors))))
 
-    def average_grads(self, params: Sequence[nn.Parameter]) -> None:
+    def begin_step(self) -> None:
+        """Nothing to do before a step (`ShardedReplicas` gathers there)."""
+
+    def gather(self) -> None:
+        """Nothing to do before forward-only passes: every replica holds the whole stage."""
+
+    def release(self) -> None:
+        """Nothing to do after forward-only passes."""
+
+    def reduce(self, params: Sequence[nn.Parameter]) -> None:
         """Average ``params``' gradients over the replicas (`average_in_place`).
 
         For a split backward, whose weight gradients are complete only after

@@ -304,6 +304,17 @@ class StageEvaluator:
     async def evaluate(self, step: int) -> EvalResult | None:
         """Evaluate the weights after ``step`` steps on every set (collective along the
         pipeline and the replicas); the result on replica 0's last stage, else None."""
+        replicas = self._executor.replicas
+        if replicas is None:
+            return await self._evaluate(step)
+        # Sharded, every replica gathers the stage once, whatever its share.
+        await anyio.to_thread.run_sync(replicas.gather)
+        try:
+            return await self._evaluate(step)
+        finally:
+            await anyio.to_thread.run_sync(replicas.release)
+
+    async def _evaluate(self, step: int) -> EvalResult | None:
         if self._job.precise_bn:
             await anyio.to_thread.run_sync(self._precise_bn, step)
         if self._group is not None:

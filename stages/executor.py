@@ -99,6 +99,7 @@ from evtrain.stages.precision import autocast
 from evtrain.stages.pytree import BoundarySpec, call, split
 from evtrain.stages.schedules import build_schedule
 from evtrain.stages.shapes import ShapeTable
+from evtrain.stages.sharded import ShardedReplicas
 from evtrain.stages.update import Timed, WeightUpdate
 
 _Program = list[tuple[Callable[[int, int], None], int, int, str]]
@@ -251,7 +252,7 @@ class StageExecutor:
         mailbox: Mailbox,
         control: StepControl,
         stream: DataStream,
-        replicas: Replicas | None = None,
+        replicas: Replicas | ShardedReplicas | None = None,
         place: Place | None = None,
         shapes: ShapeTable,
         chunks: Sequence[nn.Module] | None = None,
@@ -394,6 +395,8 @@ class StageExecutor:
         self._loss_sum = self._weight_sum = None
         self.mailbox.reset_wait()
         self._training = True
+        if self.replicas is not None:
+            self.replicas.begin_step()
         index = step - 1
         mb = self.job.microbatch_size
         for accum in range(self.job.grad_accum):

@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from evtrain.schedule_names import Schedule
 from evtrain.stages.schedules import chunk_place, model_chunk
@@ -194,6 +194,8 @@ class StageGroups:
     chunks: list[tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]]
     """(activations, gradients) into each model chunk v, pair 0 included."""
     shapes: dist.ProcessGroup | None = None
+    replica_mesh: DeviceMesh | None = None
+    """The ``dp`` dimension of the mesh (the ``replicas`` group), which FSDP shards over."""
 
 
 def build_groups(
@@ -238,4 +240,12 @@ def build_groups(
             group = dist.new_group(ranks, backend="gloo", timeout=timeout)
             if replica == place.replica:
                 shapes = group
-    return StageGroups(pipeline, pipeline_grads, replicas, control, chunks, shapes)
+    return StageGroups(
+        pipeline,
+        pipeline_grads,
+        replicas,
+        control,
+        chunks,
+        shapes,
+        mesh["dp"] if place.replicas > 1 else None,
+    )

@@ -69,6 +69,7 @@ from evtrain.stages.precision import LossScaler, autocast, checkpoint_layer, com
 from evtrain.stages.pytree import BoundarySpec
 from evtrain.stages.schedules import chunk_place, model_chunk
 from evtrain.stages.shapes import ChunkSpecs, ShapeTable
+from evtrain.stages.sharded import ShardedReplicas, full_tensor
 from evtrain.stages.tied import TiedWeights
 from evtrain.stages.update import WeightUpdate
 
@@ -105,8 +106,9 @@ class StageParts:
     chunks: list[nn.Module]
     """The model chunks this stage runs (``[module]`` without model chunks)."""
     tied: TiedWeights
-    replicas: Replicas | None
-    """The stage's DDP reducer (None without replicas or trainable parameters)."""
+    replicas: Replicas | ShardedReplicas | None
+    """The stage's DDP reducer or FSDP units (None without replicas or trainable
+    parameters)."""
     replica_group: dist.ProcessGroup | None
     """The stage's D replicas (None without replicas)."""
     mailbox: Mailbox
@@ -187,9 +189,16 @@ def build_stage(
     tied = TiedWeights(tied_groups(job, ranges), place, module, backend)
     tied.sync()
     trainable = any(p.requires_grad for p in module.parameters())
-    replicas = None
+    replicas: Replicas | ShardedReplicas | None = None
     if groups.replicas is not None and trainable:
-        replicas = Replicas(module, groups.replicas, device, find_unused=job.find_unused_parameters)
+        if job.shard == "none":
+            replicas = Replicas(
+                module, groups.replicas, device, find_unused=job.find_unused_parameters
+            )
+        else:
+            assert groups.replica_mesh is not None
+            units = stage_unit_modules(job, module)
+            replicas = ShardedReplicas(module, units, groups.replica_mesh, job.shard, device)
     mailbox = Mailbox(
         device=device,
         act_group=groups.pipeline,
@@ -259,6 +268,9 @@ def prepare_stage(
         src=place.rank_of(chunk_place(job.schedule, P, 0)[0]),
     )
     shapes.setup(sizes, data.example_batch(1)[0] if first else None)
+    if parts.replicas is not None:
+        # Inference ran forwards: sharded, the optimizer must see the shards.
+        parts.replicas.release()
 
     params = [p for p in module.parameters() if p.requires_grad]
     optimizer = job.optimizer(params) if params else None
@@ -324,6 +336,7 @@ def prepare_stage(
         executor=executor,
         replicas=parts.replica_group,
         publish=publish,
+        sharded=parts.replicas is not None and parts.replicas.sharded,
     )
     orders = Orders(
         last_step=total,
@@ -434,6 +447,9 @@ def finish_stage(runtime: StageRuntime, dump_weights_dir: str | None) -> None:
     parts.control.barrier()
     if dump_weights_dir and parts.replica_group is not None:
         average_running_stats(parts.module, parts.replica_group)
+    if dump_weights_dir:
+        # Sharded, every replica takes part in gathering each tensor whole.
+        whole = {k: full_tensor(v.detach()) for k, v in parts.module.state_dict().items()}
     if dump_weights_dir and parts.place.replica == 0:
         from safetensors.torch import save_file
 
@@ -444,10 +460,7 @@ def finish_stage(runtime: StageRuntime, dump_weights_dir: str | None) -> None:
         # safetensors refuses to write twice: a copy of it, then.
         named = dict(parts.module.named_parameters(remove_duplicate=False))
         aliases = {a: named[a].detach().clone() for a in stage_aliases(parts.module)}
-        state = {
-            k: v.detach().cpu().contiguous()
-            for k, v in {**parts.module.state_dict(), **aliases}.items()
-        }
+        state = {k: v.cpu().contiguous() for k, v in {**whole, **aliases}.items()}
         save_file(state, str(directory / f"stage-{parts.place.stage}.safetensors"))
     if dist.is_initialized():
         dist.destroy_process_group()

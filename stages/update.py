@@ -32,6 +32,7 @@ from evtrain.stages.control import ControlResult, StepControl
 from evtrain.stages.data_parallel import Replicas
 from evtrain.stages.mesh import Place
 from evtrain.stages.precision import LossScaler
+from evtrain.stages.sharded import ShardedReplicas, local_tensor
 from evtrain.stages.tied import TiedWeights
 
 __all__ = ["Timed", "WeightUpdate"]
@@ -67,7 +68,7 @@ class WeightUpdate:
         place: Place,
         grad_clip: float | None,
         tied: TiedWeights | None,
-        replicas: Replicas | None,
+        replicas: Replicas | ShardedReplicas | None,
         average_at_reduce: bool,
         weight_scale: float | None = None,
     ) -> None:
@@ -80,10 +81,33 @@ class WeightUpdate:
         self.grad_clip = grad_clip
         self.tied = tied
         self.replicas = replicas
-        self._average = average_at_reduce and replicas is not None
+        self._average = replicas is not None and (average_at_reduce or replicas.sharded)
+        # Sharded, each replica holds a part of every gradient: it counts its own part
+        # in the norm and scales only that.
+        self._sharded = replicas is not None and replicas.sharded
         self.weight_scale = weight_scale
         self.skipped = False
         """fp16: the last step overflowed somewhere in the pipeline and was dropped."""
+        self._state_bytes: int | None = None
+
+    def state_bytes(self) -> int:
+        """Bytes of the parameters and optimizer state this process holds (its shards);
+        fixed once the optimizer's state exists, so counted once then."""
+        if self._state_bytes is not None:
+            return self._state_bytes
+        total = 0
+        for p in self.params:
+            tensors = [p.detach()]
+            if self.optimizer is not None:
+                tensors.extend(
+                    v
+                    for v in self.optimizer.state.get(p, {}).values()
+                    if isinstance(v, torch.Tensor)
+                )
+            total += sum(local_tensor(t).numel() * t.element_size() for t in tensors)
+        if self.optimizer is None or self.optimizer.state:
+            self._state_bytes = total
+        return total
 
     def reduce_grads(self) -> Timed | None:
         """`ReduceGrads`: the replicas' average (when not DDP's) and the tied weights'
@@ -97,7 +121,7 @@ class WeightUpdate:
         start = time.perf_counter()
         if self._average:
             assert self.replicas is not None
-            self.replicas.average_grads(self.params)
+            self.replicas.reduce(self.params)
         if self.tied is not None:
             self.tied.reduce_grads()
         end = time.perf_counter()
@@ -114,16 +138,21 @@ class WeightUpdate:
         the replica's weighted loss sum and ``local_weight`` its total weight.
         """
         self.skipped = False
-        grads = [p.grad for p in self.params if p.grad is not None]
+        grads = [local_tensor(p.grad) for p in self.params if p.grad is not None]
         if self.scaler is not None and grads:
             self.scaler.unscale_(grads)
         counted = grads
         if self.tied is not None:
             excluded = self.tied.norm_excluded
-            counted = [p.grad for p in self.params if p.grad is not None and id(p) not in excluded]
+            counted = [
+                local_tensor(p.grad)
+                for p in self.params
+                if p.grad is not None and id(p) not in excluded
+            ]
         sq_norm = 0.0
-        # The replicas hold the same averaged gradients: replica 0 counts them once.
-        if counted and self.place.replica == 0:
+        # Unsharded, the replicas hold the same averaged gradients: replica 0 counts
+        # them once.
+        if counted and (self._sharded or self.place.replica == 0):
             norms = torch._foreach_norm(counted)
             sq_norm = float(torch.stack(norms).double().square().sum())
         weighted = self.weight_scale is not None

@@ -35,6 +35,7 @@ from evtrain.checkpoint.state_tree import (
     _param_names,
     _restore_rng,
     _tensor_keys,
+    placed_like,
     stage_aliases,
 )
 from evtrain.checkpoint.storage import (
@@ -332,9 +333,7 @@ def load_stage_shard(  # noqa: C901
         keys = list(dict.fromkeys(wanted[shard.stage]))
         tensors[str(shard.stage)] = _read_tensors(shard, keys, verified, verify)
 
-    module.load_state_dict(
-        {k: tensors[str(owner[src].stage)][src] for k, src in sources.items()}, strict=True
-    )
+    _load_module(module, {k: tensors[str(owner[src].stage)][src] for k, src in sources.items()})
 
     if optimizer is not None:
         _load_optimizer(optimizer, module, optim_owner, tensors)
@@ -400,7 +399,13 @@ def _load_optimizer(
                 )
             pstate = saved["state"].get(fqn)
             if pstate is not None:
-                state[index] = _decode_tree(pstate, tensors[str(shard.stage)])
+                decoded = _decode_tree(pstate, tensors[str(shard.stage)])
+                state[index] = {
+                    k: placed_like(v, p)
+                    if isinstance(v, torch.Tensor) and v.shape == p.shape
+                    else v
+                    for k, v in decoded.items()
+                }
             ids.append(index)
             index += 1
         groups.append({**(hyper or {}), "params": ids})
@@ -423,10 +428,18 @@ def load_weights(path: str | os.PathLike[str], module: nn.Module) -> None:
             missing = [k for k in keys if k not in available]
             if missing:
                 raise CheckpointError(f"{p} has no tensor(s) {', '.join(missing[:5])}")
-            module.load_state_dict({k: f.get_tensor(k) for k in keys}, strict=True)
+            _load_module(module, {k: f.get_tensor(k) for k in keys})
         return
     ckpt = resolve_resume(p)
-    module.load_state_dict(read_model_tensors(ckpt, keys), strict=True)
+    _load_module(module, read_model_tensors(ckpt, keys))
+
+
+def _load_module(module: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    """``module.load_state_dict(state, strict=True)``, each whole tensor placed as the
+    module holds it (its shard, for a sharded stage)."""
+    live = module.state_dict()
+    placed = {k: placed_like(v, live[k]) if k in live else v for k, v in state.items()}
+    module.load_state_dict(placed, strict=True)
 
 
 def agree_on_resume(

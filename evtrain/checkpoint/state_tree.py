@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from evtrain.checkpoint.storage import CheckpointError
 
@@ -219,8 +220,11 @@ def _capture(
     data_position: int,
     device: torch.device,
     extra: Mapping[str, Any] | None,
+    whole: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any], list[str]]:
-    """Live tensors (by key) and the JSON state of this stage, without copying tensors."""
+    """Live tensors (by key) and the JSON state of this stage, without copying tensors.
+
+    A sharded tensor (a DTensor) is taken from ``whole`` (`gather_whole`)."""
     tensors: dict[str, torch.Tensor] = {}
     model_sd = module.state_dict()
     for key, value in model_sd.items():
@@ -286,4 +290,39 @@ def _capture(
     state["rng"] = _capture_rng(device, tensors)
     if extra:
         state["extra"] = _encode_tree(dict(extra), "extra", tensors, "extra.")
+    for key, value in tensors.items():
+        if isinstance(value, DTensor):
+            if whole is None or key not in whole:
+                raise CheckpointError(f"{key!r} is sharded and was not gathered")
+            tensors[key] = whole[key]
     return tensors, state, model_keys
+
+
+def gather_whole(
+    module: nn.Module, optimizer: torch.optim.Optimizer | None
+) -> dict[str, torch.Tensor]:
+    """Every sharded (DTensor) tensor of a stage's model and optimizer state, gathered
+    whole, by checkpoint key (`_capture`'s ``whole``). Collective over the shards'
+    mesh: every replica of the stage calls it, at the same boundary."""
+    whole: dict[str, torch.Tensor] = {}
+    for key, value in module.state_dict().items():
+        if isinstance(value, DTensor):
+            whole[key] = value.full_tensor().detach()
+    if optimizer is not None:
+        names = _param_names(module)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        for index, pstate in optimizer.state_dict()["state"].items():
+            fqn = names[id(params[int(index)])]
+            for k, v in pstate.items():
+                if isinstance(v, DTensor):
+                    whole[f"{_OPTIM_PREFIX}{fqn}.{k}"] = v.full_tensor().detach()
+    return whole
+
+
+def placed_like(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A whole tensor from a checkpoint, placed as ``like`` is: its local shard for a
+    sharded ``like`` (each replica cuts its own, without communication)."""
+    if isinstance(like, DTensor) and not isinstance(value, DTensor):
+        value = value.to(like.to_local().device)
+        return distribute_tensor(value, like.device_mesh, like.placements, src_data_rank=None)
+    return value

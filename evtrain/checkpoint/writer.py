@@ -216,6 +216,7 @@ class ShardWriter:
         reason: str = "",
         metric: float | None = None,
         extra: Mapping[str, Any] | None = None,
+        whole: Mapping[str, torch.Tensor] | None = None,
     ) -> float:
         """Capture this stage's state now and write it to ``path/stage-{k}`` (in the background).
 
@@ -225,7 +226,8 @@ class ShardWriter:
         ``data_position`` is the global batch index the next step reads
         (default ``step``; ``DataStream.batch_index(step)`` with grad_accum);
         ``reason`` and ``metric`` (the evaluated value of a best checkpoint)
-        go into the shard record.
+        go into the shard record. A sharded stage's tensors are written whole, from
+        ``whole`` (`evtrain.checkpoint.state_tree.gather_whole`).
         Returns the seconds spent here (capture, plus waiting for a previous
         write still in flight); the reported ``CompletedShard.blocked_s`` adds
         the wait at the next ``optimizer.step()`` fence (see ``overlap_copy``).
@@ -253,6 +255,7 @@ class ShardWriter:
             data_position=step if data_position is None else data_position,
             device=self.device,
             extra=extra,
+            whole=whole,
         )
         state["checkpoint_id"] = checkpoint_id
         state_json = json.dumps(state, allow_nan=True).encode()

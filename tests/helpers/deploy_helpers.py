@@ -161,6 +161,7 @@ def _all_events() -> list[Event]:
                 backward_s=0.02,
                 comm_wait_s=0.01,
                 peak_memory_bytes=1 << 20,
+                state_bytes=1 << 18,
                 metrics={"tokens": 32.0},
             )
             for stage in (0, 1)

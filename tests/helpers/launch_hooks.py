@@ -155,6 +155,7 @@ class StageTimesRecorder(Hook):
                 "backward_s": ev.backward_s,
                 "comm_wait_s": ev.comm_wait_s,
                 "duration_s": ev.duration_s,
+                "state_bytes": ev.state_bytes,
             },
         )
 

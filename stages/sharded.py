@@ -1,0 +1,185 @@
+"""Sharded data parallelism for one stage: torch's FSDP2 over the stage's replicas.
+
+With `evtrain.job.Job.shard` the D replicas of a stage split its state
+instead of each holding all of it (`evtrain.stages.data_parallel` is the
+unsharded, DDP path). Every unit (layer) of the stage is a ``fully_shard``
+unit on the stage's replica sub-mesh (the ``dp`` dimension of the ``(pp,
+dp)`` mesh), and so is the stage module, for what no unit holds. The
+optimizer is built on the sharded parameters, so its state is sharded too.
+
+Between steps every mode holds 1/D of the parameters, gradients and
+optimizer state. Within a step the modes differ in what they keep whole,
+and so in what they cost:
+
+=========== ============================== ===================================
+mode        kept whole during a step       collectives per unit and step
+=========== ============================== ===================================
+optimizer   parameters, gradients          1 all-gather, 1 reduce-scatter
+grads       parameters                     1 all-gather, M reduce-scatters
+full        one unit at a time             2M all-gathers, M reduce-scatters
+=========== ============================== ===================================
+
+(M microbatches per step, times ``grad_accum``.) The pipeline's twist is the
+one DDP has: a step runs M backwards. As torch.distributed.pipelining's
+``PipelineStage`` does, every backward runs with FSDP's end-of-backward work
+off (`begin_step`), and `reduce` does it once, at the step's ``ReduceGrads``:
+the reduce-scatter of what accumulated unreduced and the resharding. A split
+backward (zero bubble) fits that order: its weight halves accumulate like
+any backward until ``ReduceGrads``.
+
+Forward-only passes (evaluation, PreciseBN) run between `gather` and
+`release`: every replica gathers the whole stage once, whatever its share of
+the batches, so replicas that evaluate unequal shares never wait on each
+other's collectives.
+
+Gradient clipping and the loss scaler act on the local shards
+(`local_grads`); the global norm sums every replica's shard (the control
+exchange adds up each process's contribution). Checkpoints and the weight
+dump hold whole tensors (`evtrain.checkpoint.state_tree` gathers each
+sharded one), so a checkpoint resumes at any D and in any mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+
+from evtrain.stages.data_parallel import check_used
+
+__all__ = ["ShardedReplicas", "full_tensor", "local_tensor"]
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This process's part of ``tensor``: its local shard for a DTensor, else itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` whole: gathered for a DTensor (collective over its mesh), else itself."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+class ShardedReplicas:
+    """One stage's FSDP2 units over its replicas (see the module docstring); construct
+    it on every replica (collective: replica 0's parameters and buffers become every
+    replica's before they are sharded)."""
+
+    sharded = True
+
+    def __init__(
+        self,
+        module: nn.Module,
+        units: Sequence[nn.Module],
+        mesh: DeviceMesh,
+        mode: str,
+        device: torch.device,
+    ) -> None:
+        self.group = mesh.get_group()
+        self.mode = mode
+        self._device = device
+        _broadcast_state(module, self.group)
+        full = mode == "full"
+        self._units: list[FSDPModule] = []
+        for unit in units:
+            if any(True for _ in unit.parameters()):
+                self._units.append(fully_shard(unit, mesh=mesh, reshard_after_forward=full))
+        self.root: FSDPModule = fully_shard(module, mesh=mesh, reshard_after_forward=full)
+        # The root's own group first: the order every replica gathers in.
+        self._all = [self.root, *self._units]
+        self._names = {p: name for name, p in module.named_parameters() if p.requires_grad}
+
+    @property
+    def module(self) -> nn.Module:
+        """What the stage calls forward: the stage module itself (sharded in place)."""
+        assert isinstance(self.root, nn.Module)
+        return self.root
+
+    def check_used(self, params: Sequence[nn.Parameter]) -> None:
+        """`evtrain.stages.data_parallel.check_used` (before `reduce`'s collectives), on
+        where FSDP holds a parameter's gradient in the step: reduced onto its shard, or
+        still whole and unreduced."""
+        got = {
+            fsdp_param.sharded_param
+            for fsdp_param in self._fsdp_params()
+            if fsdp_param.sharded_param.grad is not None
+            or fsdp_param.unsharded_accumulated_grad is not None
+            or (
+                getattr(fsdp_param, "_unsharded_param", None) is not None
+                and fsdp_param._unsharded_param.grad is not None
+            )
+        }
+        check_used([p for p in params if p not in got], self._names)
+
+    def _fsdp_params(self) -> Iterator[Any]:
+        for unit in self._all:
+            param_group = fully_shard.state(unit)._fsdp_param_group  # type: ignore[attr-defined]
+            if param_group is not None:
+                yield from param_group.fsdp_params
+
+    @contextlib.contextmanager
+    def accumulating(self) -> Iterator[None]:
+        """Nothing to do: `begin_step` set every backward to accumulate."""
+        yield
+
+    def arm(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Nothing to do: `reduce` reduces at ``ReduceGrads``."""
+
+    def begin_step(self) -> None:
+        """Before a step's first forward (collective): FSDP's end-of-backward work off,
+        and, unless ``full``, the stage gathered once for the whole step."""
+        self._bind()
+        root = self.root
+        root.set_is_last_backward(False)
+        root.set_requires_gradient_sync(self.mode != "optimizer")
+        root.set_reshard_after_backward(self.mode == "full")
+        if self.mode != "full":
+            for unit in self._all:
+                unit.unshard()
+
+    def reduce(self, params: Sequence[nn.Parameter]) -> None:
+        """``ReduceGrads``: reduce-scatter what accumulated unreduced, reshard, and let
+        FSDP finish its backward, as torch's ``PipelineStage.perform_reduce_grad``."""
+        root = self.root
+        root.set_is_last_backward(True)
+        root.set_reshard_after_backward(True)
+        root.set_requires_gradient_sync(True)
+        state = fully_shard.state(root)  # type: ignore[attr-defined]
+        for each in state._state_ctx.all_states:
+            for param_group in each._fsdp_param_groups:
+                param_group.post_backward()
+        state._root_post_backward_final_callback()
+
+    def gather(self) -> None:
+        """Before forward-only passes (collective): the whole stage, kept until `release`."""
+        self._bind()
+        self.root.set_reshard_after_forward(False)
+        for unit in self._all:
+            unit.unshard()
+
+    def release(self) -> None:
+        """After forward-only passes: back to the shards (and to the mode's resharding)."""
+        self._bind()
+        for unit in self._all:
+            unit.reshard()
+        self.root.set_reshard_after_forward(self.mode == "full")
+
+    def _bind(self) -> None:
+        # The calling thread's device: FSDP allocates the gathered tensors there.
+        if self._device.type == "cuda":
+            torch.cuda.set_device(self._device)
+
+
+def _broadcast_state(module: nn.Module, group: dist.ProcessGroup) -> None:
+    """Replica 0's parameters and buffers on every replica, as DDP starts."""
+    src = dist.get_global_rank(group, 0)
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(tensor, src=src, group=group)
