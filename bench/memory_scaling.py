@@ -17,15 +17,20 @@ how fast it steps come from the run's own metrics.jsonl:
 * ``held_bytes``: ``rss_bytes`` less the peak of the same launch with a
   one-unit-wide model (the interpreter, torch, gloo's buffers): what the
   model's parameters, gradients, optimizer state and activations took at
-  their peak in the step — on the CPU there is no allocator to ask;
+  their peak in the step — on the CPU there is no allocator to ask. Every
+  process runs with glibc's ``MALLOC_MMAP_THRESHOLD_`` fixed at 128 KiB, so
+  a freed tensor's memory goes back to the system at once: with the default
+  (a threshold that grows with what was freed) the heap keeps FSDP's
+  all-gather buffers after their release, and the peak measures the
+  allocator's caching instead of what was live;
 * ``step_s``: seconds per step from the end of step ``--warmup`` to the end
   of the last.
 
 The peer is torch's own FSDP2 on the same model without a pipeline: D
 processes (torch.distributed.elastic, as torchrun), ``fully_shard`` on every
 Linear and on the model, the whole model per process, the same batch and
-microbatches (gradients reduced in the last one's backward); the same three
-figures.
+microbatches (gradients reduced in the last one's backward); the same
+figures, its baseline the same run with a one-unit-wide model.
 
 P x D processes share the machine's cores, so at D = 4 step times measure
 8 processes on whatever cores there are: compare modes at the same D.
@@ -87,6 +92,7 @@ job = Job(
     train_data=functools.partial(data, 4 * {batch}),
     batch_size={batch},
     num_microbatches={microbatches},
+    max_steps=4,
     stages=2,
     threads=1,
     microbatch_spans="off",
@@ -205,6 +211,7 @@ def main() -> None:
     parser.add_argument("--dps", default="1,2,4")
     parser.add_argument("--modes", default="none,optimizer,grads,full")
     args = parser.parse_args()
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))  # see the docstring
     dps = [int(d) for d in args.dps.split(",")]
     modes = args.modes.split(",")
     out: dict[str, Any] = {"width": args.width, "layers": args.layers}
@@ -228,6 +235,9 @@ def main() -> None:
                 print(json.dumps({label: r}), flush=True)
             if dp > 1:
                 peer = run_fsdp(args.width, args.layers, dp, args.steps, args.warmup)
+                peer["held_bytes"] = (
+                    peer["rss_bytes"] - run_fsdp(1, args.layers, dp, 1, 1)["rss_bytes"]
+                )
                 results[f"torch-fsdp2-d{dp}"] = peer
                 print(json.dumps({f"torch-fsdp2-d{dp}": peer}), flush=True)
     one = results.get("none-d1", {})

@@ -269,9 +269,7 @@ def _shard(job: Job) -> None:
             "data_parallel > 1",
         )
     refused = None
-    if job.virtual_stages > 1:
-        refused = f"schedule {job.schedule!r} (several model chunks per stage)"
-    elif job.shard != "optimizer" and Schedule(job.schedule).splits_backward:
+    if job.shard != "optimizer" and Schedule(job.schedule).splits_backward:
         refused = (
             f"schedule {job.schedule!r}: its split backward reduces once per step; "
             "use shard='optimizer'"

@@ -36,6 +36,7 @@ from evtrain.checkpoint.loader import agree_on_resume, load_stage_shard, load_we
 from evtrain.checkpoint.state_tree import set_rng_state, stage_aliases
 from evtrain.checkpoint.writer import ShardWriter
 from evtrain.data import derive_seed, eval_microbatches
+from evtrain.errors import UsageError
 from evtrain.events import Event
 from evtrain.job import Job
 from evtrain.reporting import Reporter
@@ -196,9 +197,16 @@ def build_stage(
                 module, groups.replicas, device, find_unused=job.find_unused_parameters
             )
         else:
+            if tied:
+                raise UsageError(
+                    f"shard={job.shard!r} cannot be combined with weights tied across "
+                    "stages; use shard='none' or place the tied modules on one stage"
+                )
             assert groups.replica_mesh is not None
             units = stage_unit_modules(job, module)
-            replicas = ShardedReplicas(module, units, groups.replica_mesh, job.shard, device)
+            replicas = ShardedReplicas(
+                module, chunks, units, groups.replica_mesh, job.shard, device
+            )
     mailbox = Mailbox(
         device=device,
         act_group=groups.pipeline,

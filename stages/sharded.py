@@ -4,8 +4,9 @@ With `evtrain.job.Job.shard` the D replicas of a stage split its state
 instead of each holding all of it (`evtrain.stages.data_parallel` is the
 unsharded, DDP path). Every unit (layer) of the stage is a ``fully_shard``
 unit on the stage's replica sub-mesh (the ``dp`` dimension of the ``(pp,
-dp)`` mesh), and so is the stage module, for what no unit holds. The
-optimizer is built on the sharded parameters, so its state is sharded too.
+dp)`` mesh), and so is each of the stage's model chunks (the stage module
+itself, with one chunk), for what no unit holds. The optimizer is built on the
+sharded parameters, so its state is sharded too.
 
 Between steps every mode holds 1/D of the parameters, gradients and
 optimizer state. Within a step the modes differ in what they keep whole,
@@ -52,6 +53,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
+from evtrain.errors import UsageError
 from evtrain.stages.data_parallel import check_used
 
 __all__ = ["ShardedReplicas", "full_tensor", "local_tensor"]
@@ -77,6 +79,7 @@ class ShardedReplicas:
     def __init__(
         self,
         module: nn.Module,
+        chunks: Sequence[nn.Module],
         units: Sequence[nn.Module],
         mesh: DeviceMesh,
         mode: str,
@@ -85,22 +88,36 @@ class ShardedReplicas:
         self.group = mesh.get_group()
         self.mode = mode
         self._device = device
+        owners: dict[nn.Parameter, int] = {}
+        for index, unit in enumerate(units):
+            for name, param in unit.named_parameters():
+                if owners.setdefault(param, index) != index:
+                    raise UsageError(
+                        f"shard={mode!r}: parameter {name!r} is shared by units "
+                        f"{owners[param]} and {index} of this stage, and a sharded parameter "
+                        "belongs to one unit; use shard='none'"
+                    )
         _broadcast_state(module, self.group)
         full = mode == "full"
         self._units: list[FSDPModule] = []
         for unit in units:
             if any(True for _ in unit.parameters()):
                 self._units.append(fully_shard(unit, mesh=mesh, reshard_after_forward=full))
-        self.root: FSDPModule = fully_shard(module, mesh=mesh, reshard_after_forward=full)
-        # The root's own group first: the order every replica gathers in.
-        self._all = [self.root, *self._units]
+        # The roots are what the executor calls: each model chunk (the stage module
+        # itself, with one chunk), for whatever parameters no unit holds.
+        self._roots: list[FSDPModule] = [
+            fully_shard(chunk, mesh=mesh, reshard_after_forward=full) for chunk in chunks
+        ]
+        # The roots' own groups first: the order every replica gathers in.
+        self._all = [*self._roots, *self._units]
         self._names = {p: name for name, p in module.named_parameters() if p.requires_grad}
 
     @property
     def module(self) -> nn.Module:
-        """What the stage calls forward: the stage module itself (sharded in place)."""
-        assert isinstance(self.root, nn.Module)
-        return self.root
+        """What a one-chunk stage calls forward: the stage module itself (sharded in place)."""
+        root = self._roots[0]
+        assert isinstance(root, nn.Module)
+        return root
 
     def check_used(self, params: Sequence[nn.Parameter]) -> None:
         """`evtrain.stages.data_parallel.check_used` (before `reduce`'s collectives), on
@@ -136,10 +153,10 @@ class ShardedReplicas:
         """Before a step's first forward (collective): FSDP's end-of-backward work off,
         and, unless ``full``, the stage gathered once for the whole step."""
         self._bind()
-        root = self.root
-        root.set_is_last_backward(False)
-        root.set_requires_gradient_sync(self.mode != "optimizer")
-        root.set_reshard_after_backward(self.mode == "full")
+        for root in self._roots:
+            root.set_is_last_backward(False)
+            root.set_requires_gradient_sync(self.mode != "optimizer")
+            root.set_reshard_after_backward(self.mode == "full")
         if self.mode != "full":
             for unit in self._all:
                 unit.unshard()
@@ -147,20 +164,21 @@ class ShardedReplicas:
     def reduce(self, params: Sequence[nn.Parameter]) -> None:
         """``ReduceGrads``: reduce-scatter what accumulated unreduced, reshard, and let
         FSDP finish its backward, as torch's ``PipelineStage.perform_reduce_grad``."""
-        root = self.root
-        root.set_is_last_backward(True)
-        root.set_reshard_after_backward(True)
-        root.set_requires_gradient_sync(True)
-        state = fully_shard.state(root)  # type: ignore[attr-defined]
-        for each in state._state_ctx.all_states:
-            for param_group in each._fsdp_param_groups:
-                param_group.post_backward()
-        state._root_post_backward_final_callback()
+        for root in self._roots:
+            root.set_is_last_backward(True)
+            root.set_reshard_after_backward(True)
+            root.set_requires_gradient_sync(True)
+            state = fully_shard.state(root)  # type: ignore[attr-defined]
+            for each in state._state_ctx.all_states:
+                for param_group in each._fsdp_param_groups:
+                    param_group.post_backward()
+            state._root_post_backward_final_callback()
 
     def gather(self) -> None:
         """Before forward-only passes (collective): the whole stage, kept until `release`."""
         self._bind()
-        self.root.set_reshard_after_forward(False)
+        for root in self._roots:
+            root.set_reshard_after_forward(False)
         for unit in self._all:
             unit.unshard()
 
@@ -169,7 +187,8 @@ class ShardedReplicas:
         self._bind()
         for unit in self._all:
             unit.reshard()
-        self.root.set_reshard_after_forward(self.mode == "full")
+        for root in self._roots:
+            root.set_reshard_after_forward(self.mode == "full")
 
     def _bind(self) -> None:
         # The calling thread's device: FSDP allocates the gathered tensors there.

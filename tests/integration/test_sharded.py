@@ -2,10 +2,11 @@
 
 P=2 stages x D=2 replicas, each stage's state split between its two replicas,
 must train as one process does on the whole batch: weights within 1e-5 after
-20 steps in every mode, with accumulation, clipping, and zero bubble's split
-backward. Each process holds about half its stage's parameters and optimizer
-state. A sharded checkpoint holds whole tensors: it resumes at D=1, at P=3
-and unsharded to within 1e-6 of the uninterrupted run.
+20 steps in every mode and schedule, with accumulation, clipping, zero
+bubble's split backward and two model chunks per stage. Each process holds
+about half its stage's parameters and optimizer state. A sharded checkpoint
+holds whole tensors: it resumes at D=1, and at P=3 in another mode, to within
+1e-6 of the uninterrupted run.
 """
 
 from __future__ import annotations
@@ -26,22 +27,16 @@ from test_data_parallel import (
 )
 
 from evtrain.checkpoint import list_checkpoints
-from evtrain.overrides import apply_overrides
 from evtrain.spec import load_job
-from evtrain.stages.partition import build_full_model, partition
+from evtrain.stages.partition import build_full_model
 
 pytestmark = pytest.mark.slow
 
 
-def whole_state_bytes(spec: Path) -> dict[int, int]:
-    """Bytes of each stage's parameters and SGD momentum, held whole (D=1)."""
-    job = apply_overrides(load_job(spec), {"stages": "2"})
-    model = build_full_model(job)
-    out = {}
-    for stage, units in enumerate(partition(job)):
-        params = [p for i in units for p in model[i].parameters()]
-        out[stage] = 2 * sum(p.numel() * p.element_size() for p in params)
-    return out
+def whole_state_bytes(spec: Path, layers: list[int]) -> int:
+    """Bytes of ``layers``' parameters and SGD momentum, held whole."""
+    model = build_full_model(load_job(spec))
+    return 2 * sum(p.numel() * p.element_size() for i in layers for p in model[i].parameters())
 
 
 @pytest.mark.parametrize(
@@ -51,6 +46,8 @@ def whole_state_bytes(spec: Path) -> dict[int, int]:
         ("grads", "gpipe", 1, 0.05),
         ("full", "1f1b", 2, None),
         ("optimizer", "zb", 2, 0.05),
+        ("full", "interleaved", 1, 0.05),
+        ("optimizer", "zbv", 2, None),
     ],
 )
 def test_each_mode_trains_as_one_process_on_half_the_state(
@@ -58,17 +55,22 @@ def test_each_mode_trains_as_one_process_on_half_the_state(
 ) -> None:
     spec = spec_file(tmp_path, accum=accum)
     args = ["--dp", "2", "--shard", mode, "--schedule", schedule]
+    if schedule in ("interleaved", "zbv"):
+        args += ["--virtual-stages", "2"]
     if clip is not None:
         args += ["--grad-clip", str(clip)]
     out = launch(spec, *args, "--dump-weights", str(tmp_path / "weights"))
     assert f"run completed: {STEPS}/{STEPS} steps" in out
     check_against_reference(tmp_path, clip)
-    whole = whole_state_bytes(spec)
-    held = {(r["stage"], r["replica"]): r["state_bytes"] for r in records(tmp_path) if "step" in r}
+    rows = records(tmp_path)
+    layers = {r["stage_started"]: r["layers"] for r in rows if "stage_started" in r}
+    held = {(r["stage"], r["replica"]): r["state_bytes"] for r in rows if "step" in r}
     assert sorted(held) == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    for (stage, _replica), state_bytes in held.items():
-        # Half, up to FSDP's padding of a dimension that does not split evenly.
-        assert 0.45 * whole[stage] <= state_bytes <= 0.6 * whole[stage], (stage, state_bytes)
+    for stage, stage_layers in layers.items():
+        # Every element is held by one replica (DDP: by both).
+        assert held[stage, 0] + held[stage, 1] == whole_state_bytes(spec, stage_layers)
+    # Stage 0's tensors split evenly (16 rows each); stage 1's last has 1 row.
+    assert held[0, 0] == held[0, 1]
     if clip is not None:
         clipped, unclipped = reference(spec, clip)[1], reference(spec, None)[1]
         assert any((unclipped[k] - clipped[k]).abs().max() > 1e-4 for k in clipped)
@@ -109,17 +111,8 @@ def test_a_sharded_checkpoint_resumes_at_another_shape_and_mode(
             "'grads' cannot be combined with schedule 'zb'",
         ),
         (
-            [
-                "--dp",
-                "2",
-                "--shard",
-                "optimizer",
-                "--schedule",
-                "interleaved",
-                "--virtual-stages",
-                "2",
-            ],
-            "cannot be combined with schedule 'interleaved'",
+            ["--dp", "2", "--shard", "full", "--schedule", "zbv", "--virtual-stages", "2"],
+            "'full' cannot be combined with schedule 'zbv'",
         ),
     ],
 )

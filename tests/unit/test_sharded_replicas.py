@@ -1,0 +1,64 @@
+"""`ShardedReplicas` on a one-rank gloo group: what it refuses and what it checks.
+
+Its numerics (every mode equal to one process, checkpoints, evaluation) are
+tested through real launches in tests/integration/test_sharded.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from evtrain.errors import UsageError
+from evtrain.stages.sharded import ShardedReplicas
+
+
+@pytest.fixture
+def mesh() -> Iterator[DeviceMesh]:
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def stage() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def test_a_parameter_shared_by_two_units_is_refused_naming_it(mesh: DeviceMesh) -> None:
+    module = stage()
+    module.append(nn.Linear(8, 2))
+    module[3].weight = module[2].weight
+    with pytest.raises(UsageError, match=r"parameter 'weight' is shared by units 2 and 3"):
+        ShardedReplicas(module, [module], list(module), mesh, "optimizer", torch.device("cpu"))
+
+
+@pytest.mark.parametrize("mode", ["optimizer", "grads", "full"])
+def test_a_parameter_without_gradient_fails_the_step_naming_it(mesh: DeviceMesh, mode: str) -> None:
+    module = stage()
+    replicas = ShardedReplicas(module, [module], list(module), mesh, mode, torch.device("cpu"))
+    params = [p for p in module.parameters() if p.requires_grad]
+    for unused in (False, True):
+        replicas.begin_step()
+        for _microbatch in range(2):
+            out = replicas.module(torch.randn(3, 4))
+            if unused:
+                out = out.detach() + 0 * out[:, :1].detach()  # no gradient reaches the stage
+                out.requires_grad_(True)
+            out.sum().backward()
+        if unused:
+            with pytest.raises(UsageError, match=r"parameters 0\.weight, 0\.bias, 2\.weight"):
+                replicas.check_used(params)
+        else:
+            replicas.check_used(params)  # every gradient is somewhere: no error
+            replicas.reduce(params)
+            assert all(p.grad is not None for p in params)
+            for p in params:
+                p.grad = None
