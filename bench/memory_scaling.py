@@ -1,6 +1,6 @@
 """Memory per process against step time: every shard mode at P=2 x D = 1, 2, 4.
 
-    python bench/memory_scaling.py [--width 2048] [--layers 16] [--steps 3] [--warmup 2]
+    python bench/memory_scaling.py [--width 1024] [--layers 64] [--steps 3] [--warmup 2]
         [--dps 1,2,4] [--modes none,optimizer,grads,full]
 
 Model: ``--layers`` Linear(W, W) + GELU layers (W = ``--width``; the defaults
@@ -204,8 +204,8 @@ def run_fsdp(width: int, layers: int, dp: int, steps: int, warmup: int) -> dict[
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--width", type=int, default=2048)
-    parser.add_argument("--layers", type=int, default=16, help="layers of the whole model")
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=64, help="layers of the whole model")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--dps", default="1,2,4")

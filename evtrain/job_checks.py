@@ -274,8 +274,6 @@ def _shard(job: Job) -> None:
             f"schedule {job.schedule!r}: its split backward reduces once per step; "
             "use shard='optimizer'"
         )
-    elif job.tied:
-        refused = "tied weights"
     elif job.find_unused_parameters:
         refused = "find_unused_parameters"
     elif job.data_loader is not None:

@@ -29,6 +29,7 @@ boundary and delegates *how* to its `ShardWriter`:
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Callable
@@ -211,9 +212,8 @@ class StageCheckpointing:
         self._saved[key] = save.checkpoint_id
         whole = None
         if self._sharded:
-            whole = await anyio.to_thread.run_sync(
-                gather_whole, self._module, self._executor.optimizer
-            )
+            gather = functools.partial(gather_whole, keep=self._writer is not None)
+            whole = await anyio.to_thread.run_sync(gather, self._module, self._executor.optimizer)
         if self._writer is None:
             return
         if self._lead:

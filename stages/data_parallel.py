@@ -30,9 +30,9 @@ design choices"):
   only the last layer's overlaps the backward; larger stages give the
   overlap more to hide;
 * FSDP2 (``fully_shard``, gradient sync only in the last backward) is several
-  times slower, with many more collectives per step, and uses more memory per
-  process: a stage already holds only its slice of the model, so sharding it
-  further pays only for a stage too big for one device.
+  times slower, with many more collectives per step: a stage already holds
+  only its slice of the model, so sharding it further pays only for a stage
+  too big for one device (`Job.shard`, `evtrain.stages.sharded`).
 
 Buffers are synchronized at start only (``forward_sync_buffers=False``):
 syncing them at every forward is a collective per microbatch. BatchNorm

@@ -36,7 +36,6 @@ from evtrain.checkpoint.loader import agree_on_resume, load_stage_shard, load_we
 from evtrain.checkpoint.state_tree import set_rng_state, stage_aliases
 from evtrain.checkpoint.writer import ShardWriter
 from evtrain.data import derive_seed, eval_microbatches
-from evtrain.errors import UsageError
 from evtrain.events import Event
 from evtrain.job import Job
 from evtrain.reporting import Reporter
@@ -197,16 +196,12 @@ def build_stage(
                 module, groups.replicas, device, find_unused=job.find_unused_parameters
             )
         else:
-            if tied:
-                raise UsageError(
-                    f"shard={job.shard!r} cannot be combined with weights tied across "
-                    "stages; use shard='none' or place the tied modules on one stage"
-                )
             assert groups.replica_mesh is not None
             units = stage_unit_modules(job, module)
             replicas = ShardedReplicas(
                 module, chunks, units, groups.replica_mesh, job.shard, device
             )
+            tied.rebind(module)
     mailbox = Mailbox(
         device=device,
         act_group=groups.pipeline,
@@ -456,19 +451,21 @@ def finish_stage(runtime: StageRuntime, dump_weights_dir: str | None) -> None:
     if dump_weights_dir and parts.replica_group is not None:
         average_running_stats(parts.module, parts.replica_group)
     if dump_weights_dir:
-        # Sharded, every replica takes part in gathering each tensor whole.
-        whole = {k: full_tensor(v.detach()) for k, v in parts.module.state_dict().items()}
+        # Every copy of a tied weight too, so that their equality can be checked;
+        # an alias held with its canonical name here is the same tensor, which
+        # safetensors refuses to write twice: a copy of it, then. Sharded, every
+        # replica takes part in gathering each tensor whole.
+        named = dict(parts.module.named_parameters(remove_duplicate=False))
+        aliases = {a: named[a].detach().clone() for a in stage_aliases(parts.module)}
+        state = {
+            k: full_tensor(v.detach()).cpu().contiguous()
+            for k, v in {**parts.module.state_dict(), **aliases}.items()
+        }
     if dump_weights_dir and parts.place.replica == 0:
         from safetensors.torch import save_file
 
         directory = Path(dump_weights_dir)
         directory.mkdir(parents=True, exist_ok=True)
-        # Every copy of a tied weight too, so that their equality can be checked;
-        # an alias held with its canonical name here is the same tensor, which
-        # safetensors refuses to write twice: a copy of it, then.
-        named = dict(parts.module.named_parameters(remove_duplicate=False))
-        aliases = {a: named[a].detach().clone() for a in stage_aliases(parts.module)}
-        state = {k: v.cpu().contiguous() for k, v in {**whole, **aliases}.items()}
         save_file(state, str(directory / f"stage-{parts.place.stage}.safetensors"))
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -34,8 +34,10 @@ the batches, so replicas that evaluate unequal shares never wait on each
 other's collectives.
 
 Gradient clipping and the loss scaler act on the local shards
-(`local_grads`); the global norm sums every replica's shard (the control
-exchange adds up each process's contribution). Checkpoints and the weight
+(`local_tensor`); the global norm sums every replica's shard (the control
+exchange adds up each process's contribution). A weight tied across stages is
+sharded alike on each of them, so `evtrain.stages.tied` sums its gradient
+shard by shard. Checkpoints and the weight
 dump hold whole tensors (`evtrain.checkpoint.state_tree` gathers each
 sharded one), so a checkpoint resumes at any D and in any mode.
 """

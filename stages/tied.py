@@ -31,6 +31,7 @@ from torch import nn
 
 from evtrain.errors import SpecError
 from evtrain.stages.mesh import Place
+from evtrain.stages.sharded import local_tensor
 
 __all__ = ["TiedGroup", "TiedWeights", "resolve_ties"]
 
@@ -112,10 +113,10 @@ class TiedWeights:
         self, groups: Sequence[TiedGroup], place: Place, module: nn.Module, backend: str
     ) -> None:
         present = dict(module.named_parameters(remove_duplicate=False))
-        self._local: list[tuple[nn.Parameter, dist.ProcessGroup, int]] = []
-        """(parameter, group of its stages in this replica, global rank of the owner)."""
-        self.norm_excluded: set[int] = set()
-        """ids of local parameters whose norm another stage counts."""
+        self._local: list[tuple[str, dist.ProcessGroup, int]] = []
+        """(name of the parameter here, group of its stages in this replica, global rank
+        of the owner)."""
+        self._owned: list[bool] = []
         for group in groups:
             if len(group.stages) < 2:
                 continue
@@ -125,11 +126,22 @@ class TiedWeights:
                 pg = dist.new_group(ranks=ranks, backend=backend)
                 if replica != place.replica or place.stage not in group.stages:
                     continue
-                param = next(present[n] for n in group.names if n in present)
+                name = next(n for n in group.names if n in present)
                 assert pg is not None
-                self._local.append((param, pg, place.rank_of(group.owner)))
-                if group.owner != place.stage:
-                    self.norm_excluded.add(id(param))
+                self._local.append((name, pg, place.rank_of(group.owner)))
+                self._owned.append(group.owner == place.stage)
+        self.rebind(module)
+
+    def rebind(self, module: nn.Module) -> None:
+        """Find the parameters in ``module`` again, after sharding replaced them: a
+        sharded stage's replica r holds shard r of every copy (same shape, same
+        split), so the copies' shards stay equal as the copies do."""
+        present = dict(module.named_parameters(remove_duplicate=False))
+        self._params = [present[name] for name, _pg, _owner in self._local]
+        self.norm_excluded: set[int] = {
+            id(p) for p, owned in zip(self._params, self._owned, strict=True) if not owned
+        }
+        """ids of local parameters whose norm another stage counts."""
 
     def __bool__(self) -> bool:
         return bool(self._local)
@@ -137,12 +149,12 @@ class TiedWeights:
     def sync(self) -> None:
         """Give every copy the canonical holder's value (collective on each group)."""
         with torch.no_grad():
-            for param, pg, owner in self._local:
+            for param, (_name, pg, owner) in zip(self._params, self._local, strict=True):
                 dist.broadcast(param.data, src=owner, group=pg)
 
     def reduce_grads(self) -> None:
         """Sum each tied weight's gradient over its stages (collective on each group)."""
-        for param, pg, _owner in self._local:
+        for param, (_name, pg, _owner) in zip(self._params, self._local, strict=True):
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-            dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=pg)
+            dist.all_reduce(local_tensor(param.grad), op=dist.ReduceOp.SUM, group=pg)

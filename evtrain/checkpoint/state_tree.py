@@ -299,15 +299,23 @@ def _capture(
 
 
 def gather_whole(
-    module: nn.Module, optimizer: torch.optim.Optimizer | None
+    module: nn.Module, optimizer: torch.optim.Optimizer | None, *, keep: bool = True
 ) -> dict[str, torch.Tensor]:
     """Every sharded (DTensor) tensor of a stage's model and optimizer state, gathered
-    whole, by checkpoint key (`_capture`'s ``whole``). Collective over the shards'
-    mesh: every replica of the stage calls it, at the same boundary."""
+    whole into host memory, by checkpoint key (`_capture`'s ``whole``). Collective over
+    the shards' mesh: every replica of the stage calls it, at the same boundary; one
+    that writes nothing passes ``keep=False`` and holds one whole tensor at a time.
+    A device holds one whole tensor at a time either way."""
     whole: dict[str, torch.Tensor] = {}
+
+    def gather(key: str, value: DTensor) -> None:
+        full = value.full_tensor().detach()
+        if keep:
+            whole[key] = full.cpu()
+
     for key, value in module.state_dict().items():
         if isinstance(value, DTensor):
-            whole[key] = value.full_tensor().detach()
+            gather(key, value)
     if optimizer is not None:
         names = _param_names(module)
         params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -315,7 +323,7 @@ def gather_whole(
             fqn = names[id(params[int(index)])]
             for k, v in pstate.items():
                 if isinstance(v, DTensor):
-                    whole[f"{_OPTIM_PREFIX}{fqn}.{k}"] = v.full_tensor().detach()
+                    gather(f"{_OPTIM_PREFIX}{fqn}.{k}", v)
     return whole
 
 

@@ -306,19 +306,23 @@ def test_replicas_read_disjoint_shares_that_make_up_the_batch(kind: str) -> None
         assert not set(parts[0][0].flatten().tolist()) & set(parts[1][0].flatten().tolist())
 
 
+@pytest.mark.parametrize("shard", ["none", "optimizer"])
 def test_a_replica_killed_mid_run_restarts_every_process_to_the_same_weights(
-    tmp_path: Path,
+    tmp_path: Path, shard: str
 ) -> None:
+    """Also sharded: the replicas gather every checkpoint whole and cut their shards
+    from it again on the restart."""
     hooks = test_resume.ckpt_hook(every_steps=2, keep_last=5)
     ref = tmp_path / "ref"
     ref.mkdir()
-    launch(test_resume.write_spec(ref, hooks=hooks), "--dp", "2", "--dump-weights", str(ref / "w"))
+    layout = ("--dp", "2", "--shard", shard)
+    launch(test_resume.write_spec(ref, hooks=hooks), *layout, "--dump-weights", str(ref / "w"))
 
     d, pids = tmp_path / "killed", tmp_path / "killed" / "pids"
     d.mkdir()
     spec = test_resume.write_spec(d, delay=0.05, pid_dir=str(pids), hooks=hooks)
     marker = new_marker()
-    args = ("--dp", "2", "--max-restarts", "1", "--log-level", "info", "--dump-weights")
+    args = (*layout, "--max-restarts", "1", "--log-level", "info", "--dump-weights")
     proc = start_launch(spec, *args, str(d / "w"), marker=marker)
     try:
         run = d / "run"

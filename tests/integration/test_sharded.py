@@ -15,6 +15,8 @@ import json
 from pathlib import Path
 
 import pytest
+import test_real_models as real_models
+import torch
 from helpers.launch_helpers import new_marker, run_launch, write_eval_spec
 from test_data_parallel import (
     STEPS,
@@ -143,3 +145,25 @@ def test_sharded_replicas_evaluate_unequal_shares_as_unsharded_ones_do(tmp_path:
     for sharded, unsharded in zip(evals["full"], evals["none"], strict=True):
         assert sharded["samples"] == unsharded["samples"] == 96
         assert sharded["metrics"] == pytest.approx(unsharded["metrics"], rel=1e-5)
+
+
+def test_a_model_tied_across_stages_in_bf16_with_activation_checkpointing(tmp_path: Path) -> None:
+    """An nn.Module split by name, its embedding and head one weight on two stages:
+    replica r holds shard r of both copies, and their gradients are summed shard by
+    shard."""
+    spec = real_models.write(
+        tmp_path,
+        "model",
+        2,
+        4,
+        split_points=["blocks.2"],
+        precision="bf16",
+        activation_checkpointing=True,
+    )
+    real_models.launch(spec, "--dp", "2", "--shard", "full", "--dump-weights", str(tmp_path / "w"))
+    stage0, stage1 = real_models.dumped(tmp_path / "w")
+    assert torch.equal(stage0["embed.tok.weight"], stage1["head.out.weight"])
+    want, _ = real_models.reference(load_job(spec).with_overrides(data_parallel=2), 4)
+    for part in (stage0, stage1):
+        for key, value in part.items():
+            torch.testing.assert_close(value, want[key], rtol=0, atol=1e-5, msg=key)
