@@ -269,15 +269,16 @@ def _shard(job: Job) -> None:
             "data_parallel > 1",
         )
     refused = None
-    if job.shard != "optimizer" and Schedule(job.schedule).splits_backward:
+    if job.shard == "full" and Schedule(job.schedule).splits_backward:
         refused = (
-            f"schedule {job.schedule!r}: its split backward reduces once per step; "
-            "use shard='optimizer'"
+            f"schedule {job.schedule!r}: 'full' frees the parameters between the halves "
+            "of its split backward; use shard='grads'"
         )
-    elif job.find_unused_parameters:
-        refused = "find_unused_parameters"
-    elif job.data_loader is not None:
-        refused = "a data_loader (shapes agreed during training)"
+    elif job.shard == "full" and job.data_loader is not None:
+        refused = (
+            "a data_loader: shapes met during a step are agreed by forwards on some "
+            "replicas only, which 'full' would gather for; use shard='grads'"
+        )
     if refused is not None:
         raise SpecError("shard", f"{job.shard!r} cannot be combined with {refused}")
 

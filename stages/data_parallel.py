@@ -143,6 +143,9 @@ class Replicas:
     def begin_step(self) -> None:
         """Nothing to do before a step (`ShardedReplicas` gathers there)."""
 
+    def weight_half_done(self) -> None:
+        """Nothing to do after a weight half: `reduce` averages at ``ReduceGrads``."""
+
     def gather(self) -> None:
         """Nothing to do before forward-only passes: every replica holds the whole stage."""
 

@@ -685,6 +685,8 @@ class StageExecutor:
         start = time.perf_counter()
         with self._local_grads():
             self._split.weight_half(v * self._n + m)
+        if self.replicas is not None:
+            self.replicas.weight_half_done()
         self._backward_span(m, v, start, "weight")
 
     def _local_grads(self) -> contextlib.AbstractContextManager[None]:

@@ -199,7 +199,14 @@ def build_stage(
             assert groups.replica_mesh is not None
             units = stage_unit_modules(job, module)
             replicas = ShardedReplicas(
-                module, chunks, units, groups.replica_mesh, job.shard, device
+                module,
+                chunks,
+                units,
+                groups.replica_mesh,
+                job.shard,
+                device,
+                split_backward=parse_schedule(job.schedule).splits_backward,
+                find_unused=job.find_unused_parameters,
             )
             tied.rebind(module)
     mailbox = Mailbox(

@@ -26,7 +26,10 @@ one DDP has: a step runs M backwards. As torch.distributed.pipelining's
 off (`begin_step`), and `reduce` does it once, at the step's ``ReduceGrads``:
 the reduce-scatter of what accumulated unreduced and the resharding. A split
 backward (zero bubble) fits that order: its weight halves accumulate like
-any backward until ``ReduceGrads``.
+any backward until ``ReduceGrads``; in ``grads`` mode each weight half
+reduce-scatters what its microbatch left (`weight_half_done`), since FSDP's
+own hook would fire after the input half. ``full`` reshards between the two
+halves, so it does not combine with a split backward.
 
 Forward-only passes (evaluation, PreciseBN) run between `gather` and
 `release`: every replica gathers the whole stage once, whatever its share of
@@ -86,10 +89,17 @@ class ShardedReplicas:
         mesh: DeviceMesh,
         mode: str,
         device: torch.device,
+        *,
+        split_backward: bool = False,
+        find_unused: bool = False,
     ) -> None:
         self.group = mesh.get_group()
         self.mode = mode
         self._device = device
+        # grads, with a split backward: FSDP would reduce after the input half, before
+        # the weight half; `weight_half_done` reduces after each weight half instead.
+        self._per_weight_half = split_backward and mode == "grads"
+        self.find_unused = find_unused
         owners: dict[nn.Parameter, int] = {}
         for index, unit in enumerate(units):
             for name, param in unit.named_parameters():
@@ -112,6 +122,11 @@ class ShardedReplicas:
         ]
         # The roots' own groups first: the order every replica gathers in.
         self._all = [*self._roots, *self._units]
+        if find_unused:
+            # What one replica did not use it reduces as zeros: the same collectives
+            # on every replica, as DDP's find_unused_parameters.
+            for root in self._roots:
+                root.set_reduce_scatter_unused_params(True)
         self._names = {p: name for name, p in module.named_parameters() if p.requires_grad}
 
     @property
@@ -125,6 +140,8 @@ class ShardedReplicas:
         """`evtrain.stages.data_parallel.check_used` (before `reduce`'s collectives), on
         where FSDP holds a parameter's gradient in the step: reduced onto its shard, or
         still whole and unreduced."""
+        if self.find_unused:
+            return
         got = {
             fsdp_param.sharded_param
             for fsdp_param in self._fsdp_params()
@@ -157,11 +174,24 @@ class ShardedReplicas:
         self._bind()
         for root in self._roots:
             root.set_is_last_backward(False)
-            root.set_requires_gradient_sync(self.mode != "optimizer")
+            root.set_requires_gradient_sync(self.mode != "optimizer" and not self._per_weight_half)
             root.set_reshard_after_backward(self.mode == "full")
         if self.mode != "full":
             for unit in self._all:
                 unit.unshard()
+
+    def weight_half_done(self) -> None:
+        """After a split backward's weight half: ``grads`` reduce-scatters what the
+        microbatch's halves left whole (collective)."""
+        if not self._per_weight_half:
+            return
+        for root in self._roots:
+            state = fully_shard.state(root)  # type: ignore[attr-defined]
+            for each in state._state_ctx.all_states:
+                for param_group in each._fsdp_param_groups:
+                    param_group.reduce_grads = True
+                    param_group.post_backward()
+                    param_group.reduce_grads = False
 
     def reduce(self, params: Sequence[nn.Parameter]) -> None:
         """``ReduceGrads``: reduce-scatter what accumulated unreduced, reshard, and let

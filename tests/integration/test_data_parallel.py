@@ -391,13 +391,18 @@ job = Job(
 '''
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb"])
-def test_a_parameter_without_gradient_is_named_or_handled(tmp_path: Path, schedule: str) -> None:
+@pytest.mark.parametrize(
+    ("schedule", "shard"), [("1f1b", "none"), ("zb", "none"), ("zb", "grads"), ("1f1b", "full")]
+)
+def test_a_parameter_without_gradient_is_named_or_handled(
+    tmp_path: Path, schedule: str, shard: str
+) -> None:
     """Without `find_unused_parameters` the run fails in one line naming the head's
-    parameters (not DDP's traceback); with it, the replicas train as one process does."""
+    parameters (not DDP's traceback); with it, the replicas train as one process does
+    (sharded, they reduce the unused parameters' zeros)."""
     spec = tmp_path / "spec.py"
     spec.write_text(UNUSED_SPEC.format(run_dir=str(tmp_path / "run"), find_unused=False))
-    args = ("--quiet", "--dp", "2", "--schedule", schedule)
+    args = ("--quiet", "--dp", "2", "--schedule", schedule, "--shard", shard)
     proc, leftovers = run_launch(spec, *args, marker=new_marker(), timeout=150)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0

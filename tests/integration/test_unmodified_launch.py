@@ -121,16 +121,18 @@ def varlen_reference(
     return dict(model.state_dict()), evals, lengths
 
 
-VARLEN = [("1f1b", 1), ("zbv", 2)]
+VARLEN = [("1f1b", 1, "none"), ("zbv", 2, "none"), ("1f1b", 1, "grads")]
 
 
-@pytest.mark.parametrize(("schedule", "chunks"), VARLEN, ids=[s for s, _ in VARLEN])
+@pytest.mark.parametrize(
+    ("schedule", "chunks", "shard"), VARLEN, ids=[f"{s}-{shard}" for s, _, shard in VARLEN]
+)
 def test_batches_padded_to_their_own_longest_train_as_one_process(
-    tmp_path: Path, schedule: str, chunks: int
+    tmp_path: Path, schedule: str, chunks: int, shard: str
 ) -> None:
     """A new sequence length in many steps (and in the microbatches of an evaluation):
     every new shape is agreed on the way, and training and evaluation equal one
-    process's."""
+    process's. Sharded, two replicas pad their halves to lengths of their own."""
     steps, every = 6, 3
     fields = {
         "varlen": True,
@@ -139,6 +141,8 @@ def test_batches_padded_to_their_own_longest_train_as_one_process(
         "virtual_stages": chunks,
         "hooks": [{"type": "metrics"}],
     }
+    if shard != "none":
+        fields.update(data_parallel=2, shard=shard)
     spec = write(tmp_path, "llama_style", 2, steps, **fields)
     want, want_evals, lengths = varlen_reference(load_job(spec), steps, every)
     assert len(lengths) >= 2, lengths  # the data does take new shapes

@@ -62,3 +62,39 @@ def test_a_parameter_without_gradient_fails_the_step_naming_it(mesh: DeviceMesh,
             assert all(p.grad is not None for p in params)
             for p in params:
                 p.grad = None
+
+
+@pytest.mark.parametrize("mode", ["grads", "optimizer"])
+def test_grads_mode_reduces_after_each_weight_half_of_a_split_backward(
+    mesh: DeviceMesh, mode: str
+) -> None:
+    """`grads` reduce-scatters each microbatch's gradients once its weight half ran
+    (the input half alone would miss the linear weights); `optimizer` only at the
+    step's end. Either way the step's gradients are the sum of its backwards."""
+    from torch.distributed.tensor import DTensor
+
+    from evtrain.stages.backward import SplitBackward
+
+    reference = stage()
+    module = stage()
+    xs = [torch.randn(3, 4) for _ in range(2)]
+    for x in xs:
+        reference(x).sum().backward()
+    replicas = ShardedReplicas(
+        module, [module], list(module), mesh, mode, torch.device("cpu"), split_backward=True
+    )
+    sharded = [p for p in module.parameters() if p.requires_grad]
+    split = SplitBackward(module, [module])
+    replicas.begin_step()
+    leaves = [x.clone().requires_grad_(True) for x in xs]
+    outputs = [replicas.module(leaf) for leaf in leaves]
+    for m, out in enumerate(outputs):
+        split.input_half(m, [out], [torch.ones_like(out)], [leaves[m]])
+        split.weight_half(m)
+        replicas.weight_half_done()
+        reduced = [p.grad is not None for p in sharded]
+        assert reduced == [mode == "grads"] * len(sharded), (m, reduced)
+    replicas.reduce(sharded)
+    for p, want in zip(sharded, reference.parameters(), strict=True):
+        assert isinstance(p.grad, DTensor)
+        torch.testing.assert_close(p.grad.full_tensor(), want.grad)
