@@ -9,8 +9,8 @@ boundary and delegates *how* to its `ShardWriter`:
   (one checkpoint id, the others listed as fulfilled by it), and a directory
   already saved at this step is only announced again;
 * the plan's on-stop checkpoint when the run ends without failure;
-* replica 0 writes its stage's shard (the replicas' weights are equal; sharded
-  replicas first gather each tensor whole, together);
+* replica 0 writes its stage's shard (the replicas' weights are equal); the
+  replicas of a sharded stage each write their own shards into it, together;
   before a save the replicas make their BatchNorm statistics their mean and
   hand their random states to replica 0, which saves them with its own
   (``REPLICA_RNG``), so a resume at the same D draws what the run would have;
@@ -29,7 +29,6 @@ boundary and delegates *how* to its `ShardWriter`:
 
 from __future__ import annotations
 
-import functools
 import os
 import time
 from collections.abc import Callable
@@ -39,7 +38,6 @@ from typing import Any
 
 import anyio.to_thread
 import structlog
-import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -47,7 +45,7 @@ from evtrain.bus.commands import CommandReceiver
 from evtrain.bus.subscriber import Subscriber
 from evtrain.checkpoint import CheckpointError, format_checkpoint_path
 from evtrain.checkpoint.plan import ON_STOP, PlanState
-from evtrain.checkpoint.state_tree import gather_whole, rng_state
+from evtrain.checkpoint.state_tree import rng_state
 from evtrain.checkpoint.writer import ShardWriter
 from evtrain.events import (
     CheckpointCommitted,
@@ -118,10 +116,10 @@ class StageCheckpointing:
     """The saves of one stage process (see the module docstring).
 
     ``writer`` is None where the stage saves nothing (evaluation only, and
-    replicas other than 0); ``lead`` is global rank 0, which announces the
+    replicas other than 0 of a stage that is not sharded); ``lead`` is global
+    rank 0, which announces the
     saves; ``replicas`` is the stage's replica group (None without replicas);
-    ``publish`` puts an event on the bus; ``sharded``: the replicas hold shards,
-    which every replica gathers for replica 0's writer.
+    ``publish`` puts an event on the bus.
     """
 
     def __init__(
@@ -134,10 +132,8 @@ class StageCheckpointing:
         executor: StageExecutor,
         replicas: dist.ProcessGroup | None,
         publish: Callable[[Event], None],
-        sharded: bool = False,
     ) -> None:
         self._stage = stage
-        self._sharded = sharded
         self._lead = lead
         self._writer = writer
         self._module = module
@@ -198,10 +194,8 @@ class StageCheckpointing:
     async def _save(
         self, step: int, save: _Save, replica_rng: list[dict[str, Any]], *, planned: bool
     ) -> None:
-        """Start (or, when this directory holds this step already, re-announce) one save.
-
-        A sharded stage's replicas all gather the tensors whole for replica 0 to write."""
-        if self._writer is None and not self._sharded:
+        """Start (or, when this directory holds this step already, re-announce) one save."""
+        if self._writer is None:
             return
         key = (step, str(save.path))
         done = self._saved.get(key)
@@ -210,19 +204,11 @@ class StageCheckpointing:
                 self._publish(save.requested(step, done, [save.checkpoint_id, *save.fulfils]))
             return
         self._saved[key] = save.checkpoint_id
-        whole = None
-        if self._sharded:
-            gather = functools.partial(gather_whole, keep=self._writer is not None)
-            whole = await anyio.to_thread.run_sync(gather, self._module, self._executor.optimizer)
-        if self._writer is None:
-            return
         if self._lead:
             self._publish(save.requested(step, save.checkpoint_id, save.fulfils))
             if planned:
                 self.awaiting.add(save.checkpoint_id)
-        error = await anyio.to_thread.run_sync(
-            self._write, self._writer, step, save, replica_rng, whole
-        )
+        error = await anyio.to_thread.run_sync(self._write, self._writer, step, save, replica_rng)
         if error is not None:
             for cid in (save.checkpoint_id, *save.fulfils):
                 self._publish(
@@ -235,7 +221,6 @@ class StageCheckpointing:
         step: int,
         save: _Save,
         replica_rng: list[dict[str, Any]],
-        whole: dict[str, torch.Tensor] | None,
     ) -> str | None:
         """Capture this stage's shard and hand it to the writer (blocking, short); the
         write continues in the writer's thread. The error of a refused save, or None."""
@@ -257,7 +242,6 @@ class StageCheckpointing:
                 reason=save.reason,
                 metric=save.metric,
                 extra=extra or None,
-                whole=whole,
             )
         except CheckpointError as exc:
             log.error("checkpoint refused", stage=self._stage, error=str(exc))

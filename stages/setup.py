@@ -336,8 +336,10 @@ def prepare_stage(
         reporter=reporter,
     )
     writer = None
-    if not config.evaluate_only and place.replica == 0:
-        writer = ShardWriter(place.stage, P, device=device)
+    sharded = parts.replicas is not None and parts.replicas.sharded
+    if not config.evaluate_only and (place.replica == 0 or sharded):
+        group = parts.replica_group if sharded else None
+        writer = ShardWriter(place.stage, P, device=device, group=group)
     checkpointing = StageCheckpointing(
         stage=place.stage,
         lead=place.rank == 0,
@@ -346,7 +348,6 @@ def prepare_stage(
         executor=executor,
         replicas=parts.replica_group,
         publish=publish,
-        sharded=parts.replicas is not None and parts.replicas.sharded,
     )
     orders = Orders(
         last_step=total,

@@ -40,9 +40,10 @@ Gradient clipping and the loss scaler act on the local shards
 (`local_tensor`); the global norm sums every replica's shard (the control
 exchange adds up each process's contribution). A weight tied across stages is
 sharded alike on each of them, so `evtrain.stages.tied` sums its gradient
-shard by shard. Checkpoints and the weight
-dump hold whole tensors (`evtrain.checkpoint.state_tree` gathers each
-sharded one), so a checkpoint resumes at any D and in any mode.
+shard by shard. Each replica writes its own shards of a checkpoint
+(`evtrain.checkpoint.writer.ShardWriter`'s ``group``); DCP reassembles them
+for any D, P or mode that resumes it. The weight dump gathers each tensor
+whole (`full_tensor`).
 """
 
 from __future__ import annotations

@@ -220,11 +220,9 @@ def _capture(
     data_position: int,
     device: torch.device,
     extra: Mapping[str, Any] | None,
-    whole: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any], list[str]]:
-    """Live tensors (by key) and the JSON state of this stage, without copying tensors.
-
-    A sharded tensor (a DTensor) is taken from ``whole`` (`gather_whole`)."""
+    """Live tensors (by key) and the JSON state of this stage, without copying tensors
+    (a sharded stage's are DTensors: each process holds its shards)."""
     tensors: dict[str, torch.Tensor] = {}
     model_sd = module.state_dict()
     for key, value in model_sd.items():
@@ -290,41 +288,7 @@ def _capture(
     state["rng"] = _capture_rng(device, tensors)
     if extra:
         state["extra"] = _encode_tree(dict(extra), "extra", tensors, "extra.")
-    for key, value in tensors.items():
-        if isinstance(value, DTensor):
-            if whole is None or key not in whole:
-                raise CheckpointError(f"{key!r} is sharded and was not gathered")
-            tensors[key] = whole[key]
     return tensors, state, model_keys
-
-
-def gather_whole(
-    module: nn.Module, optimizer: torch.optim.Optimizer | None, *, keep: bool = True
-) -> dict[str, torch.Tensor]:
-    """Every sharded (DTensor) tensor of a stage's model and optimizer state, gathered
-    whole into host memory, by checkpoint key (`_capture`'s ``whole``). Collective over
-    the shards' mesh: every replica of the stage calls it, at the same boundary; one
-    that writes nothing passes ``keep=False`` and holds one whole tensor at a time.
-    A device holds one whole tensor at a time either way."""
-    whole: dict[str, torch.Tensor] = {}
-
-    def gather(key: str, value: DTensor) -> None:
-        full = value.full_tensor().detach()
-        if keep:
-            whole[key] = full.cpu()
-
-    for key, value in module.state_dict().items():
-        if isinstance(value, DTensor):
-            gather(key, value)
-    if optimizer is not None:
-        names = _param_names(module)
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        for index, pstate in optimizer.state_dict()["state"].items():
-            fqn = names[id(params[int(index)])]
-            for k, v in pstate.items():
-                if isinstance(v, DTensor):
-                    gather(f"{_OPTIM_PREFIX}{fqn}.{k}", v)
-    return whole
 
 
 def placed_like(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -38,8 +38,10 @@ from typing import Any
 
 import structlog
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from evtrain.checkpoint.state_tree import _OPTIM_PREFIX, _capture
 from evtrain.checkpoint.storage import (
@@ -153,6 +155,11 @@ class ShardWriter:
             default ``$EVTRAIN_CKPT_WRITE_DELAY_S``).
         record_delay_s: sleep after the data files, before ``SHARD.json``
             (fault injection; default ``$EVTRAIN_CKPT_RECORD_DELAY_S``).
+        group: a sharded stage's replicas (`evtrain.job.Job.shard`): each replica
+            writes its own shards of every sharded tensor into the stage's
+            directory (one DCP save over the group, every replica calling `save`
+            at the same boundary) and replica 0 everything else and the shard
+            record, so no replica gathers the stage. Such a write is synchronous.
         overlap_copy: on CPU, copy the parameters and optimizer state into the
             staging buffers in the writer thread, overlapped with the next
             forward/backward, instead of inside `save`. Only ``optimizer.step()``
@@ -174,11 +181,16 @@ class ShardWriter:
         write_delay_s: float | None = None,
         record_delay_s: float | None = None,
         overlap_copy: bool = True,
+        group: dist.ProcessGroup | None = None,
     ) -> None:
         self.stage = stage
         self.num_stages = num_stages
         self.device = torch.device(device)
-        self.asynchronous = asynchronous
+        self.group = group
+        self._lead = group is None or dist.get_rank(group) == 0
+        """This writer writes the record (and reports the shard)."""
+        # The save is a collective over the group: in the caller's thread, at the boundary.
+        self.asynchronous = asynchronous and group is None
         self.thread_count = thread_count
         if write_delay_s is None:
             write_delay_s = float(os.environ.get(WRITE_DELAY_ENV, "0") or 0)
@@ -216,7 +228,6 @@ class ShardWriter:
         reason: str = "",
         metric: float | None = None,
         extra: Mapping[str, Any] | None = None,
-        whole: Mapping[str, torch.Tensor] | None = None,
     ) -> float:
         """Capture this stage's state now and write it to ``path/stage-{k}`` (in the background).
 
@@ -226,8 +237,7 @@ class ShardWriter:
         ``data_position`` is the global batch index the next step reads
         (default ``step``; ``DataStream.batch_index(step)`` with grad_accum);
         ``reason`` and ``metric`` (the evaluated value of a best checkpoint)
-        go into the shard record. A sharded stage's tensors are written whole, from
-        ``whole`` (`evtrain.checkpoint.state_tree.gather_whole`).
+        go into the shard record.
         Returns the seconds spent here (capture, plus waiting for a previous
         write still in flight); the reported ``CompletedShard.blocked_s`` adds
         the wait at the next ``optimizer.step()`` fence (see ``overlap_copy``).
@@ -255,8 +265,10 @@ class ShardWriter:
             data_position=step if data_position is None else data_position,
             device=self.device,
             extra=extra,
-            whole=whole,
         )
+        if not self._lead:
+            # Replica 0 writes what is whole; the others their shards only.
+            tensors = {k: v for k, v in tensors.items() if isinstance(v, DTensor)}
         state["checkpoint_id"] = checkpoint_id
         state_json = json.dumps(state, allow_nan=True).encode()
         t_captured = time.perf_counter()
@@ -456,6 +468,8 @@ class ShardWriter:
             nbytes = self._write_files(job, spath)
         except Exception as exc:
             log.error("checkpoint shard write failed", path=str(spath), error=repr(exc))
+            if not self._lead:
+                return
             self._done.put(
                 CompletedShard(
                     checkpoint_id=job.checkpoint_id,
@@ -470,6 +484,8 @@ class ShardWriter:
         duration = time.perf_counter() - job.started
         if not self.asynchronous:
             job.blocked_s = duration
+        if not self._lead:
+            return
         self._done.put(
             CompletedShard(
                 checkpoint_id=job.checkpoint_id,
@@ -491,15 +507,26 @@ class ShardWriter:
         )
 
     def _write_files(self, job: _Job, spath: Path) -> int:
-        if (job.ckpt_dir / MANIFEST_FILE).exists():
-            raise CheckpointError(f"checkpoint {job.ckpt_dir} is already committed")
-        if spath.exists():
-            # A leftover (crashed write, or another checkpoint id at this step):
-            # never committed, so it is ours to replace.
-            shutil.rmtree(spath)
-        spath.mkdir(parents=True)
+        error = None
+        if self._lead:
+            try:
+                self._prepare_dir(job, spath)
+            except (CheckpointError, OSError) as exc:
+                error = exc
         writer = dcp.FileSystemWriter(spath, sync_files=True, thread_count=self.thread_count)
-        dcp.save(job.tensors, storage_writer=writer, no_dist=True)
+        if self.group is None:
+            if error is not None:
+                raise error
+            dcp.save(job.tensors, storage_writer=writer, no_dist=True)
+        else:
+            # The directory exists (or the save is off) before any replica writes.
+            said = [None if error is None else f"{type(error).__name__}: {error}"]
+            dist.broadcast_object_list(said, group=self.group, group_src=0)
+            if said[0] is not None:
+                raise CheckpointError(said[0])
+            dcp.save(job.tensors, storage_writer=writer, process_group=self.group)
+            if not self._lead:
+                return 0
         state_path = spath / STATE_FILE
         with open(state_path, "wb") as f:
             f.write(job.state_json)
@@ -539,6 +566,16 @@ class ShardWriter:
         write_shard_record(spath, record)
         fsync_dir(job.ckpt_dir)
         return record.bytes
+
+    @staticmethod
+    def _prepare_dir(job: _Job, spath: Path) -> None:
+        if (job.ckpt_dir / MANIFEST_FILE).exists():
+            raise CheckpointError(f"checkpoint {job.ckpt_dir} is already committed")
+        if spath.exists():
+            # A leftover (crashed write, or another checkpoint id at this step):
+            # never committed, so it is ours to replace.
+            shutil.rmtree(spath)
+        spath.mkdir(parents=True)
 
 
 def _layer_range(module: nn.Module) -> list[int]:

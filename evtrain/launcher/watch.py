@@ -15,7 +15,8 @@ tracebacks included, to ``RUN_DIR/launches/RUN_ID/failure.txt``
 (`evtrain.launcher.report`). It publishes ``RunEnded(status="failed")`` with
 ``root_cause`` itself, as soon as the cause is known (an exception that is
 not a symptom names it outright; a death needs its exit status, and after
-`FAILURE_SETTLE_S` the cause is published anyway); the agent kills
+`FAILURE_SETTLE_S` the cause is published anyway, or `REMOTE_FAILURE_SETTLE_S`
+when only consequences are seen here and other nodes run stages); the agent kills
 survivors that do not end within a second, and hooks get a second to finish
 (`evtrain.launcher.hooks.FAILED_HOOK_GRACE_S`), so a failed launch ends a few
 seconds after the failure. With ``--max-restarts`` a failure before the last
@@ -78,6 +79,10 @@ __all__ = [
 
 FAILURE_SETTLE_S = 1.5
 """Seconds after the first sign of a failure by which the root cause is published anyway."""
+REMOTE_FAILURE_SETTLE_S = 15.0
+"""The same when every failure seen is a consequence and other nodes run stages: the
+cause is likely theirs, and their launcher's word travels over the bus, late on a
+loaded machine."""
 FAILED_WORKERS_GRACE_S = 5.0
 """Seconds this node's workers get to end after the run failed before they are killed."""
 BUS_QUIET_S = 3.0
@@ -234,7 +239,13 @@ class FailureWatch:
         if self._failure_seen_at is None:
             self._failure_seen_at = now
         known = any(not f.consequence and f.certain for f in failures)
-        if known or now - self._failure_seen_at > FAILURE_SETTLE_S:
+        remote = attempt is not None and len(attempt.workers) < self.job.world_size
+        settle = (
+            REMOTE_FAILURE_SETTLE_S
+            if remote and all(f.consequence for f in failures)
+            else FAILURE_SETTLE_S
+        )
+        if known or now - self._failure_seen_at > settle:
             return find_root_cause(failures)
         return None
 

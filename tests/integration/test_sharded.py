@@ -4,9 +4,9 @@ P=2 stages x D=2 replicas, each stage's state split between its two replicas,
 must train as one process does on the whole batch: weights within 1e-5 after
 20 steps in every mode and schedule, with accumulation, clipping, zero
 bubble's split backward and two model chunks per stage. Each process holds
-about half its stage's parameters and optimizer state. A sharded checkpoint
-holds whole tensors: it resumes at D=1, and at P=3 in another mode, to within
-1e-6 of the uninterrupted run.
+about half its stage's parameters and optimizer state. Each replica writes its
+own shards of a checkpoint; it resumes at D=1, and at P=3 in another mode, to
+within 1e-6 of the uninterrupted run.
 """
 
 from __future__ import annotations
@@ -98,8 +98,10 @@ def test_a_sharded_checkpoint_resumes_at_another_shape_and_mode(
 ) -> None:
     committed = [c for c in list_checkpoints(sharded_run / "run") if c.committed]
     assert [c.step for c in committed] == [10, 20]
-    # Whole tensors, written once per stage.
+    # One directory per stage, into which each replica wrote its own shards.
     assert sorted(p.name for p in committed[0].path.glob("stage-*")) == ["stage-0", "stage-1"]
+    for stage in committed[0].path.glob("stage-*"):
+        assert sorted(p.name for p in stage.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     resume_and_compare(sharded_run, tmp_path, *layout)
 
 
