@@ -94,7 +94,6 @@ class ShardedReplicas:
         split_backward: bool = False,
         find_unused: bool = False,
     ) -> None:
-        self.group = mesh.get_group()
         self.mode = mode
         self._device = device
         # grads, with a split backward: FSDP would reduce after the input half, before
@@ -110,7 +109,7 @@ class ShardedReplicas:
                         f"{owners[param]} and {index} of this stage, and a sharded parameter "
                         "belongs to one unit; use shard='none'"
                     )
-        _broadcast_state(module, self.group)
+        _broadcast_state(module, mesh.get_group())
         full = mode == "full"
         self._units: list[FSDPModule] = []
         for unit in units:
