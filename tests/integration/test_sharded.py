@@ -50,6 +50,9 @@ def whole_state_bytes(spec: Path, layers: list[int]) -> int:
         ("optimizer", "zb", 2, 0.05),
         ("full", "interleaved", 1, 0.05),
         ("grads", "zbv", 2, None),
+        ("grads", "zb", 1, 0.05),
+        ("optimizer", "interleaved", 2, None),
+        ("full", "gpipe", 2, 0.05),
     ],
 )
 def test_each_mode_trains_as_one_process_on_half_the_state(
