@@ -89,10 +89,11 @@ class WeightUpdate:
         self.skipped = False
         """fp16: the last step overflowed somewhere in the pipeline and was dropped."""
         self._state_bytes: int | None = None
+        self._applied = False
 
     def state_bytes(self) -> int:
         """Bytes of the parameters and optimizer state this process holds (its shards);
-        fixed once the optimizer's state exists, so counted once then."""
+        fixed once the optimizer stepped (its state exists), so counted once then."""
         if self._state_bytes is not None:
             return self._state_bytes
         total = 0
@@ -105,7 +106,7 @@ class WeightUpdate:
                     if isinstance(v, torch.Tensor)
                 )
             total += sum(local_tensor(t).numel() * t.element_size() for t in tensors)
-        if self.optimizer is None or self.optimizer.state:
+        if self._applied:
             self._state_bytes = total
         return total
 
@@ -200,6 +201,7 @@ class WeightUpdate:
         return result, timed
 
     def _apply(self) -> None:
+        self._applied = True
         if self.optimizer is not None:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
