@@ -12,12 +12,16 @@ within 1e-6 of the uninterrupted run.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import test_real_models as real_models
 import torch
 from helpers.launch_helpers import new_marker, run_launch, write_eval_spec
+from safetensors.torch import load_file
 from test_data_parallel import (
     STEPS,
     check_against_reference,
@@ -28,7 +32,7 @@ from test_data_parallel import (
     spec_file,
 )
 
-from evtrain.checkpoint import list_checkpoints
+from evtrain.checkpoint import latest_committed, list_checkpoints
 from evtrain.spec import load_job
 from evtrain.stages.partition import build_full_model
 
@@ -148,23 +152,64 @@ def test_sharded_replicas_evaluate_unequal_shares_as_unsharded_ones_do(tmp_path:
         assert sharded["metrics"] == pytest.approx(unsharded["metrics"], rel=1e-5)
 
 
-def test_a_model_tied_across_stages_in_bf16_with_activation_checkpointing(tmp_path: Path) -> None:
+def test_a_model_tied_across_stages_with_activation_checkpointing(tmp_path: Path) -> None:
     """An nn.Module split by name, its embedding and head one weight on two stages:
     replica r holds shard r of both copies, and their gradients are summed shard by
-    shard."""
+    shard. Its sharded checkpoint exports as the plain model's weights."""
+    steps = 10
     spec = real_models.write(
         tmp_path,
         "model",
         2,
-        4,
+        steps,
         split_points=["blocks.2"],
-        precision="bf16",
         activation_checkpointing=True,
+        hooks=[{"type": "checkpoint", "on_stop": True}],
     )
     real_models.launch(spec, "--dp", "2", "--shard", "full", "--dump-weights", str(tmp_path / "w"))
     stage0, stage1 = real_models.dumped(tmp_path / "w")
     assert torch.equal(stage0["embed.tok.weight"], stage1["head.out.weight"])
-    want, _ = real_models.reference(load_job(spec).with_overrides(data_parallel=2), 4)
+    want, _ = real_models.reference(load_job(spec).with_overrides(data_parallel=2), steps)
     for part in (stage0, stage1):
         for key, value in part.items():
             torch.testing.assert_close(value, want[key], rtol=0, atol=1e-5, msg=key)
+    ckpt = latest_committed(tmp_path / "run")
+    assert ckpt is not None and ckpt.step == steps
+    out = tmp_path / "model.safetensors"
+    export = subprocess.run(
+        [sys.executable, "-m", "evtrain", "ckpt", "export", str(ckpt.path), "-o", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert export.returncode == 0, export.stderr
+    exported = load_file(str(out))
+    assert exported.keys() == {**stage0, **stage1}.keys() - {"head.out.weight"}
+    for key, value in exported.items():
+        assert torch.equal(value, {**stage0, **stage1}[key]), key
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_reduced_precision_trains_as_unsharded_replicas_do(tmp_path: Path, precision: str) -> None:
+    """Autocast and fp16's loss scaling (it unscales each replica's shards; an overflow
+    in any shard, which the global norm sums, skips the step everywhere) as with DDP.
+    With replicas each microbatch's scaled gradient is D times one process's, so
+    their overflows, and bf16's roundings, are DDP's and not one process's."""
+    fields: dict[str, Any] = {"precision": precision}
+    if precision == "fp16":
+        fields["loss_gain"] = 50.0  # overflows the first steps' scaled gradients
+    spec = real_models.write(tmp_path, "layers", 2, 8, **fields)
+    dumps = {}
+    for shard in ("none", "grads"):
+        dumps[shard] = tmp_path / f"w-{shard}"
+        args = ["--dp", "2", "--shard", shard, "--run-dir", str(tmp_path / f"run-{shard}")]
+        real_models.launch(spec, *args, "--dump-weights", str(dumps[shard]))
+    ddp, got = (
+        {k: v for part in real_models.dumped(d) for k, v in part.items()} for d in dumps.values()
+    )
+    for key, value in ddp.items():
+        torch.testing.assert_close(got[key], value, rtol=0, atol=1e-5, msg=key)
+    fp32, _ = real_models.reference(
+        load_job(spec).with_overrides(data_parallel=2, precision="fp32"), 8
+    )
+    assert max(float((got[k] - fp32[k]).abs().max()) for k in got) > 1e-4  # it really ran
