@@ -25,6 +25,8 @@ The groups one process uses:
 * ``shapes`` — its replica's P stages again, always gloo, when the data's
   shapes may vary: the first stage tells the others each pass's shapes
   (`evtrain.stages.shapes`).
+* ``checkpoint`` — its stage's D replicas, always gloo, when the stages are
+  sharded: the checkpoint writer's thread saves on it while training runs.
 
 `dist.new_group` is collective over all ranks: every process creates every
 group, in the same order, and keeps its own.
@@ -196,6 +198,9 @@ class StageGroups:
     shapes: dist.ProcessGroup | None = None
     replica_mesh: DeviceMesh | None = None
     """The ``dp`` dimension of the mesh (the ``replicas`` group), which FSDP shards over."""
+    checkpoint: dist.ProcessGroup | None = None
+    """Sharded: its stage's D replicas again, always gloo, for the checkpoint writer's
+    thread alone (`evtrain.checkpoint.writer.ShardWriter`)."""
 
 
 def build_groups(
@@ -205,6 +210,7 @@ def build_groups(
     timeout: datetime.timedelta,
     virtual_stages: int = 1,
     varying_shapes: bool = False,
+    sharded: bool = False,
 ) -> StageGroups:
     """Create the mesh and every group (collective: all processes call it, in step)."""
     if place.world_size == 1:
@@ -240,6 +246,13 @@ def build_groups(
             group = dist.new_group(ranks, backend="gloo", timeout=timeout)
             if replica == place.replica:
                 shapes = group
+    checkpoint = None
+    if sharded and place.replicas > 1:
+        for stage in range(place.num_stages):
+            ranks = [place.rank_of(stage, r) for r in range(place.replicas)]
+            group = dist.new_group(ranks, backend="gloo", timeout=timeout)
+            if stage == place.stage:
+                checkpoint = group
     return StageGroups(
         pipeline,
         pipeline_grads,
@@ -248,4 +261,5 @@ def build_groups(
         chunks,
         shapes,
         mesh["dp"] if place.replicas > 1 else None,
+        checkpoint,
     )

@@ -114,6 +114,8 @@ class StageParts:
     mailbox: Mailbox
     control: StepControl
     shapes_group: dist.ProcessGroup | None
+    checkpoint_group: dist.ProcessGroup | None
+    """Sharded: the stage's replicas, for the checkpoint writer alone."""
 
 
 @dataclass(frozen=True)
@@ -161,6 +163,7 @@ def build_stage(
         PROCESS_GROUP_TIMEOUT,
         virtual_stages=V,
         varying_shapes=job.data_loader is not None,
+        sharded=job.shard != "none",
     )
     ranges = partition(job)
     # Per-stage RNG for randomness inside layers (dropout); layer init is
@@ -229,6 +232,7 @@ def build_stage(
         mailbox,
         control,
         groups.shapes,
+        groups.checkpoint,
     )
 
 
@@ -338,7 +342,7 @@ def prepare_stage(
     writer = None
     sharded = parts.replicas is not None and parts.replicas.sharded
     if not config.evaluate_only and (place.replica == 0 or sharded):
-        group = parts.replica_group if sharded else None
+        group = parts.checkpoint_group if sharded else None
         writer = ShardWriter(place.stage, P, device=device, group=group)
     checkpointing = StageCheckpointing(
         stage=place.stage,

@@ -41,7 +41,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement
 
 from evtrain.checkpoint.state_tree import _OPTIM_PREFIX, _capture
 from evtrain.checkpoint.storage import (
@@ -134,6 +135,8 @@ class _Job:
     ready: Any = None  # a torch.cuda.Event when copies were queued on a stream
     deferred: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     """(staging buffer, live tensor) pairs the writer thread copies before writing."""
+    shards: dict[str, _Shards] = field(default_factory=dict)
+    """Keys whose staged tensor is this process's shard of a sharded one."""
     copied: threading.Event = field(default_factory=threading.Event)
     fence_s: float = 0.0
     """Training time the optimizer-step fence waited for the deferred copies."""
@@ -155,11 +158,12 @@ class ShardWriter:
             default ``$EVTRAIN_CKPT_WRITE_DELAY_S``).
         record_delay_s: sleep after the data files, before ``SHARD.json``
             (fault injection; default ``$EVTRAIN_CKPT_RECORD_DELAY_S``).
-        group: a sharded stage's replicas (`evtrain.job.Job.shard`): each replica
-            writes its own shards of every sharded tensor into the stage's
-            directory (one DCP save over the group, every replica calling `save`
-            at the same boundary) and replica 0 everything else and the shard
-            record, so no replica gathers the stage. Such a write is synchronous.
+        group: a sharded stage's replicas (`evtrain.job.Job.shard`), a gloo group
+            for the writes alone: each replica writes its own shards of every
+            sharded tensor into the stage's directory (one DCP save over the
+            group, from every replica's writer thread, every replica calling
+            `save` at the same boundary) and replica 0 everything else and the
+            shard record, so no replica gathers the stage.
         overlap_copy: on CPU, copy the parameters and optimizer state into the
             staging buffers in the writer thread, overlapped with the next
             forward/backward, instead of inside `save`. Only ``optimizer.step()``
@@ -189,8 +193,13 @@ class ShardWriter:
         self.group = group
         self._lead = group is None or dist.get_rank(group) == 0
         """This writer writes the record (and reports the shard)."""
-        # The save is a collective over the group: in the caller's thread, at the boundary.
-        self.asynchronous = asynchronous and group is None
+        self._mesh: DeviceMesh | None = None
+        if group is not None:
+            # What the staged shards are rewrapped on: host memory, the group's ranks
+            # (DCP reads the shards' offsets from it; it communicates on ``group``).
+            ranks = torch.tensor(dist.get_process_group_ranks(group))
+            self._mesh = DeviceMesh("cpu", ranks, _init_backend=False)
+        self.asynchronous = asynchronous
         self.thread_count = thread_count
         if write_delay_s is None:
             write_delay_s = float(os.environ.get(WRITE_DELAY_ENV, "0") or 0)
@@ -269,6 +278,11 @@ class ShardWriter:
         if not self._lead:
             # Replica 0 writes what is whole; the others their shards only.
             tensors = {k: v for k, v in tensors.items() if isinstance(v, DTensor)}
+        shards = {
+            k: _Shards(v.placements, v.shape, v.stride())
+            for k, v in tensors.items()
+            if isinstance(v, DTensor)
+        }
         state["checkpoint_id"] = checkpoint_id
         state_json = json.dumps(state, allow_nan=True).encode()
         t_captured = time.perf_counter()
@@ -279,7 +293,8 @@ class ShardWriter:
             if self.overlap_copy and optimizer is not None and self.device.type == "cpu":
                 defer = {name for name, _ in module.named_parameters()}
                 defer.update(k for k in tensors if k.startswith(_OPTIM_PREFIX))
-            tensors, ready, deferred = self._stage(tensors, defer)
+            # The local shards are staged; the writer thread rewraps them.
+            tensors, ready, deferred = self._stage(_local(tensors), defer)
         self.last_timings = {
             "wait_s": t_waited - t0,
             "capture_s": t_captured - t_waited,
@@ -300,6 +315,7 @@ class ShardWriter:
             blocked_s=0.0,
             ready=ready,
             deferred=deferred,
+            shards=shards,
         )
         if not deferred:
             job.copied.set()
@@ -336,7 +352,7 @@ class ShardWriter:
             device=self.device,
             extra=None,
         )
-        for key, value in tensors.items():
+        for key, value in _local(tensors).items():
             self._buffer(key, value).zero_()
 
     def poll(self) -> list[CompletedShard]:
@@ -524,6 +540,12 @@ class ShardWriter:
             dist.broadcast_object_list(said, group=self.group, group_src=0)
             if said[0] is not None:
                 raise CheckpointError(said[0])
+            if job.shards and self.asynchronous:
+                assert self._mesh is not None
+                job.tensors = {
+                    k: v if k not in job.shards else job.shards[k].wrap(v, self._mesh)
+                    for k, v in job.tensors.items()
+                }
             dcp.save(job.tensors, storage_writer=writer, process_group=self.group)
             if not self._lead:
                 return 0
@@ -576,6 +598,26 @@ class ShardWriter:
             # never committed, so it is ours to replace.
             shutil.rmtree(spath)
         spath.mkdir(parents=True)
+
+
+@dataclass(frozen=True)
+class _Shards:
+    """How a sharded tensor is laid out over a stage's replicas."""
+
+    placements: tuple[Placement, ...]
+    shape: torch.Size
+    stride: tuple[int, ...]
+
+    def wrap(self, local: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+        """``local``, this process's staged shard, as a part of the whole for DCP."""
+        return DTensor.from_local(
+            local, mesh, self.placements, shape=self.shape, stride=self.stride, run_check=False
+        )
+
+
+def _local(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each tensor, or its local shard when it is sharded."""
+    return {k: v.to_local() if isinstance(v, DTensor) else v for k, v in tensors.items()}
 
 
 def _layer_range(module: nn.Module) -> list[int]:
