@@ -220,12 +220,13 @@ def build_groups(
     )
     pipeline = mesh.get_group("pp") if place.num_stages > 1 else None
     replicas = mesh.get_group("dp") if place.replicas > 1 else None
+    pipelines = [
+        [place.rank_of(s, r) for s in range(place.num_stages)] for r in range(place.replicas)
+    ]
+    stages = [[place.rank_of(s, r) for r in range(place.replicas)] for s in range(place.num_stages)]
     pipeline_grads = None
-    for replica in range(place.replicas):
-        ranks = [place.rank_of(s, replica) for s in range(place.num_stages)]
-        group = dist.new_group(ranks, backend=backend, timeout=timeout)
-        if replica == place.replica and place.num_stages > 1:
-            pipeline_grads = group
+    if place.num_stages > 1:
+        pipeline_grads = _own_group(pipelines, place, backend, timeout)
     chunks: list[tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]] = [
         (pipeline, pipeline_grads)
     ]
@@ -241,18 +242,10 @@ def build_groups(
     control = dist.new_group(backend="gloo", timeout=timeout)
     shapes = None
     if varying_shapes and place.num_stages > 1:
-        for replica in range(place.replicas):
-            ranks = [place.rank_of(s, replica) for s in range(place.num_stages)]
-            group = dist.new_group(ranks, backend="gloo", timeout=timeout)
-            if replica == place.replica:
-                shapes = group
+        shapes = _own_group(pipelines, place, "gloo", timeout)
     checkpoint = None
     if sharded and place.replicas > 1:
-        for stage in range(place.num_stages):
-            ranks = [place.rank_of(stage, r) for r in range(place.replicas)]
-            group = dist.new_group(ranks, backend="gloo", timeout=timeout)
-            if stage == place.stage:
-                checkpoint = group
+        checkpoint = _own_group(stages, place, "gloo", timeout)
     return StageGroups(
         pipeline,
         pipeline_grads,
@@ -263,3 +256,16 @@ def build_groups(
         mesh["dp"] if place.replicas > 1 else None,
         checkpoint,
     )
+
+
+def _own_group(
+    rank_sets: list[list[int]], place: Place, backend: str, timeout: datetime.timedelta
+) -> dist.ProcessGroup | None:
+    """A group over each of ``rank_sets``, in order (collective: every process creates
+    every one); the one this process is in."""
+    own = None
+    for ranks in rank_sets:
+        group = dist.new_group(ranks, backend=backend, timeout=timeout)
+        if place.rank in ranks:
+            own = group
+    return own
