@@ -216,11 +216,7 @@ class StageCheckpointing:
                 )
 
     def _write(
-        self,
-        writer: ShardWriter,
-        step: int,
-        save: _Save,
-        replica_rng: list[dict[str, Any]],
+        self, writer: ShardWriter, step: int, save: _Save, replica_rng: list[dict[str, Any]]
     ) -> str | None:
         """Capture this stage's shard and hand it to the writer (blocking, short); the
         write continues in the writer's thread. The error of a refused save, or None."""

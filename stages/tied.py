@@ -113,10 +113,10 @@ class TiedWeights:
         self, groups: Sequence[TiedGroup], place: Place, module: nn.Module, backend: str
     ) -> None:
         present = dict(module.named_parameters(remove_duplicate=False))
+        self._rank = place.rank
         self._local: list[tuple[str, dist.ProcessGroup, int]] = []
         """(name of the parameter here, group of its stages in this replica, global rank
         of the owner)."""
-        self._owned: list[bool] = []
         for group in groups:
             if len(group.stages) < 2:
                 continue
@@ -129,7 +129,6 @@ class TiedWeights:
                 name = next(n for n in group.names if n in present)
                 assert pg is not None
                 self._local.append((name, pg, place.rank_of(group.owner)))
-                self._owned.append(group.owner == place.stage)
         self.rebind(module)
 
     def rebind(self, module: nn.Module) -> None:
@@ -139,7 +138,9 @@ class TiedWeights:
         present = dict(module.named_parameters(remove_duplicate=False))
         self._params = [present[name] for name, _pg, _owner in self._local]
         self.norm_excluded: set[int] = {
-            id(p) for p, owned in zip(self._params, self._owned, strict=True) if not owned
+            id(p)
+            for p, (_name, _pg, owner) in zip(self._params, self._local, strict=True)
+            if owner != self._rank
         }
         """ids of local parameters whose norm another stage counts."""
 

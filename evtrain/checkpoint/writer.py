@@ -523,23 +523,12 @@ class ShardWriter:
         )
 
     def _write_files(self, job: _Job, spath: Path) -> int:
-        error = None
-        if self._lead:
-            try:
-                self._prepare_dir(job, spath)
-            except (CheckpointError, OSError) as exc:
-                error = exc
         writer = dcp.FileSystemWriter(spath, sync_files=True, thread_count=self.thread_count)
         if self.group is None:
-            if error is not None:
-                raise error
+            self._prepare_dir(job, spath)
             dcp.save(job.tensors, storage_writer=writer, no_dist=True)
         else:
-            # The directory exists (or the save is off) before any replica writes.
-            said = [None if error is None else f"{type(error).__name__}: {error}"]
-            dist.broadcast_object_list(said, group=self.group, group_src=0)
-            if said[0] is not None:
-                raise CheckpointError(said[0])
+            self._prepare_dir_together(job, spath, self.group)
             if job.shards and self.asynchronous:
                 assert self._mesh is not None
                 job.tensors = {
@@ -588,6 +577,20 @@ class ShardWriter:
         write_shard_record(spath, record)
         fsync_dir(job.ckpt_dir)
         return record.bytes
+
+    def _prepare_dir_together(self, job: _Job, spath: Path, group: dist.ProcessGroup) -> None:
+        """`_prepare_dir` on the lead, before any replica writes into the directory;
+        its error raised on every replica (collective over ``group``)."""
+        error = None
+        if self._lead:
+            try:
+                self._prepare_dir(job, spath)
+            except (CheckpointError, OSError) as exc:
+                error = f"{type(exc).__name__}: {exc}"
+        said = [error]
+        dist.broadcast_object_list(said, group=group, group_src=0)
+        if said[0] is not None:
+            raise CheckpointError(said[0])
 
     @staticmethod
     def _prepare_dir(job: _Job, spath: Path) -> None:
