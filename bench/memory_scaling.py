@@ -146,6 +146,8 @@ def fsdp_worker(width: int, layers: int, steps: int, warmup: int) -> dict[str, f
     """One rank of torch FSDP2 on the whole model; every rank returns its figures."""
     from torch.distributed.fsdp import fully_shard
 
+    from evtrain.stages.update import state_bytes_of  # what evtrain's stages count, counted alike
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -176,12 +178,7 @@ def fsdp_worker(width: int, layers: int, steps: int, warmup: int) -> dict[str, f
         optimizer.zero_grad()
     dist.barrier()
     step_s = (time.perf_counter() - start) / steps
-    held = 0
-    for p in model.parameters():
-        tensors = [p.detach(), *(v for v in optimizer.state[p].values() if torch.is_tensor(v))]
-        for t in tensors:
-            local_t = t.to_local() if hasattr(t, "to_local") else t
-            held += local_t.numel() * local_t.element_size()
+    held = state_bytes_of(list(model.parameters()), optimizer)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     dist.destroy_process_group()
     return {"step_s": step_s, "state_bytes": held, "rss_bytes": rss}

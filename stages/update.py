@@ -35,7 +35,20 @@ from evtrain.stages.precision import LossScaler
 from evtrain.stages.sharded import ShardedReplicas, local_tensor
 from evtrain.stages.tied import TiedWeights
 
-__all__ = ["Timed", "WeightUpdate"]
+__all__ = ["Timed", "WeightUpdate", "state_bytes_of"]
+
+
+def state_bytes_of(params: Sequence[nn.Parameter], optimizer: torch.optim.Optimizer | None) -> int:
+    """Bytes of ``params`` and their optimizer state that this process holds: the local
+    shards of sharded ones."""
+    total = 0
+    for p in params:
+        tensors = [p.detach()]
+        if optimizer is not None:
+            state = optimizer.state.get(p, {}).values()
+            tensors.extend(v for v in state if isinstance(v, torch.Tensor))
+        total += sum(local_tensor(t).numel() * t.element_size() for t in tensors)
+    return total
 
 
 @dataclass(frozen=True)
@@ -96,16 +109,7 @@ class WeightUpdate:
         fixed once the optimizer stepped (its state exists), so counted once then."""
         if self._state_bytes is not None:
             return self._state_bytes
-        total = 0
-        for p in self.params:
-            tensors = [p.detach()]
-            if self.optimizer is not None:
-                tensors.extend(
-                    v
-                    for v in self.optimizer.state.get(p, {}).values()
-                    if isinstance(v, torch.Tensor)
-                )
-            total += sum(local_tensor(t).numel() * t.element_size() for t in tensors)
+        total = state_bytes_of(self.params, self.optimizer)
         if self._applied:
             self._state_bytes = total
         return total

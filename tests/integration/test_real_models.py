@@ -101,6 +101,18 @@ def launch(spec: Path, *args: str, **env: str) -> subprocess.CompletedProcess[st
     return proc
 
 
+def export(ckpt: Path, out: Path) -> dict[str, torch.Tensor]:
+    """``evtrain ckpt export CKPT -o OUT``: the tensors it wrote."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "evtrain", "ckpt", "export", str(ckpt), "-o", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return load_file(str(out))
+
+
 def dumped(directory: Path) -> list[dict[str, torch.Tensor]]:
     return [load_file(str(f)) for f in sorted(directory.glob("stage-*.safetensors"))]
 
@@ -131,14 +143,7 @@ def test_model_split_by_name_with_tied_embeddings_and_dict_samples(tmp_path: Pat
     ckpt = latest_committed(tmp_path / "run")
     assert ckpt is not None and ckpt.step == 4
     out = tmp_path / "model.safetensors"
-    export = subprocess.run(
-        [sys.executable, "-m", "evtrain", "ckpt", "export", str(ckpt.path), "-o", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert export.returncode == 0, export.stderr
-    exported = load_file(str(out))
+    exported = export(ckpt.path, out)
     assert "embed.tok.weight" in exported and "head.out.weight" not in exported
     sys.path.insert(0, str(TESTS_DIR))
     from helpers.real_model_spec import TinyGPT

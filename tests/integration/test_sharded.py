@@ -12,8 +12,6 @@ within 1e-6 of the uninterrupted run.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +19,6 @@ import pytest
 import test_real_models as real_models
 import torch
 from helpers.launch_helpers import new_marker, run_launch, write_eval_spec
-from safetensors.torch import load_file
 from test_data_parallel import (
     STEPS,
     check_against_reference,
@@ -175,15 +172,7 @@ def test_a_model_tied_across_stages_with_activation_checkpointing(tmp_path: Path
             torch.testing.assert_close(value, want[key], rtol=0, atol=1e-5, msg=key)
     ckpt = latest_committed(tmp_path / "run")
     assert ckpt is not None and ckpt.step == steps
-    out = tmp_path / "model.safetensors"
-    export = subprocess.run(
-        [sys.executable, "-m", "evtrain", "ckpt", "export", str(ckpt.path), "-o", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert export.returncode == 0, export.stderr
-    exported = load_file(str(out))
+    exported = real_models.export(ckpt.path, tmp_path / "model.safetensors")
     assert exported.keys() == {**stage0, **stage1}.keys() - {"head.out.weight"}
     for key, value in exported.items():
         assert torch.equal(value, {**stage0, **stage1}[key]), key
