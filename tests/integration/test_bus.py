@@ -15,6 +15,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -130,7 +131,19 @@ async def test_two_publisher_processes_and_a_hook_process_lose_nothing(
         stats = Lines(pub).json()
         assert stats["dropped"] == 0
         assert pub.wait(timeout=120) == 0
-    assert hook.wait(timeout=120) == 0, hook.stderr.read()
+    try:
+        assert hook.wait(timeout=120) == 0, hook.stderr.read()
+    except subprocess.TimeoutExpired:
+        # What arrived where: the broker's count, then the hook's, which a
+        # signal makes it write.
+        broker = fetch_stats(address)
+        hook.send_signal(signal.SIGTERM)
+        hook.wait(timeout=30)
+        seen = json.loads(out.read_text()) if out.exists() else None
+        counts = Counter(source for source, _, _ in seen) if seen is not None else None
+        raise AssertionError(
+            f"the hook did not end: broker {broker}, hook saw {counts}\n{hook.stderr.read()}"
+        ) from None
     seen = [tuple(row) for row in json.loads(out.read_text())]
     for i in range(2):
         mine = [(seq, step) for source, seq, step in seen if source == f"stage/{i}"]

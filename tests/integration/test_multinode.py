@@ -20,6 +20,7 @@ Needs root, iproute2 and network namespaces; skipped with the reason otherwise.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -431,9 +432,15 @@ def _both(nodes: list[Node]) -> str:
 
 
 def _kill_after_a_commit(
-    nodes: list[Node], launchers: list[subprocess.Popen[str]], reports: Path
+    nodes: list[Node],
+    launchers: list[subprocess.Popen[str]],
+    reports: Path,
+    stop: subprocess.Popen[str] | None = None,
 ) -> Any:
-    """Once a checkpoint is committed, SIGKILL node 1's stage worker; its stage report."""
+    """Once a checkpoint is committed, SIGKILL node 1's stage worker; its stage report.
+
+    ``stop``: a launcher to SIGSTOP just before the kill (SIGCONT it yourself).
+    """
     run_dir = reports.parent.parent
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while True:
@@ -447,6 +454,8 @@ def _kill_after_a_commit(
             ]
             if on_node_1:
                 victim = on_node_1[0]
+                if stop is not None:
+                    os.kill(stop.pid, signal.SIGSTOP)
                 os.kill(victim.pid, signal.SIGKILL)
                 return victim
         time.sleep(0.02)
@@ -487,12 +496,30 @@ def test_a_stage_killed_on_node_1_is_the_root_cause_node_0_names(
 ) -> None:
     """A killed process says nothing on the bus itself: node 1's launcher, which sees
     it die, tells node 0 as that stage's failure (not as a RunEnded of its own), and
-    node 0, which ends the run for the hooks, names it as the root cause."""
+    node 0, which ends the run for the hooks, names it as the root cause.
+
+    Node 1's launcher is held stopped until node 0's agent has ended (its stage
+    failed for want of node 1's): node 0 must still wait for node 1's word rather
+    than name its own stage's symptom, as on a loaded machine; node 1, whose agent
+    ended meanwhile too, must still tell it.
+    """
     run_dir, run_id = tmp_path / "run", f"mn-{secrets.token_hex(4)}"
     started = [_start(node, spec, run_dir, run_id) for node in nodes]
     launchers = [proc for proc, _ in started]
     try:
-        victim = _kill_after_a_commit(nodes, launchers, run_dir / "launches" / run_id)
+        try:
+            victim = _kill_after_a_commit(
+                nodes, launchers, run_dir / "launches" / run_id, stop=launchers[1]
+            )
+            agent_0 = run_dir / "launches" / run_id / "agent-node0.json"
+            deadline = time.monotonic() + RUN_TIMEOUT_S
+            while not ((report := AgentReport.read(agent_0)) and report.finished):
+                assert launchers[0].poll() is None, f"node 0 ended first:\n{_both(nodes)}"
+                assert time.monotonic() < deadline, f"node 0's agent runs on:\n{_both(nodes)}"
+                time.sleep(0.02)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(launchers[1].pid, signal.SIGCONT)
         _wait(nodes, launchers, timeout=RUN_TIMEOUT_S)
     finally:
         for _, log in started:
