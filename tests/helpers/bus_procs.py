@@ -219,6 +219,10 @@ def _publish(args: argparse.Namespace) -> None:
             json.dumps({"marker_seq": marker.seq, "sent": sent, "dropped": pub.dropped}),
             flush=True,
         )
+    if args.hold:
+        # Closing starts a linger that a starved broker can outlast: stay
+        # connected until the parent has seen everything arrive.
+        sys.stdin.readline()
     pub.close(linger=5.0)
 
 
@@ -255,6 +259,7 @@ def main() -> None:
     pub.add_argument("--hwm", type=int, default=10_000)
     pub.add_argument("--marker", action="store_true")
     pub.add_argument("--wait-start", action="store_true")
+    pub.add_argument("--hold", action="store_true", help="close after a line on stdin")
     pub.set_defaults(func=_publish)
     stage = sub.add_parser("stage")
     stage.add_argument("--bus", required=True)

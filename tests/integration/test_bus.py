@@ -123,6 +123,8 @@ async def test_two_publisher_processes_and_a_hook_process_lose_nothing(
             str(i),
             "--count",
             str(count),
+            "--hold",
+            stdin=subprocess.PIPE,
         )
         for i in range(2)
     ]
@@ -130,7 +132,6 @@ async def test_two_publisher_processes_and_a_hook_process_lose_nothing(
     for pub in publishers:
         stats = Lines(pub).json()
         assert stats["dropped"] == 0
-        assert pub.wait(timeout=120) == 0
     try:
         assert hook.wait(timeout=120) == 0, hook.stderr.read()
     except subprocess.TimeoutExpired:
@@ -144,6 +145,10 @@ async def test_two_publisher_processes_and_a_hook_process_lose_nothing(
         raise AssertionError(
             f"the hook did not end: broker {broker}, hook saw {counts}\n{hook.stderr.read()}"
         ) from None
+    for pub in publishers:
+        assert pub.stdin is not None
+        pub.stdin.close()  # the end of its stdin: close now
+        assert pub.wait(timeout=120) == 0
     seen = [tuple(row) for row in json.loads(out.read_text())]
     for i in range(2):
         mine = [(seq, step) for source, seq, step in seen if source == f"stage/{i}"]
