@@ -393,12 +393,20 @@ def request(
     ctx = context or zmq.Context.instance()
     sock = ctx.socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
+    # A REQ socket whose handshake failed (a key the broker refuses) has no peer
+    # until it reconnects: its send would block for good.
+    sock.setsockopt(zmq.SNDTIMEO, max(1, int(timeout * 1000)))
     if curve is not None:
         curve.apply(sock)
+    deadline = time.monotonic() + timeout
     try:
         sock.connect(address.endpoint("state"))
-        sock.send(kind)
-        if not sock.poll(int(timeout * 1000), zmq.POLLIN):
+        try:
+            sock.send(kind)
+        except zmq.Again:
+            return None
+        left = max(0.0, deadline - time.monotonic())
+        if not sock.poll(int(left * 1000), zmq.POLLIN):
             return None
         frames: list[Any] = sock.recv_multipart()
     finally:
