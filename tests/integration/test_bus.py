@@ -4,6 +4,7 @@ own lifecycle."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -80,6 +81,18 @@ async def collect(
                 out.append(msg)
                 if until(msg):  # type: ignore[operator]
                     return out
+
+
+async def raw_live(raw: zmq.Socket, sub: Subscriber) -> None:
+    """Send probes through the raw publisher ``raw`` until ``sub`` receives one: the
+    subscription has reached it, and what it sends next is not dropped for want of one."""
+    with anyio.fail_after(30):
+        for seq in itertools.count():
+            probe = Heartbeat(state="probe")
+            probe.source, probe.seq = "test/raw", seq
+            raw.send_multipart([probe.topic, encode(probe)])
+            if any(m.source == "test/raw" for m in await sub.receive(timeout=0.05)):
+                return
 
 
 def broker_threads() -> set[str]:
@@ -255,13 +268,21 @@ async def test_publisher_queue_overflow_is_counted_reported_and_seen_as_gap(
     assert stats["dropped"] > 0, stats
     assert stats["p99_call_s"] < 0.005, stats
     assert stats["max_call_s"] < 0.5, stats
-    await anyio.sleep(0.5)  # the broker forwards what the publisher's queue held
+    # The marker goes once the broker forwarded all the publisher's queue held.
+    held = 30000 - stats["dropped"]
+    seen = Counter[str]()
+
+    def drained(m: Message) -> bool:
+        seen[m.source] += isinstance(m, StepEnded)
+        return seen["stage/7"] == held
+
+    received = await collect(sub, drained, timeout=120) if held else []
     pub.stdin.write("go\n")
     pub.stdin.flush()
     marker = lines.json()
     # The drops are reported once the queue has room again: in one report, or in a
     # few if the queue had room for a moment during the burst.
-    received = await collect(
+    received += await collect(
         sub,
         lambda m: isinstance(m, BusDrops) and m.total_dropped == stats["dropped"],
     )
@@ -384,7 +405,7 @@ async def test_garbage_crashes_neither_broker_nor_subscriber(buses: Buses, procs
             raw.setsockopt(zmq.LINGER, 1000)
             raw.setsockopt(zmq.SNDHWM, 100_000)
             raw.connect(address.endpoint("events_in"))
-            await anyio.sleep(0.3)  # the broker's subscription arrives
+            await raw_live(raw, sub)
             batch = list(garbage(rng, 1500))
             well_framed += sum(len(frames) == 2 and frames[0] in TOPICS for frames in batch)
             send_raw(raw, batch)
@@ -442,7 +463,7 @@ async def test_raw_frames_straight_to_a_subscriber() -> None:
     raw.bind(endpoint)
     sub = Subscriber(endpoint, [""], hwm=0)
     try:
-        await anyio.sleep(0.3)  # our subscription reaches the PUB
+        await raw_live(raw, sub)
         rng = random.Random(5)
         honest = 0
         malformed = 0
@@ -457,7 +478,7 @@ async def test_raw_frames_straight_to_a_subscriber() -> None:
         got: list[Message] = []
         with anyio.fail_after(20):
             while len(got) < honest:
-                got += await sub.receive(timeout=1)
+                got += [m for m in await sub.receive(timeout=1) if m.source == "stage/0"]
         assert [m.seq for m in got] == list(range(honest))
         assert sub.gaps.total_missing == 0
         # Most garbage is counted one by one; a topic-only message may merge with

@@ -448,12 +448,14 @@ async def test_data_parallel_run_has_series_per_stage_process_and_counts_each_st
 
 
 def test_stage_up_goes_stale() -> None:
-    liveness = _StageLiveness(stale_after=0.2)
+    liveness = _StageLiveness(stale_after=3600)  # no pause of a busy machine is that long
     assert liveness.up((0, 0)) == 0.0  # never seen
     liveness.seen((0, 0))
     assert liveness.up((0, 0)) == 1.0
+    liveness.stale_after = 0.2
     time.sleep(0.3)
     assert liveness.up((0, 0)) == 0.0
+    liveness.stale_after = 3600
     liveness.seen((0, 0))
     liveness.down((0, 0))
     assert liveness.up((0, 0)) == 0.0
