@@ -33,6 +33,7 @@ import math
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import anyio
 
@@ -86,6 +87,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--gaps-at", type=int, default=0, help="publish a bus.gaps at step K")
     parser.add_argument("--pause-at", type=int, default=0, help="pause before step K ...")
     parser.add_argument("--pause", type=float, default=0.0, help="... for this many seconds")
+    parser.add_argument("--pause-until", default="", help="... or until this file exists")
     parser.add_argument("--max-time", type=float, default=120.0)
     return parser.parse_args(argv)
 
@@ -272,7 +274,10 @@ class FakeRun:
                 break
             if args.pause_at and step + 1 == args.pause_at:
                 end = time.monotonic() + args.pause
-                while time.monotonic() < end:
+                held = Path(args.pause_until) if args.pause_until else None
+                while (
+                    time.monotonic() < end if held is None else not held.exists()
+                ) and time.monotonic() < deadline:
                     self.heartbeat(step)
                     await anyio.sleep(0.05)
             step += 1

@@ -180,7 +180,8 @@ def test_recorder_flushes_while_the_run_goes_on(bus: BusAddress, procs: Any, wor
             stderr=stream,
         )
         wait_for_text(err, "hooks attached")
-        procs.start(*fake_args(bus, steps=20, pause_at=10, pause=3.0))
+        resume = workdir / "resume"
+        procs.start(*fake_args(bus, steps=20, pause_at=10, pause_until=resume))
         events = workdir / "events.jsonl"
 
         def ended() -> list[tuple[int, int]]:
@@ -189,12 +190,13 @@ def test_recorder_flushes_while_the_run_goes_on(bus: BusAddress, procs: Any, wor
             return [(e["step"], e["stage"]) for e in records if e["type"] == "step.ended"]
 
         # Written during the pause: a heartbeat or two trigger the timed flush.
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60
         while len(ended()) < 18:
             assert time.monotonic() < deadline, ended()
             time.sleep(0.05)
         os.kill(recorder.pid, signal.SIGKILL)
         recorder.wait(timeout=5)
+        resume.touch()
     content = events.read_text()
     # Steps 1-9 of both stages, nothing lost to buffering.
     assert sorted(ended()) == [(step, stage) for step in range(1, 10) for stage in (0, 1)]
@@ -295,29 +297,33 @@ def _sample(text: str, name: str) -> float | None:
 class _MidRunScrape:
     """Scrapes the exporter whose port file is in ``directory`` once it counted ``steps``.
 
-    The fake run pauses after them (heartbeats keep coming), so the scrape
-    sees the run going on.
+    The fake run pauses after them (heartbeats keep coming) until the scrape
+    creates ``resume``, so the scrape sees the run going on.
     """
 
     def __init__(self, directory: Path, steps: int) -> None:
         self.text: str | None = None
+        self.resume = directory / "resume"
         self._port_file = directory / "prometheus.port"
         self._steps = steps
         self._thread = threading.Thread(target=self._scrape, daemon=True)
         self._thread.start()
 
     def _scrape(self) -> None:
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            if self._port_file.exists() and self._port_file.read_text().strip():
-                text = _scrape(int(self._port_file.read_text()))
-                if (_sample(text, "evtrain_steps_total") or 0) >= self._steps:
-                    self.text = text
-                    return
-            time.sleep(0.05)
+        try:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                if self._port_file.exists() and self._port_file.read_text().strip():
+                    text = _scrape(int(self._port_file.read_text()))
+                    if (_sample(text, "evtrain_steps_total") or 0) >= self._steps:
+                        self.text = text
+                        return
+                time.sleep(0.05)
+        finally:
+            self.resume.touch()
 
     def result(self) -> str:
-        self._thread.join(timeout=5)
+        self._thread.join(timeout=60)
         assert self.text is not None, "never scraped the exporter during the run"
         return self.text
 
@@ -346,7 +352,7 @@ async def test_prometheus_exporter_serves_conventional_metrics(
         drops_at=3,
         gaps_at=4,
         pause_at=10,
-        pause=1.5,
+        pause_until=scrape.resume,
     )
     mid = scrape.result()
     assert 'evtrain_stage_up{replica="0",stage="0"} 1.0' in mid
@@ -396,7 +402,7 @@ async def test_data_parallel_run_has_series_per_stage_process_and_counts_each_st
         stages=2,
         dp=2,
         pause_at=10,
-        pause=1.5,
+        pause_until=scrape.resume,
         run_dir=run_dir,
     )
     places = [(stage, replica) for stage in (0, 1) for replica in (0, 1)]
@@ -476,15 +482,18 @@ def test_prometheus_port_in_use_is_a_usage_error(workdir: Path) -> None:
 
 
 @pytest.mark.anyio
-async def test_exporter_joining_mid_run_knows_the_run_at_once(bus: BusAddress, procs: Any) -> None:
+async def test_exporter_joining_mid_run_knows_the_run_at_once(
+    bus: BusAddress, procs: Any, tmp_path: Path
+) -> None:
     import anyio
 
     from evtrain.bus.state_service import fetch_snapshot
     from evtrain.hooks.runner import HookRunner
 
-    fake = procs.start(*fake_args(bus, steps=12, pause_at=10, pause=2.0))
-    # Wait until the run sits in its pause after step 9 (no new step event for 2 s).
-    with anyio.fail_after(15):
+    resume = tmp_path / "resume"
+    fake = procs.start(*fake_args(bus, steps=12, pause_at=10, pause_until=resume))
+    # Wait until the run sits in its pause after step 9, until the exporter joined.
+    with anyio.fail_after(60):
         while not any(
             isinstance(m, StepEnded) and m.step == 9 and m.stage == 0
             for m in await anyio.to_thread.run_sync(fetch_snapshot, bus)
@@ -492,7 +501,7 @@ async def test_exporter_joining_mid_run_knows_the_run_at_once(bus: BusAddress, p
             await anyio.sleep(0.1)
     exporter = PrometheusExporter(port=0)
     runner = HookRunner([exporter], bus, exit_on_run_end=True)
-    with anyio.fail_after(20):
+    with anyio.fail_after(60):
         async with anyio.create_task_group() as tg:
             tg.start_soon(runner.run)
             await runner.ready.wait()
@@ -503,6 +512,7 @@ async def test_exporter_joining_mid_run_knows_the_run_at_once(bus: BusAddress, p
             assert value("evtrain_run_stages") == 2
             assert value("evtrain_stage_up", at(1)) == 1
             assert value("evtrain_loss") == pytest.approx(loss_at(9))
+            resume.touch()
             assert await anyio.to_thread.run_sync(fake.wait) == 0
     assert value("evtrain_steps_done") == 12
     assert value("evtrain_steps_total") == 4  # counted from the step it saw: 9..12

@@ -101,7 +101,9 @@ async def until(condition: Callable[[], bool], what: str) -> None:
 
 
 @pytest.mark.anyio
-async def test_model_joins_mid_run_and_follows_it_to_the_end(bus: BusAddress, procs: Any) -> None:
+async def test_model_joins_mid_run_and_follows_it_to_the_end(
+    bus: BusAddress, procs: Any, tmp_path: Path
+) -> None:
     other = FailsAtTheEnd()
     other_runner = HookRunner([other], bus)
     model = TopModel(local=True)
@@ -110,7 +112,8 @@ async def test_model_joins_mid_run_and_follows_it_to_the_end(bus: BusAddress, pr
         async with anyio.create_task_group() as tg:
             tg.start_soon(other_runner.run)
             await other_runner.ready.wait()
-            # The pause gives seconds of heartbeats-only run to join in, however busy.
+            # The run pauses before step 8, heartbeats only, until the model has joined.
+            resume = tmp_path / "resume"
             fake = procs.start(
                 *fake_args(
                     bus,
@@ -118,7 +121,7 @@ async def test_model_joins_mid_run_and_follows_it_to_the_end(bus: BusAddress, pr
                     step_time=0.02,
                     eval_every=10,
                     pause_at=8,
-                    pause=2.0,
+                    pause_until=resume,
                     drops_at=20,
                     gaps_at=21,
                 )
@@ -134,6 +137,7 @@ async def test_model_joins_mid_run_and_follows_it_to_the_end(bus: BusAddress, pr
             assert [s.stage for s in joined.stages] == [0, 1]
             assert all(s.step is not None and 3 <= s.step < 40 for s in joined.stages)
             assert [h.source for h in joined.hooks] == [f"hook/{other_runner.name}"]
+            resume.touch()
 
             for ev in (
                 CheckpointRequested(checkpoint_id="a", step=20, path="/ck/a"),
