@@ -59,7 +59,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +69,16 @@ from torch import nn
 # bench/ is no package: its scripts import each other from here.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fanin
-from pipeline_vs_torch import BATCH, LAYERS, MICROBATCHES, WIDTH, _launch, _maybe_pin, _mlp_layers
+from pipeline_vs_torch import (
+    BATCH,
+    LAYERS,
+    MICROBATCHES,
+    WIDTH,
+    _launch,
+    _maybe_pin,
+    _mlp_layers,
+    timed_steps,
+)
 from pipeline_vs_torch import SPEC as PIPELINE_SPEC
 
 PIPELINE_MICROBATCHES = MICROBATCHES
@@ -169,11 +177,8 @@ def ddp_worker(steps: int, warmup: int, microbatches: int) -> float | None:
     gen = torch.Generator().manual_seed(0)
     x, y = torch.randn(SAMPLES, WIDTH, generator=gen), torch.randn(SAMPLES, WIDTH, generator=gen)
     local = BATCH // world
-    start = 0.0
-    for i in range(warmup + steps):
-        if i == warmup:
-            dist.barrier()
-            start = time.perf_counter()
+
+    def step(i: int) -> None:
         first = (i % (SAMPLES // BATCH)) * BATCH + rank * local
         xs = x[first : first + local].chunk(microbatches)
         ys = y[first : first + local].chunk(microbatches)
@@ -184,10 +189,10 @@ def ddp_worker(steps: int, warmup: int, microbatches: int) -> float | None:
                 (nn.functional.mse_loss(model(xm), ym) / microbatches).backward()
         optimizer.step()
         optimizer.zero_grad()
-    dist.barrier()
-    elapsed = time.perf_counter() - start
+
+    step_s = timed_steps(step, warmup, steps)
     dist.destroy_process_group()
-    return steps / elapsed if rank == 0 else None
+    return 1 / step_s if rank == 0 else None
 
 
 def run_ddp(steps: int, warmup: int, microbatches: int) -> dict[str, Any]:

@@ -49,7 +49,6 @@ import os
 import resource
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +58,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dp_scaling import _checked, _launch_evtrain, step_times
-from pipeline_vs_torch import _launch
+from pipeline_vs_torch import _launch, timed_steps
 
 BATCH = 64
 MICROBATCHES = 4
@@ -163,11 +162,8 @@ def fsdp_worker(width: int, layers: int, steps: int, warmup: int) -> dict[str, f
     gen = torch.Generator().manual_seed(0)
     x, y = torch.randn(BATCH, width, generator=gen), torch.randn(BATCH, width, generator=gen)
     local = BATCH // world
-    start = 0.0
-    for i in range(warmup + steps):
-        if i == warmup:
-            dist.barrier()
-            start = time.perf_counter()
+
+    def step(_: int) -> None:
         xs = x[rank * local : (rank + 1) * local].chunk(MICROBATCHES)
         ys = y[rank * local : (rank + 1) * local].chunk(MICROBATCHES)
         for m, (xm, ym) in enumerate(zip(xs, ys, strict=True)):
@@ -176,8 +172,8 @@ def fsdp_worker(width: int, layers: int, steps: int, warmup: int) -> dict[str, f
             (nn.functional.mse_loss(model(xm), ym) / MICROBATCHES).backward()
         optimizer.step()
         optimizer.zero_grad()
-    dist.barrier()
-    step_s = (time.perf_counter() - start) / steps
+
+    step_s = timed_steps(step, warmup, steps)
     held = state_bytes_of(list(model.parameters()), optimizer)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     dist.destroy_process_group()

@@ -432,6 +432,19 @@ def _maybe_pin() -> None:
         os.sched_setaffinity(0, {cpus[int(os.environ.get("LOCAL_RANK", "0")) % len(cpus)]})
 
 
+def timed_steps(step: Callable[[int], None], warmup: int, steps: int) -> float:
+    """Seconds per step of ``step(i)`` over ``steps`` steps after ``warmup`` untimed
+    ones, between barriers of the default group, so every rank times the same span."""
+    for i in range(warmup):
+        step(i)
+    dist.barrier()
+    start = time.perf_counter()
+    for i in range(warmup, warmup + steps):
+        step(i)
+    dist.barrier()
+    return (time.perf_counter() - start) / steps
+
+
 def torch_worker(kind: str, microbatches: int, steps: int, warmup: int) -> float | None:
     """One rank of torch.distributed.pipelining (one stage per rank); rank 0 returns steps/s.
 
@@ -492,11 +505,8 @@ def torch_worker(kind: str, microbatches: int, steps: int, warmup: int) -> float
     optimizer = torch.optim.SGD([p for m in modules for p in m.parameters()], lr=1e-3)
     gen = torch.Generator().manual_seed(0)
     x, y = torch.randn(BATCH, WIDTH, generator=gen), torch.randn(BATCH, WIDTH, generator=gen)
-    start = 0.0
-    for i in range(warmup + steps):
-        if i == warmup:
-            dist.barrier()
-            start = time.perf_counter()
+
+    def step(_: int) -> None:
         if kind == "zbv" and rank == 0:  # the V's two ends
             schedule.step(x, target=y, losses=[])
         elif rank == 0:
@@ -507,10 +517,10 @@ def torch_worker(kind: str, microbatches: int, steps: int, warmup: int) -> float
             schedule.step()
         optimizer.step()
         optimizer.zero_grad()
-    dist.barrier()
-    elapsed = time.perf_counter() - start
+
+    step_s = timed_steps(step, warmup, steps)
     dist.destroy_process_group()
-    return steps / elapsed if rank == 0 else None
+    return 1 / step_s if rank == 0 else None
 
 
 def torch_transformer_worker(steps: int, warmup: int) -> float | None:
@@ -552,11 +562,8 @@ def torch_transformer_worker(steps: int, warmup: int) -> float | None:
     optimizer = torch.optim.SGD(module.parameters(), lr=1e-3)
     data = transformer_samples()
     batch = {k: v[:T_BATCH] for k, v in data.items()}
-    t0 = 0.0
-    for i in range(warmup + steps):
-        if i == warmup:
-            dist.barrier()
-            t0 = time.perf_counter()
+
+    def step(i: int) -> None:
         if first:
             schedule.step(batch["input_ids"], batch["attention_mask"])
         elif last:
@@ -571,10 +578,10 @@ def torch_transformer_worker(steps: int, warmup: int) -> float | None:
             raise RuntimeError(f"torch stage {rank} got no gradient")
         optimizer.step()
         optimizer.zero_grad()
-    dist.barrier()
-    elapsed = time.perf_counter() - t0
+
+    step_s = timed_steps(step, warmup, steps)
     dist.destroy_process_group()
-    return steps / elapsed if first else None
+    return 1 / step_s if first else None
 
 
 def sequential_worker(microbatches: int, steps: int, warmup: int) -> float:
