@@ -579,8 +579,9 @@ class ShardWriter:
         return record.bytes
 
     def _prepare_dir_together(self, job: _Job, spath: Path, group: dist.ProcessGroup) -> None:
-        """`_prepare_dir` on the lead, before any replica writes into the directory;
-        its error raised on every replica (collective over ``group``)."""
+        """The lead (group rank 0) empties and creates the stage directory; the
+        broadcast that follows is the barrier no replica writes into it before,
+        and carries the lead's error, raised on every replica."""
         error = None
         if self._lead:
             try:

@@ -506,14 +506,19 @@ class Launcher:
         before that node's launcher has told us; naming our own symptom now would
         bury the cause. `FailureWatch.settled_root` bounds the wait.
         """
-        while self._published is None and not self.stop.workers_ended_by_us:
-            attempt = failures.current_attempt()
-            if failures.restart_pending(attempt) or not failures.failures(attempt):
-                return
+        attempt = failures.current_attempt()
+        if (
+            self._published is not None
+            or self.stop.workers_ended_by_us
+            or failures.restart_pending(attempt)
+            or not failures.failures(attempt)
+        ):
+            return  # told already, or nothing failed that is ours to name
+        self._publish_settled_root(failures)
+        while self._published is None:
+            await anyio.sleep(_POLL_S)
+            failures.refresh()
             self._publish_settled_root(failures)
-            if self._published is None:
-                await anyio.sleep(_POLL_S)
-                failures.refresh()
 
     async def _watch_hang(self, failures: FailureWatch) -> None:
         """Report a run that made no progress for the hang timeout, and end it (or have

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,18 +47,24 @@ def env_with_tests() -> dict[str, str]:
     return env
 
 
+async def probe_until_seen(
+    sub: Subscriber, send: Callable[[Heartbeat], object], source: str, timeout: float
+) -> None:
+    """Send probe heartbeats through ``send`` until ``sub`` receives one from ``source``."""
+    with anyio.fail_after(timeout):
+        while True:
+            send(Heartbeat(state="probe"))
+            if any(m.source == source for m in await sub.receive(timeout=0.05)):
+                return
+
+
 async def connect(
     sub: Subscriber, address: BusAddress, *, curve: CurveConfig | None = None
 ) -> None:
     """Publish probes until ``sub`` receives one: its subscription is then live."""
     sub.subscribe("heartbeat")
     with Publisher(address.endpoint("events_in"), source="test/probe", curve=curve) as probe:
-        with anyio.fail_after(10):
-            while True:
-                probe.publish(Heartbeat(state="probe"))
-                batch = await sub.receive(timeout=0.05)
-                if any(m.source == "test/probe" for m in batch):
-                    return
+        await probe_until_seen(sub, probe.publish, "test/probe", timeout=10)
 
 
 class Lines:

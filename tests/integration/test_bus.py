@@ -24,7 +24,16 @@ import anyio
 import pytest
 import zmq
 import zmq.auth
-from helpers.bus_procs import SCRIPT, Buses, Lines, connect, env_with_tests, rss_bytes, step_event
+from helpers.bus_procs import (
+    SCRIPT,
+    Buses,
+    Lines,
+    connect,
+    env_with_tests,
+    probe_until_seen,
+    rss_bytes,
+    step_event,
+)
 
 from evtrain.bus.address import BusAddress
 from evtrain.bus.broker import Broker, fetch_stats
@@ -86,13 +95,13 @@ async def collect(
 async def raw_live(raw: zmq.Socket, sub: Subscriber) -> None:
     """Send probes through the raw publisher ``raw`` until ``sub`` receives one: the
     subscription has reached it, and what it sends next is not dropped for want of one."""
-    with anyio.fail_after(30):
-        for seq in itertools.count():
-            probe = Heartbeat(state="probe")
-            probe.source, probe.seq = "test/raw", seq
-            raw.send_multipart([probe.topic, encode(probe)])
-            if any(m.source == "test/raw" for m in await sub.receive(timeout=0.05)):
-                return
+    seqs = itertools.count()
+
+    def send(probe: Heartbeat) -> None:
+        probe.source, probe.seq = "test/raw", next(seqs)
+        raw.send_multipart([probe.topic, encode(probe)])
+
+    await probe_until_seen(sub, send, "test/raw", timeout=30)
 
 
 def broker_threads() -> set[str]:
