@@ -483,42 +483,26 @@ class Launcher:
         for line in failures.announce_restarts(ended_by_us=ended_by_us):
             self.console.warn(line)
         if self._published is None and not ended_by_us:
-            self._publish_settled_root(failures)
+            end = failures.settled_end(time.monotonic(), bus_owner=self.is_bus_owner)
+            if end is not None:
+                self._publish(end[0], on_bus=end[1])
         now, published = time.monotonic(), self._published
         if workers_outstay_failure(published, self._published_at, now, ended_by_us=ended_by_us):
             log.warning("the run failed; killing the stage workers of this node that wait on it")
             self.stop.killed_workers()  # their deaths are ours, not a failure
             self._kill_agent()
 
-    def _publish_settled_root(self, failures: FailureWatch) -> None:
-        """End the run for the hooks once the root cause of its failure is known."""
-        root = failures.settled_root(time.monotonic())
-        if root is not None:
-            # Node 0 ends the run for the hooks; another node tells it what
-            # failed here (a death says nothing on the bus by itself).
-            on_bus = None if self.is_bus_owner else failures.stage_failed(root)
-            self._publish(failures.failed(root), on_bus=on_bus)
-
     async def _settle_failure(self, failures: FailureWatch) -> None:
-        """This node's workers are gone, the root cause maybe not yet named: wait for it.
-
-        A local stage that failed only because another node's stage died ends
-        before that node's launcher has told us; naming our own symptom now would
-        bury the cause. `FailureWatch.settled_root` bounds the wait.
-        """
-        attempt = failures.current_attempt()
-        if (
-            self._published is not None
-            or self.stop.workers_ended_by_us
-            or failures.restart_pending(attempt)
-            or not failures.failures(attempt)
-        ):
-            return  # told already, or nothing failed that is ours to name
-        self._publish_settled_root(failures)
-        while self._published is None:
+        """The agent ended: publish the root cause as the watch loop does, waiting
+        (bounded by `FailureWatch.settled_root`) where another node may still name it."""
+        if self._published is not None or self.stop.workers_ended_by_us:
+            return  # the hooks were told, or the deaths are ours
+        if not failures.last_attempt_failed():
+            return
+        while (end := failures.settled_end(time.monotonic(), bus_owner=self.is_bus_owner)) is None:
             await anyio.sleep(_POLL_S)
             failures.refresh()
-            self._publish_settled_root(failures)
+        self._publish(end[0], on_bus=end[1])
 
     async def _watch_hang(self, failures: FailureWatch) -> None:
         """Report a run that made no progress for the hang timeout, and end it (or have

@@ -249,6 +249,22 @@ class FailureWatch:
             return find_root_cause(failures)
         return None
 
+    def last_attempt_failed(self) -> bool:
+        """Whether the last attempt failed with no restart left: its cause is to be named."""
+        attempt = self.current_attempt()
+        return not self.restart_pending(attempt) and bool(self.failures(attempt))
+
+    def settled_end(
+        self, now: float, *, bus_owner: bool
+    ) -> tuple[RunEnded, StageFailed | None] | None:
+        """How this node ends the run for the hooks once `settled_root` knows the cause:
+        the `RunEnded`, and on a node other than node 0 the `StageFailed` it sends
+        instead, since a death says nothing on the bus by itself. None until then."""
+        root = self.settled_root(now)
+        if root is None:
+            return None
+        return self.failed(root), None if bus_owner else self.stage_failed(root)
+
     def failed(self, root: RootCause) -> RunEnded:
         """The ``RunEnded`` that tells the hooks ``root`` ended the run (remembered)."""
         self._told = root
