@@ -305,7 +305,7 @@ class StageEvaluator:
         """Evaluate the weights after ``step`` steps on every set (collective along the
         pipeline and the replicas); the result on replica 0's last stage, else None."""
         replicas = self._executor.replicas
-        if replicas is None:
+        if replicas is None or not replicas.sharded:
             return await self._evaluate(step)
         # Sharded, every replica gathers the stage once, whatever its share.
         await anyio.to_thread.run_sync(replicas.gather)
