@@ -42,20 +42,29 @@ class LRMonitor(Hook):
         # one step at different times, so only the same step's values can be compared.
         self._by_step: dict[int, dict[StageReplica, float]] = {}
         self._disagreed: set[StageReplica] = set()
+        self._run_id: str | None = None
 
     @on(RunStarted)
     def run_started(self, ev: RunStarted) -> None:
         """A new run: forget the old LRs."""
-        self.last_lr.clear()
-        self._logged_lr.clear()
-        self._by_step.clear()
-        self._last_line = None
+        self._enter_run(ev.run_id)
+
+    def _enter_run(self, run_id: str) -> None:
+        # Whichever event of a run comes first: a stage's step can overtake the
+        # run's start on the bus, and must not be forgotten when the start comes.
+        if run_id != self._run_id:
+            self._run_id = run_id
+            self.last_lr.clear()
+            self._logged_lr.clear()
+            self._by_step.clear()
+            self._last_line = None
 
     @on(StepEnded)
     def step_ended(self, ev: StepEnded) -> None:
         """Compare the stage's LR with its last logged one and with the other stages'."""
         if ev.lr is None or step_problem(ev, self.state) is not None:
             return
+        self._enter_run(ev.run_id)
         self._check_agreement(ev, ev.lr)
         if ev.replica:
             return  # replica 0 speaks for its stage; the others are only compared with it

@@ -42,19 +42,28 @@ class MemoryMonitor(Hook):
         self.peak: dict[int, int] = {}
         self.warned: set[int] = set()
         self._logged: dict[int, int] = {}
+        self._run_id: str | None = None
 
     @on(RunStarted)
     def run_started(self, ev: RunStarted) -> None:
         """A new run: new peaks."""
-        self.peak.clear()
-        self.warned.clear()
-        self._logged.clear()
+        self._enter_run(ev.run_id)
+
+    def _enter_run(self, run_id: str) -> None:
+        # Whichever event of a run comes first: a stage's step can overtake the
+        # run's start on the bus, and must not be forgotten when the start comes.
+        if run_id != self._run_id:
+            self._run_id = run_id
+            self.peak.clear()
+            self.warned.clear()
+            self._logged.clear()
 
     @on(StepEnded)
     def step_ended(self, ev: StepEnded) -> None:
         """Fold in the stage's peak; log growth, warn above the threshold."""
         if ev.peak_memory_bytes is None or step_problem(ev, self.state) is not None:
             return
+        self._enter_run(ev.run_id)
         peak = max(ev.peak_memory_bytes, self.peak.get(ev.stage, 0))
         self.peak[ev.stage] = peak
         logged = self._logged.get(ev.stage)

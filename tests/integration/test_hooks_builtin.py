@@ -383,6 +383,28 @@ def test_lr_monitor_warns_once_about_a_replica_that_disagrees() -> None:
     assert warning["others"] == {"1": 0.1, "1/1": 0.1, "0": 0.1}
 
 
+def test_monitors_take_a_step_that_overtook_its_run_start_as_that_run() -> None:
+    """Stages publish on their own sockets: stage 1's first step can reach a hook
+    before stage 0's `RunStarted`. It is of the same run, so nothing is said twice."""
+    import anyio
+
+    from evtrain.events import StepEnded
+    from evtrain.replay import ReplayRunner
+
+    lr, memory = LRMonitor(), MemoryMonitor(threshold="1MiB")
+
+    def step(number: int, stage: int) -> StepEnded:
+        return StepEnded(step=number, stage=stage, lr=0.1, peak_memory_bytes=2 * MIB, run_id="r1")
+
+    runner = ReplayRunner([lr, memory])
+    events = [step(1, 1), two_stage_run(), step(1, 0), step(2, 1), step(2, 0)]
+    with capture_logs() as logs:
+        anyio.run(runner.replay, events)
+    assert runner.errors == 0
+    assert list(lr.changes) == [(1, 0.1)]
+    assert [e["stage"] for e in logs if e["event"] == "peak memory above threshold"] == [1, 0]
+
+
 def test_lr_monitor_rtol_thins_out_smooth_schedules() -> None:
     """Handlers are plain methods: feed a cosine-like schedule straight in."""
     import itertools
