@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from evtrain.stages.data_parallel import average_in_place
+from evtrain.stages.standins import is_shadow
 
 __all__ = ["average_running_stats", "recomputing_statistics", "running_stat_layers", "synchronise"]
 
@@ -38,7 +39,9 @@ def running_stat_layers(module: nn.Module) -> list[nn.modules.batchnorm._NormBas
     return [
         layer
         for layer in module.modules()
-        if isinstance(layer, nn.modules.batchnorm._NormBase) and layer.track_running_stats
+        if isinstance(layer, nn.modules.batchnorm._NormBase)
+        and layer.track_running_stats
+        and not is_shadow(layer)
     ]
 
 
@@ -62,6 +65,8 @@ def synchronise(modules: Sequence[nn.Module], group: dist.ProcessGroup) -> None:
 
     def convert(parent: nn.Module) -> None:
         for name, child in list(parent.named_children()):
+            if is_shadow(child):
+                continue
             if isinstance(child, nn.modules.batchnorm._BatchNorm) and not isinstance(
                 child, nn.SyncBatchNorm
             ):

@@ -63,9 +63,9 @@ from evtrain.stages.job_data import job_data
 from evtrain.stages.pytree import call, map_tensors, spec_of
 from evtrain.stages.schedules import chunk_place
 from evtrain.stages.standins import (
-    Absent,
     ChunkPlan,
     ForwardTrace,
+    absent,
     as_inputs,
     install,
     plan_chunks,
@@ -749,7 +749,7 @@ def build_stage_chunks(
         if plans is not None:
             for i in set(range(len(names))) - set(kept):
                 if names[i] in plans[0].chunk_of:
-                    replace_unit(module, names[i], Absent())
+                    replace_unit(module, names[i], absent(module.get_submodule(names[i]), names[i]))
         else:
             _prune(module, names, kept)
         # Moved before the views are made: a move replaces buffers, which the

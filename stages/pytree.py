@@ -153,6 +153,12 @@ class StandIn(torch.Tensor):
 
     _z: list[Any] | None = None
     """Its wire form (shape, dtype name), set by `stand_in`: read without dispatch."""
+    _of: str | None = None
+    """What it stands in for, when that has a name (an absent unit's parameter)."""
+
+    def __deepcopy__(self, _memo: Any) -> StandIn:
+        # Holds no value that could be written: a copy is the same stand-in.
+        return self
 
     @classmethod
     def __torch_function__(
@@ -164,9 +170,11 @@ class StandIn(torch.Tensor):
     ) -> Any:
         kwargs = kwargs or {}
         if func in READS:
+            of = next((a._of for a in args if isinstance(a, StandIn) and a._of), None)
             raise StandInUsed(
                 "the model's forward reads a value that another stage computes "
-                f"({getattr(func, '__name__', func)} of a stand-in)"
+                f"({getattr(func, '__name__', func)} of "
+                f"{f'{of}, held by another stage' if of else 'a stand-in'})"
             )
         target = writes_into(func, args, kwargs)
         if target is not None and not isinstance(target, StandIn):
@@ -189,9 +197,18 @@ def _as_stand_ins(value: Any) -> Any:
     return value
 
 
-def stand_in(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> StandIn:
-    """A StandIn of ``shape`` and ``dtype`` on ``device``; it takes no memory."""
-    return _stand_in(tuple(shape), dtype, device)
+def stand_in(
+    shape: Sequence[int], dtype: torch.dtype, device: torch.device, of: str | None = None
+) -> StandIn:
+    """A StandIn of ``shape`` and ``dtype`` on ``device``; it takes no memory.
+    ``of`` names what it stands in for, in the error a read of its value raises."""
+    if of is None:
+        return _stand_in(tuple(shape), dtype, device)
+    with torch._C.DisableTorchFunctionSubclass():
+        value = torch.zeros((), dtype=dtype, device=device).expand(shape).as_subclass(StandIn)
+    value._z = _stand_in(tuple(shape), dtype, device)._z
+    value._of = of
+    return value
 
 
 @functools.lru_cache(maxsize=4096)

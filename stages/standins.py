@@ -30,6 +30,7 @@ tensor, or one in the model's output.
 
 from __future__ import annotations
 
+import copy
 import types
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -56,11 +57,12 @@ from evtrain.stages.pytree import (
 
 __all__ = [
     "INPUTS",
-    "Absent",
     "ChunkPlan",
     "ForwardTrace",
+    "absent",
     "as_inputs",
     "install",
+    "is_shadow",
     "plan_chunks",
     "replace_unit",
     "trace_forward",
@@ -347,6 +349,14 @@ class _Chunk:
         run.outputs[key] = value
         return value
 
+    def standing_in(self, unit: str) -> Callable[..., Any]:
+        """The ``forward`` of the shadow of ``unit``."""
+
+        def forward(*_args: Any, **_kwargs: Any) -> Any:
+            return self.stand_in_for(unit)
+
+        return forward
+
     def check_args(self, unit: str, args: Any) -> None:
         if self.run is not None and any(isinstance(t, StandIn) for t in leaves_of(args)):
             raise StandInUsed(
@@ -380,27 +390,70 @@ class _Chunk:
         return unflatten(tree, marked) if changed else value
 
 
-class _StandInUnit(nn.Module):
-    """What a stage has in place of a unit that another stage holds."""
-
-    def __init__(self, unit: str, chunk: _Chunk) -> None:
-        super().__init__()
-        self.unit = unit
-        vars(self)["_chunk"] = chunk  # not a submodule
-
-    def forward(self, *_args: Any, **_kwargs: Any) -> Any:
-        return vars(self)["_chunk"].stand_in_for(self.unit)
-
-    def extra_repr(self) -> str:
-        return f"{self.unit}, held by another stage"
+_ABSENT = "_evtrain_absent"
+"""A shadow module's attribute: the names of its parameters and buffers, now stand-ins."""
 
 
-class Absent(nn.Module):
+def is_shadow(module: nn.Module) -> bool:
+    """Whether ``module`` is (inside) the shadow of a unit another stage holds."""
+    return _ABSENT in vars(module)
+
+
+def shadow(unit: nn.Module, name: str, forward: Callable[..., Any]) -> nn.Module:
+    """What a stage has in place of unit ``name``, which another stage holds.
+
+    A copy of the unit's module tree, of the same classes, that holds no
+    parameters or buffers: each is a `StandIn` of its shape, dtype and device,
+    a plain attribute that ``parameters()``, ``state_dict()`` and the
+    optimizer do not see, and ``.to()`` moves. So the model's own code reads
+    what it reads of an absent unit (``self.embeddings.patch_embeddings``,
+    a weight's dtype, its config), hooks a model installs by module class
+    install on it, and reading a value of its weights raises, naming them.
+    The copy's ``forward`` is ``forward``.
+    """
+    memo: dict[int, Any] = {}
+    for fqn, module in unit.named_modules(remove_duplicate=False):
+        for attr in (*module._parameters, *module._buffers):
+            t = getattr(module, attr)
+            if t is not None and id(t) not in memo:
+                full = f"{name}.{fqn}.{attr}" if fqn else f"{name}.{attr}"
+                memo[id(t)] = stand_in(t.shape, t.dtype, t.device, of=full)
+    copied = copy.deepcopy(unit, memo)
+    for module in copied.modules():
+        absent = [*vars(module).get(_ABSENT, ()), *module._parameters, *module._buffers]
+        vars(module).update(module._parameters)
+        vars(module).update(module._buffers)
+        module._parameters.clear()
+        module._buffers.clear()
+        module._non_persistent_buffers_set.clear()
+        vars(module)[_ABSENT] = tuple(absent)
+        vars(module)["_apply"] = types.MethodType(_apply_to_shadow, module)
+    vars(copied)["forward"] = forward
+    return copied
+
+
+def _apply_to_shadow(self: nn.Module, fn: Callable[..., Any], recurse: bool = True) -> nn.Module:
+    """``Module._apply`` for a shadow: a move or cast of its stand-ins, as ``fn``
+    would move or cast the tensors they stand in for."""
+    if recurse:
+        for child in self.children():
+            child._apply(fn)
+    for attr in vars(self)[_ABSENT]:
+        t = vars(self)[attr]
+        if isinstance(t, StandIn):
+            moved = fn(torch.empty(0, dtype=t.dtype, device=t.device))
+            vars(self)[attr] = stand_in(t.shape, moved.dtype, moved.device, of=t._of)
+    return self
+
+
+def _absent_forward(*_args: Any, **_kwargs: Any) -> Any:
+    raise StandInUsed("a stage of several model chunks runs each chunk, not itself")
+
+
+def absent(unit: nn.Module, name: str) -> nn.Module:
     """A unit that no model chunk of this stage holds, in a stage module of several
-    chunks; each chunk's view of it stands in for the unit (`install`)."""
-
-    def forward(self, *_args: Any, **_kwargs: Any) -> Any:
-        raise StandInUsed("a stage of several model chunks runs each chunk, not itself")
+    chunks: each chunk's view of it stands in for the unit (`install`)."""
+    return shadow(unit, name, _absent_forward)
 
 
 def replace_unit(model: nn.Module, name: str, new: nn.Module) -> None:
@@ -424,7 +477,11 @@ def install(model: nn.Module, names: Sequence[str], held: Sequence[int], plan: C
     for name in names:
         if name not in plan.chunk_of or name in kept:
             continue
-        replace_unit(model, name, _StandInUnit(name, chunk))
+        replace_unit(
+            model,
+            name,
+            shadow(model.get_submodule(name), name, chunk.standing_in(name)),
+        )
     for name in kept:
         if name not in plan.chunk_of:
             continue
