@@ -31,6 +31,7 @@ tensor, or one in the model's output.
 from __future__ import annotations
 
 import copy
+import functools
 import types
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -39,6 +40,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.module import _global_forward_hooks, _global_forward_hooks_with_kwargs
 from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -80,12 +82,34 @@ class _Call:
     key: str
     """``unit#k``: the k-th call of the unit in one forward."""
     sources: frozenset[str]
-    """The sources of the call's arguments."""
+    """The sources of the call's arguments and of every value it read."""
 
 
 @dataclass(frozen=True)
 class _Read:
     sources: frozenset[str]
+
+
+@dataclass(frozen=True)
+class Carry:
+    """A value that leaves a call of a unit other than by its return value.
+
+    Its key is ``unit#k/hook/rel#n`` for what the forward hooks of submodule
+    ``rel`` saw at its n-th call (its arguments and output), and
+    ``unit#k/attr/rel:name`` for an attribute the call set on submodule
+    ``rel`` (``""``: the unit itself). The stage that holds the unit sends it
+    like an output; a stage that stands in for the unit runs the hooks on it,
+    or sets the attribute, where the call would have.
+    """
+
+    key: str
+    rel: str
+    attr: str | None = None
+    """None: a forward hook's view."""
+
+    @property
+    def call(self) -> str:
+        return self.key.partition("/")[0]
 
 
 @dataclass(frozen=True)
@@ -98,30 +122,109 @@ class ForwardTrace:
     """The sources of the model's output."""
     replicated: frozenset[str]
     """Units without parameters whose output depends on no unit: they run on every stage."""
+    carries: Mapping[str, tuple[Carry, ...]] = field(default_factory=dict)
+    """By unit call: what left it other than by its return value."""
 
 
 def _source_unit(source: str) -> str | None:
-    """The unit whose output a source is, None for an input."""
+    """The unit whose output (or carry) a source is, None for an input."""
     if source.startswith(INPUTS + "/"):
         return None
     return source.partition("#")[0]
 
 
-class _Sources(TorchFunctionMode):
-    """Spreads sources from the tensors an op reads to the tensors it returns."""
+_INTERNAL = "/~"
+"""The source suffix of a value computed inside a unit's call: only the stage
+that holds the unit has it."""
 
-    def __init__(self) -> None:
+
+def tensors_only(value: Any) -> Any:
+    """``value`` with every leaf that is not a tensor (or a container of them) None."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, tuple):
+        return tuple(tensors_only(v) for v in value)
+    if isinstance(value, list):
+        return [tensors_only(v) for v in value]
+    if isinstance(value, dict):
+        return {k: tensors_only(v) for k, v in value.items() if isinstance(k, str)}
+    return None
+
+
+@dataclass
+class _Open:
+    """A call of a unit with parameters, under way."""
+
+    key: str
+    internal: frozenset[str]
+    seen: set[str] = field(default_factory=set)
+    """The sources of every value the call read."""
+    subcalls: Counter[str] = field(default_factory=Counter)
+    attrs: dict[tuple[str, str], int] = field(default_factory=dict)
+    """The ids of its modules' attributes when it began."""
+
+
+class _Sources(TorchFunctionMode):
+    """Spreads sources from the tensors an op reads to the tensors it returns.
+
+    Inside a call of a unit with parameters, what an op returns is internal to
+    the call (``unit#k/~``), except what depends on no tensor with a source
+    or on no parameter or buffer (a constant). An internal value read outside
+    its call is an *escape*: it left by a route no other stage can follow.
+    """
+
+    def __init__(self, state: set[int]) -> None:
         super().__init__()
         self.of: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.events: list[_Call | _Read] = []
-        self.quiet = 0
-        """Inside a unit with parameters: its output gets fresh sources anyway."""
+        self.open: list[_Open | None] = []
+        """Unit calls under way; None while a forward hook runs at model level."""
+        self.state = state
+        """The ids of the model's parameters and buffers."""
+        self.escape: str | None = None
+        self.carried: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        """Values a forward hook saw inside a unit's call: their carry sources."""
 
-    def sources(self, value: Any) -> frozenset[str]:
+    @property
+    def inside(self) -> _Open | None:
+        return self.open[-1] if self.open else None
+
+    def _of(self, t: torch.Tensor) -> frozenset[str] | None:
+        s = self.of.get(t)
+        if s is not None and t in self.carried and not self._own(s):
+            # An internal value that a forward hook saw: it leaves by the hook.
+            return self.carried[t]
+        return s
+
+    def _own(self, sources: frozenset[str]) -> bool:
+        inside = self.inside
+        return inside is not None and inside.key + _INTERNAL in sources
+
+    def sources(self, value: Any, check: bool = True) -> frozenset[str]:
         found: set[str] = set()
         for t in leaves_of(value):
-            found |= self.of.get(t, frozenset())
+            s = self._of(t)
+            if s is not None:
+                if check:
+                    self._check(t, s)
+                found |= s
         return frozenset(found)
+
+    def _check(self, t: torch.Tensor, sources: frozenset[str]) -> None:
+        if self.escape is not None:
+            return
+        inside = self.inside
+        for s in sources:
+            if s.endswith(_INTERNAL) and (inside is None or s != inside.key + _INTERNAL):
+                unit, _, k = s.removesuffix(_INTERNAL).partition("#")
+                self.escape = (
+                    f"unit {unit} (call {k}) computes a {tuple(t.shape)} tensor that the "
+                    "forward reads outside the unit, not through the unit's return value, "
+                    "a forward hook of one of its modules or an attribute one of them "
+                    "sets: another stage could not have it; return it from the unit's "
+                    "forward or record it with a forward hook"
+                )
+                return
 
     def __torch_function__(
         self,
@@ -131,17 +234,53 @@ class _Sources(TorchFunctionMode):
         kwargs: Mapping[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if self.quiet:
-            return func(*args, **kwargs)
-        sources = self.sources((args, kwargs))
-        if sources and func in READS:
-            self.events.append(_Read(sources))
+        inside = self.inside
         out = func(*args, **kwargs)
-        if sources and func not in SHAPE_ONLY:
-            target = writes_into(func, args, kwargs)
-            for t in leaves_of(out if target is None else (out, target)):
-                self.of[t] = self.of.get(t, frozenset()) | sources
+        # A value, or a tensor computed from one; not a shape, a dtype or a device.
+        computes = func in READS or (
+            func not in SHAPE_ONLY and next(leaves_of(out), None) is not None
+        )
+        if inside is None:
+            sources = self.sources((args, kwargs), check=computes)
+            if sources and func in READS:
+                self.events.append(_Read(sources))
+            if sources and func not in SHAPE_ONLY:
+                self._tag(func, args, kwargs, out, sources)
+            return out
+        internal = False
+        for t in leaves_of((args, kwargs)):
+            s = self._of(t)
+            if s is not None:
+                if computes:
+                    self._check(t, s)
+                inside.seen |= s
+                internal = True
+            elif id(t) in self.state:
+                internal = True
+        if internal and func not in SHAPE_ONLY:
+            self._tag(func, args, kwargs, out, inside.internal, replace=True)
         return out
+
+    def _tag(
+        self,
+        func: Callable[..., Any],
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+        out: Any,
+        sources: frozenset[str],
+        replace: bool = False,
+    ) -> None:
+        target = writes_into(func, args, kwargs)
+        if replace and target is None:
+            # ``x.to(x.dtype)``, ``x.contiguous()``: an argument returned as it is
+            # keeps its sources.
+            given = {id(t) for t in leaves_of((args, kwargs))}
+            for t in leaves_of(out):
+                if id(t) not in given:
+                    self.of[t] = sources
+            return
+        for t in leaves_of(out if target is None else (out, target)):
+            self.of[t] = sources if replace else self.of.get(t, frozenset()) | sources
 
 
 def as_inputs(value: Any) -> dict[str, Any]:
@@ -153,63 +292,167 @@ def as_inputs(value: Any) -> dict[str, Any]:
     return {"a": [value], "k": {}}
 
 
+def _foreign_hooks(module: nn.Module, ours: set[int]) -> bool:
+    return bool(_global_forward_hooks) or any(h not in ours for h in module._forward_hooks)
+
+
+def _attribute_ids(unit: nn.Module) -> dict[tuple[str, str], int]:
+    return {
+        (rel, attr): id(v) for rel, sub in unit.named_modules() for attr, v in vars(sub).items()
+    }
+
+
+class _Tracer:
+    """The hooks of one traced forward: unit calls, their carries and escapes."""
+
+    def __init__(self, model: nn.Module, units: Sequence[str]) -> None:
+        self.model = model
+        self.mode = _Sources({id(t) for t in (*model.parameters(), *model.buffers())})
+        self.params = {u: any(True for _ in model.get_submodule(u).parameters()) for u in units}
+        self.counts: Counter[str] = Counter()
+        self.replicated: set[str] = set()
+        self.placed: set[str] = set()
+        self.calls: list[int] = []  # indices in mode.events of the calls under way
+        self.carries: dict[str, list[Carry]] = {}
+        self.ours: set[int] = set()
+        self.windows: dict[int, list[Any]] = {}
+        self.handles: list[Any] = []
+        for name in units:
+            unit = model.get_submodule(name)
+            # Ours run after a model's own pre-hooks and before its own hooks:
+            # those compute at model level, as on a stage that stands in for the unit.
+            self._hook(
+                unit.register_forward_pre_hook(
+                    functools.partial(self.before, name), with_kwargs=True
+                )
+            )
+            self._hook(
+                unit.register_forward_hook(
+                    functools.partial(self.after, name), with_kwargs=True, prepend=True
+                )
+            )
+            if not self.params[name]:
+                continue
+            for rel, sub in unit.named_modules():
+                if rel:
+                    self._hook(
+                        sub.register_forward_pre_hook(
+                            functools.partial(self.sub_before, rel), with_kwargs=True
+                        )
+                    )
+                    self._hook(
+                        sub.register_forward_hook(
+                            functools.partial(self.sub_after, rel),
+                            with_kwargs=True,
+                            prepend=True,
+                        )
+                    )
+
+    def _hook(self, handle: Any) -> None:
+        self.handles.append(handle)
+        self.ours.add(handle.id)
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+    def before(self, name: str, unit: nn.Module, args: Any, kwargs: Any) -> None:
+        if name in self.replicated:
+            return
+        mode = self.mode
+        key = f"{name}#{self.counts[name]}"
+        self.counts[name] += 1
+        self.calls.append(len(mode.events))
+        mode.events.append(_Call(name, key, mode.sources((args, kwargs))))
+        if self.params[name]:
+            mode.open.append(_Open(key, frozenset({key + _INTERNAL}), attrs=_attribute_ids(unit)))
+
+    def after(self, name: str, unit: nn.Module, _args: Any, _kwargs: Any, out: Any) -> None:
+        if name in self.replicated:
+            return
+        mode = self.mode
+        index = self.calls.pop()
+        call = mode.events[index]
+        assert isinstance(call, _Call)
+        opened: _Open | None = None
+        if self.params[name]:
+            opened = mode.open.pop()
+            assert opened is not None and opened.key == call.key
+            seen = {s for s in opened.seen if not s.startswith(call.key + "/")}
+            mode.events[index] = _Call(name, call.key, call.sources | seen)
+        elif name not in self.placed and not any(_source_unit(s) for s in mode.sources(out)):
+            # Computed from the inputs and constants alone: model-level code,
+            # which every stage runs.
+            self.replicated.add(name)
+            del mode.events[index]
+            self.counts[name] -= 1
+            return
+        self.placed.add(name)
+        _tree, leaves = flatten(out, f"unit {name}")
+        for i, t in enumerate(leaves):
+            mode.of[t] = frozenset({f"{call.key}/{i}"})
+        if opened is not None:
+            self._attributes(call.key, unit, opened.attrs)
+
+    def _attributes(self, key: str, unit: nn.Module, before: Mapping[tuple[str, str], int]) -> None:
+        for rel, sub in unit.named_modules():
+            for attr, value in vars(sub).items():
+                if before.get((rel, attr)) == id(value) or not any(leaves_of(value)):
+                    continue
+                carry = Carry(f"{key}/attr/{rel}:{attr}", rel, attr)
+                self.carries.setdefault(key, []).append(carry)
+                _tree, leaves = flatten(tensors_only(value), carry.key, wire=False)
+                for i, t in enumerate(leaves):
+                    kept = {s for s in self.mode.of.get(t, ()) if not s.endswith(_INTERNAL)}
+                    self.mode.of[t] = frozenset({*kept, f"{carry.key}/{i}"})
+
+    def sub_before(self, rel: str, sub: nn.Module, _args: Any, _kwargs: Any) -> None:
+        inside = self.mode.inside
+        window: list[Any] = [False, None]  # [whether the hooks run now, the closing hook]
+        if inside is not None and _foreign_hooks(sub, self.ours):
+            handle = sub.register_forward_hook(
+                functools.partial(self.sub_close, id(sub)), with_kwargs=True, always_call=True
+            )
+            self.ours.add(handle.id)
+            window[1] = handle
+        self.windows.setdefault(id(sub), []).append(window)
+
+    def sub_after(self, rel: str, sub: nn.Module, args: Any, kwargs: Any, out: Any) -> None:
+        window = self.windows[id(sub)][-1]
+        if window[1] is None:
+            self.windows[id(sub)].pop()
+            return
+        mode = self.mode
+        inside = mode.inside
+        assert inside is not None
+        n = inside.subcalls[rel]
+        inside.subcalls[rel] += 1
+        carry = Carry(f"{inside.key}/hook/{rel}#{n}", rel)
+        self.carries.setdefault(inside.key, []).append(carry)
+        _tree, leaves = flatten(tensors_only((args, kwargs, out)), carry.key, wire=False)
+        for i, t in enumerate(leaves):
+            mode.carried[t] = mode.carried.get(t, frozenset()) | {f"{carry.key}/{i}"}
+        # The model's own hooks run now, at model level, on what they are given.
+        window[0] = True
+        mode.open.append(None)
+
+    def sub_close(self, sub_id: int, *_args: Any) -> None:
+        opened, handle = self.windows[sub_id].pop()
+        handle.remove()
+        self.ours.discard(handle.id)
+        if opened:
+            self.mode.open.pop()
+
+
 def trace_forward(model: nn.Module, inputs: Any, units: Sequence[str]) -> ForwardTrace:
     """Run ``model`` once on ``inputs`` (``{"a": args, "k": kwargs}``) and trace its data flow.
 
     Runs where ``model`` and ``inputs`` are (the meta device costs nothing; a
     forward that reads values needs real ones), without gradients, with the
-    RNG untouched.
+    RNG untouched. Raises `SpecError` for a value that escapes a unit.
     """
-    mode = _Sources()
-    params = {u: any(True for _ in model.get_submodule(u).parameters()) for u in units}
-    counts: Counter[str] = Counter()
-    replicated: set[str] = set()
-    placed: set[str] = set()
-    open_calls: list[int] = []  # indices in mode.events of the calls under way
-    handles = []
-
-    def before(name: str, _m: nn.Module, args: Any, kwargs: Any) -> None:
-        if name in replicated:
-            return
-        key = f"{name}#{counts[name]}"
-        counts[name] += 1
-        open_calls.append(len(mode.events))
-        mode.events.append(_Call(name, key, mode.sources((args, kwargs))))
-        if params[name]:
-            mode.quiet += 1
-
-    def after(name: str, _m: nn.Module, _args: Any, _kwargs: Any, out: Any) -> None:
-        if name in replicated:
-            return
-        index = open_calls.pop()
-        call = mode.events[index]
-        assert isinstance(call, _Call)
-        if params[name]:
-            mode.quiet -= 1
-        elif name not in placed and not any(_source_unit(s) for s in mode.sources(out)):
-            # Computed from the inputs and constants alone: model-level code,
-            # which every stage runs.
-            replicated.add(name)
-            del mode.events[index]
-            counts[name] -= 1
-            return
-        placed.add(name)
-        _tree, leaves = flatten(out, f"unit {name}")
-        for i, t in enumerate(leaves):
-            mode.of[t] = frozenset({f"{call.key}/{i}"})
-
-    for name in units:
-        module = model.get_submodule(name)
-        handles.append(
-            module.register_forward_pre_hook(
-                lambda m, a, k, name=name: before(name, m, a, k), with_kwargs=True
-            )
-        )
-        handles.append(
-            module.register_forward_hook(
-                lambda m, a, k, o, name=name: after(name, m, a, k, o), with_kwargs=True
-            )
-        )
+    tracer = _Tracer(model, units)
+    mode = tracer.mode
     _tree, leaves = flatten(inputs, "the model's inputs")
     for i, t in enumerate(leaves):
         mode.of[t] = mode.of.get(t, frozenset()) | {f"{INPUTS}/{i}"}
@@ -225,9 +468,15 @@ def trace_forward(model: nn.Module, inputs: Any, units: Sequence[str]) -> Forwar
                 "trains without one: build the model with use_cache=False",
             )
     finally:
-        for h in handles:
-            h.remove()
-    return ForwardTrace(tuple(mode.events), output, frozenset(replicated))
+        tracer.remove()
+    if mode.escape is not None:
+        raise SpecError("model", mode.escape)
+    return ForwardTrace(
+        tuple(mode.events),
+        output,
+        frozenset(tracer.replicated),
+        {k: tuple(v) for k, v in tracer.carries.items()},
+    )
 
 
 # -------------------------------------------------------------------- the plan
@@ -242,8 +491,10 @@ class ChunkPlan:
     chunk_of: Mapping[str, int]
     """The model chunk of every unit that is placed (not replicated)."""
     send: frozenset[str]
-    """The sources (``in/i``, ``unit#k/i``) sent as tensors; every other leaf
-    crosses as a StandIn."""
+    """The sources (``in/i``, ``unit#k/i``, ``<carry>/i``) sent as tensors;
+    every other leaf crosses as a StandIn."""
+    carries: Mapping[str, tuple[Carry, ...]] = field(default_factory=dict)
+    """By unit call: the carries some chunk needs."""
 
     @property
     def first(self) -> bool:
@@ -296,11 +547,17 @@ def plan_chunks(
                     f"unit {unit} is placed after a unit that takes its output; split the "
                     "model in the order its forward calls the units",
                 )
+    wanted = {s.rpartition("/")[0] for s in set().union(*needed)}
+    carries = {
+        call: kept
+        for call, cs in trace.carries.items()
+        if (kept := tuple(c for c in cs if c.key in wanted))
+    }
     plans = []
     for c in range(n):
         downstream: set[str] = set().union(*needed[c + 1 :])
         send = {s for s in downstream if (u := _source_unit(s)) is None or chunk_of[u] <= c}
-        plans.append(ChunkPlan(c, n, chunk_of, frozenset(send)))
+        plans.append(ChunkPlan(c, n, chunk_of, frozenset(send), carries))
     return plans
 
 
@@ -319,6 +576,10 @@ class _Run:
     feed: Mapping[str, Any]
     outputs: dict[str, Any] = field(default_factory=dict)
     counts: Counter[str] = field(default_factory=Counter)
+    current: str | None = None
+    """The call of a held unit under way."""
+    subcalls: Counter[str] = field(default_factory=Counter)
+    """Its submodules' calls so far."""
 
     def key(self, unit: str) -> str:
         k = self.counts[unit]
@@ -333,40 +594,81 @@ class _Chunk:
         self.plan = plan
         self.run: _Run | None = None
 
-    def stand_in_for(self, unit: str) -> Any:
+    def stand_in_for(self, unit: str, shadow: nn.Module) -> Any:
         run = self.run
         if run is None:
             raise StandInUsed(f"{unit} is held by another stage and ran outside the forward")
         if self.plan.chunk_of[unit] > self.plan.chunk:
             raise _StageEnd
         key = run.key(unit)
-        if key not in run.feed:
-            raise StandInUsed(
-                f"the forward calls {unit} ({key}), which the stage that holds it did not "
-                "call: the model's units run in an order that depends on the data"
-            )
-        value = run.feed[key]
+        value = self._fed(run, key)
         run.outputs[key] = value
+        for carry in self.plan.carries.get(key, ()):
+            carried = run.outputs[carry.key] = self._fed(run, carry.key)
+            sub = shadow.get_submodule(carry.rel)
+            if carry.attr is not None:
+                vars(sub)[carry.attr] = carried
+            else:
+                _run_forward_hooks(sub, *carried)
         return value
 
-    def standing_in(self, unit: str) -> Callable[..., Any]:
-        """The ``forward`` of the shadow of ``unit``."""
+    @staticmethod
+    def _fed(run: _Run, key: str) -> Any:
+        if key not in run.feed:
+            unit = key.partition("#")[0]
+            raise StandInUsed(
+                f"the forward calls {unit} ({key.partition('/')[0]}), which the stage that "
+                "holds it did not call: the model's units run in an order that depends on "
+                "the data"
+            )
+        return run.feed[key]
+
+    def standing_in(self, unit: str, shadow: nn.Module) -> Callable[..., Any]:
+        """The ``forward`` of ``shadow``, which stands in for ``unit``."""
 
         def forward(*_args: Any, **_kwargs: Any) -> Any:
-            return self.stand_in_for(unit)
+            return self.stand_in_for(unit, shadow)
 
         return forward
 
-    def check_args(self, unit: str, args: Any) -> None:
-        if self.run is not None and any(isinstance(t, StandIn) for t in leaves_of(args)):
+    def begin(self, unit: str, args: Any) -> None:
+        """A held unit's call begins."""
+        run = self.run
+        if run is None:
+            return
+        if any(isinstance(t, StandIn) for t in leaves_of(args)):
             raise StandInUsed(
                 f"{unit} receives a value that another stage computes and that was not "
                 "sent: the model's data flow differs from its traced forward"
             )
+        run.current = run.key(unit)
+        run.subcalls.clear()
 
-    def record(self, unit: str, out: Any) -> None:
-        if self.run is not None:
-            self.run.outputs[self.run.key(unit)] = out
+    def hooked(self, rel: str, args: Any, kwargs: Any, out: Any) -> None:
+        """A submodule of the held unit under way ran: keep what its hooks saw, if carried."""
+        run = self.run
+        if run is None or run.current is None:
+            return
+        n = run.subcalls[rel]
+        run.subcalls[rel] += 1
+        key = f"{run.current}/hook/{rel}#{n}"
+        if key in self.carried:
+            run.outputs[key] = tensors_only((args, kwargs, out))
+
+    def record(self, unit: nn.Module, out: Any) -> None:
+        run = self.run
+        if run is None or run.current is None:
+            return
+        run.outputs[run.current] = out
+        for carry in self.plan.carries.get(run.current, ()):
+            if carry.attr is not None:
+                value = getattr(unit.get_submodule(carry.rel), carry.attr, None)
+                run.outputs[carry.key] = tensors_only(value)
+        run.current = None
+
+    @functools.cached_property
+    def carried(self) -> frozenset[str]:
+        return frozenset(c.key for cs in self.plan.carries.values() for c in cs)
 
     def boundary(self, inputs: Any) -> dict[str, Any]:
         """What this chunk sends: the inputs and unit outputs, leaves not sent as StandIns."""
@@ -450,6 +752,18 @@ def _absent_forward(*_args: Any, **_kwargs: Any) -> Any:
     raise StandInUsed("a stage of several model chunks runs each chunk, not itself")
 
 
+def _run_forward_hooks(module: nn.Module, args: Any, kwargs: Any, out: Any) -> None:
+    """Run ``module``'s forward hooks as its call would have, on what they saw there."""
+    for hook_id, hook in (*_global_forward_hooks.items(), *module._forward_hooks.items()):
+        if (
+            hook_id in module._forward_hooks_with_kwargs
+            or hook_id in _global_forward_hooks_with_kwargs
+        ):
+            hook(module, args, kwargs, out)
+        else:
+            hook(module, args, out)
+
+
 def absent(unit: nn.Module, name: str) -> nn.Module:
     """A unit that no model chunk of this stage holds, in a stage module of several
     chunks: each chunk's view of it stands in for the unit (`install`)."""
@@ -477,20 +791,28 @@ def install(model: nn.Module, names: Sequence[str], held: Sequence[int], plan: C
     for name in names:
         if name not in plan.chunk_of or name in kept:
             continue
-        replace_unit(
-            model,
-            name,
-            shadow(model.get_submodule(name), name, chunk.standing_in(name)),
-        )
+        copied = shadow(model.get_submodule(name), name, _absent_forward)
+        vars(copied)["forward"] = chunk.standing_in(name, copied)
+        replace_unit(model, name, copied)
+    hooked = {(c.call.partition("#")[0], c.rel) for cs in plan.carries.values() for c in cs}
     for name in kept:
         if name not in plan.chunk_of:
             continue
         unit = model.get_submodule(name)
         unit.register_forward_pre_hook(
-            lambda _m, args, kwargs, name=name: chunk.check_args(name, (args, kwargs)),
+            lambda _m, args, kwargs, name=name: chunk.begin(name, (args, kwargs)),
             with_kwargs=True,
         )
-        unit.register_forward_hook(lambda _m, _a, out, name=name: chunk.record(name, out))
+        # Before the model's own hooks, which a stage standing in for the unit
+        # runs on what this one records.
+        unit.register_forward_hook(lambda m, _a, out: chunk.record(m, out), prepend=True)
+        for unit_name, rel in hooked:
+            if unit_name == name and rel:
+                unit.get_submodule(rel).register_forward_hook(
+                    lambda _m, a, k, out, rel=rel: chunk.hooked(rel, a, k, out),
+                    with_kwargs=True,
+                    prepend=True,
+                )
     vars(model)["_evtrain_chunk"] = chunk
     vars(model)["forward"] = types.MethodType(_chunk_forward, model)
 
