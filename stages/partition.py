@@ -47,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
+import weakref
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -67,9 +68,11 @@ from evtrain.stages.standins import (
     ForwardTrace,
     absent,
     as_inputs,
+    call_order,
     install,
     plan_chunks,
     replace_unit,
+    split_boundaries,
     trace_forward,
 )
 from evtrain.stages.survey import SurveyUnavailable, imbalance, survey
@@ -223,7 +226,17 @@ def meta_units(job: Job) -> list[tuple[str, nn.Module]]:
 
 
 def _model_units(job: Job, model: nn.Module) -> list[str]:
-    return model_unit_names(model, job.split_points, pruned=job.pruned_forward)
+    names = model_unit_names(model, job.split_points, pruned=job.pruned_forward)
+    if not _as_written(job):
+        return names
+    return call_order(_trace(job, names), names)
+
+
+def _split_boundaries(job: Job, names: Sequence[str]) -> frozenset[int] | None:
+    """The unit indices a stage may start at, for a model run as written (None: any)."""
+    if not _as_written(job):
+        return None
+    return split_boundaries(_trace(job, names), names)
 
 
 def unit_names(job: Job) -> list[str]:
@@ -258,15 +271,26 @@ def _unit_params(job: Job) -> list[list[tuple[str, nn.Parameter]]]:
 # ------------------------------------------------------------------- splitting
 
 
-def _balanced_split(counts: Sequence[float], num_stages: int) -> list[int]:
+def _balanced_split(
+    counts: Sequence[float], num_stages: int, allowed: Collection[int] | None = None
+) -> list[int]:
     """Units per stage of the contiguous split minimizing the largest stage.
 
     Minimizes ``(max cost, max units)`` over stages in lexicographic order:
     cost first, then unit count, so cost-free units (ReLU) are spread evenly
-    instead of piling up. Exact dynamic program, O(num_stages * L^2) — fine
-    for the few hundred units of a pipeline.
+    instead of piling up. A stage begins only at a unit index in ``allowed``
+    (None: any). Exact dynamic program, O(num_stages * L^2) — fine for the
+    few hundred units of a pipeline.
     """
     n = len(counts)
+    if allowed is not None and len(allowed) < num_stages - 1:
+        raise SpecError(
+            "stages",
+            f"{num_stages} stages, but the model's forward can be split at only "
+            f"{len(allowed)} place{'s' if len(allowed) != 1 else ''} (between units it "
+            f"has finished calling): use at most {len(allowed) + 1} stages",
+        )
+    infeasible = (float("inf"), n + 1)
     prefix = [0.0]
     for c in counts:
         prefix.append(prefix[-1] + c)
@@ -283,13 +307,15 @@ def _balanced_split(counts: Sequence[float], num_stages: int) -> list[int]:
         for j in range(k + 1, n + 1):
             choice = None
             for i in range(k, j):
+                if allowed is not None and i not in allowed:
+                    continue
                 value = max(best[k - 1][i], cost(i, j))
                 if choice is None or value < choice:
                     choice, row_cut[j] = value, i
-            assert choice is not None
-            row[j] = choice
+            row[j] = infeasible if choice is None else choice
         best.append(row)
         cut.append(row_cut)
+    assert best[num_stages - 1][n] != infeasible
     sizes = []
     j = n
     for k in range(num_stages - 1, 0, -1):
@@ -333,6 +359,26 @@ def _split_sizes(names: Sequence[str], points: Sequence[str]) -> list[int]:
     return [b - a for a, b in itertools.pairwise(bounds)]
 
 
+def _check_boundaries(
+    field: str, names: Sequence[str], sizes: Sequence[int], allowed: Collection[int] | None
+) -> None:
+    """Refuse a split the forward cannot follow, naming the nearest ones it can."""
+    if allowed is None:
+        return
+    for start in itertools.accumulate(sizes[:-1]):
+        if start in allowed:
+            continue
+        near = sorted(allowed, key=lambda b: (abs(b - start), b))[:2]
+        instead = " or ".join(repr(names[b]) for b in sorted(near))
+        raise SpecError(
+            field,
+            f"a stage starting at {names[start]!r} splits the forward where it still calls "
+            f"units before it; start the stage at {instead} instead"
+            if near
+            else f"the model's forward cannot be split before {names[start]!r}",
+        )
+
+
 def partition(
     job_or_layers: Job | Sequence[LayerFactory],
     num_stages: int | None = None,
@@ -372,17 +418,20 @@ def partition(
     n = len(names)
     if num_stages > n:
         raise SpecError("stages", f"{num_stages} stages but only {n} units to place")
+    allowed = _split_boundaries(job, names) if job is not None else None
     if job is not None and job.split_points is not None and not isinstance(balance, tuple | list):
         sizes = _split_sizes(names, job.split_points)
+        _check_boundaries("split_points", names, sizes, allowed)
     elif isinstance(balance, tuple | list):
         sizes = _check_sizes(balance, num_stages, n)
+        _check_boundaries("balance", names, sizes, allowed)
     elif balance == "compute":
         if job is None:
             raise TypeError("balance='compute' needs a Job (its data gives the example input)")
-        sizes = _balanced_split(unit_costs(job), num_stages)
+        sizes = _balanced_split(unit_costs(job), num_stages, allowed)
     elif job is not None:
         sizes = _balanced_split(
-            [sum(p.numel() for _, p in u) for u in _unit_params(job)], num_stages
+            [sum(p.numel() for _, p in u) for u in _unit_params(job)], num_stages, allowed
         )
     else:
         sizes = _balanced_split(layer_param_counts(job_or_layers), num_stages)  # type: ignore[arg-type]
@@ -508,12 +557,30 @@ def _trace(job: Job, names: Sequence[str], model: nn.Module | None = None) -> Fo
     CPU; with ``model`` (a stage's, still whole) on that, its buffers (BatchNorm
     statistics) left as they were.
     """
+    cached = _TRACES.get(job)
+    if cached is not None and cached[0] == frozenset(names):
+        return cached[1]
+    trace = _trace_once(job, names, model)
+    _TRACES[job] = (frozenset(names), trace)
+    return trace
+
+
+_TRACES: weakref.WeakKeyDictionary[Job, tuple[frozenset[str], ForwardTrace]] = (
+    weakref.WeakKeyDictionary()
+)
+"""One traced forward per job and process: the units' order, the split boundaries
+and every chunk's plan come from it."""
+
+
+def _trace_once(job: Job, names: Sequence[str], model: nn.Module | None) -> ForwardTrace:
     if model is None:
         meta = _on_meta("the model", job.model)
         inputs = as_inputs(_meta_example(job))  # the data are read outside the meta context
         try:
             with torch.device("meta"):
                 return trace_forward(meta, inputs, names)
+        except SpecError:
+            raise
         except Exception as exc:
             log.debug("tracing on the cpu", reason=f"{type(exc).__name__}: {exc}")
             model = _build_model(job)

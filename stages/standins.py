@@ -18,9 +18,20 @@ the values its forward reads (``if mask.all():``) and, on the last stage, of
 the model's output. So a mask built from the inputs is rebuilt on every
 stage from the sent inputs, a U-Net's skip connection travels from the stage
 of its encoder block to the stage of its decoder block, and an auxiliary loss
-summed over the blocks reaches the last stage. A unit without parameters
-whose output depends on no other unit (a rotary embedding) runs on every
-stage, like model-level code.
+summed over the blocks reaches the last stage. A unit without parameters or
+buffers (a dropout, an activation), and one without parameters whose output
+depends on no other unit (a rotary embedding), runs on every stage that calls
+it, like model-level code.
+
+Inside a call of a unit, what it computes is *internal*: only the stage that
+holds the unit has it. Two routes out besides the return value are *carries*,
+sent like outputs: what the forward hooks of the unit's modules see (Hugging
+Face's ``capture_outputs`` collects router logits, hidden states and
+attentions so), which a stage standing in for the unit hands to the same
+hooks, and an attribute the call sets on one of its modules, which the stand-in
+sets too. Gradients flow back along both. An internal value the forward reads
+by any other route (a list the unit appends to) is refused before launch,
+naming the unit.
 
 A StandIn that still reaches real computation — a forward whose data flow
 differs from the traced one — raises instead of computing with zeros: a unit
@@ -63,10 +74,12 @@ __all__ = [
     "ForwardTrace",
     "absent",
     "as_inputs",
+    "call_order",
     "install",
     "is_shadow",
     "plan_chunks",
     "replace_unit",
+    "split_boundaries",
     "trace_forward",
 ]
 
@@ -121,9 +134,12 @@ class ForwardTrace:
     output: frozenset[str]
     """The sources of the model's output."""
     replicated: frozenset[str]
-    """Units without parameters whose output depends on no unit: they run on every stage."""
+    """Units without parameters or buffers, and units without parameters whose output
+    depends on no unit: they run on every stage, as model-level code does."""
     carries: Mapping[str, tuple[Carry, ...]] = field(default_factory=dict)
     """By unit call: what left it other than by its return value."""
+    kinds: Mapping[str, Any] = field(default_factory=dict)
+    """By unit call: the container types of its output that a boundary drops (`kinds`)."""
 
 
 def _source_unit(source: str) -> str | None:
@@ -149,6 +165,37 @@ def tensors_only(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: tensors_only(v) for k, v in value.items() if isinstance(k, str)}
     return None
+
+
+def kinds(value: Any) -> Any:
+    """The container types of ``value`` that a boundary value drops (named tuples, a
+    `ModelOutput` or other dict types), as ``(type, children)``; None where there are none."""
+    if isinstance(value, tuple | list):
+        items: Any = [kinds(v) for v in value]
+    elif isinstance(value, dict):
+        items = {k: kinds(v) for k, v in value.items()}
+    else:
+        return None
+    plain = type(value) in (tuple, list, dict)
+    if plain and all(c is None for c in (items.values() if isinstance(items, dict) else items)):
+        return None
+    return (type(value), items)
+
+
+def retyped(value: Any, kind: Any) -> Any:
+    """``value`` (as a boundary gives it) with the container types ``kind`` (`kinds`) restored."""
+    if kind is None or value is None:
+        return value
+    cls, items = kind
+    if isinstance(items, dict):
+        fields = {k: retyped(value.get(k), c) for k, c in items.items()}
+        return fields if cls is dict else cls(**fields)
+    parts = [retyped(v, c) for v, c in zip(value, items, strict=True)]
+    if cls is list:
+        return parts
+    if cls is tuple:
+        return tuple(parts)
+    return cls(*parts) if hasattr(cls, "_fields") else cls(parts)
 
 
 @dataclass
@@ -309,11 +356,16 @@ class _Tracer:
         self.model = model
         self.mode = _Sources({id(t) for t in (*model.parameters(), *model.buffers())})
         self.params = {u: any(True for _ in model.get_submodule(u).parameters()) for u in units}
+        self.stateless = {
+            u: not self.params[u] and not any(True for _ in model.get_submodule(u).buffers())
+            for u in units
+        }
         self.counts: Counter[str] = Counter()
         self.replicated: set[str] = set()
         self.placed: set[str] = set()
         self.calls: list[int] = []  # indices in mode.events of the calls under way
         self.carries: dict[str, list[Carry]] = {}
+        self.kinds: dict[str, Any] = {}
         self.ours: set[int] = set()
         self.windows: dict[int, list[Any]] = {}
         self.handles: list[Any] = []
@@ -380,14 +432,18 @@ class _Tracer:
             assert opened is not None and opened.key == call.key
             seen = {s for s in opened.seen if not s.startswith(call.key + "/")}
             mode.events[index] = _Call(name, call.key, call.sources | seen)
-        elif name not in self.placed and not any(_source_unit(s) for s in mode.sources(out)):
-            # Computed from the inputs and constants alone: model-level code,
-            # which every stage runs.
+        elif name not in self.placed and (
+            self.stateless[name] or not any(_source_unit(s) for s in mode.sources(out))
+        ):
+            # A function (dropout, an activation) or computed from the inputs and
+            # constants alone: model-level code, which every stage runs.
             self.replicated.add(name)
             del mode.events[index]
             self.counts[name] -= 1
             return
         self.placed.add(name)
+        if (kind := kinds(out)) is not None:
+            self.kinds[call.key] = kind
         _tree, leaves = flatten(out, f"unit {name}")
         for i, t in enumerate(leaves):
             mode.of[t] = frozenset({f"{call.key}/{i}"})
@@ -476,6 +532,7 @@ def trace_forward(model: nn.Module, inputs: Any, units: Sequence[str]) -> Forwar
         output,
         frozenset(tracer.replicated),
         {k: tuple(v) for k, v in tracer.carries.items()},
+        tracer.kinds,
     )
 
 
@@ -495,6 +552,8 @@ class ChunkPlan:
     every other leaf crosses as a StandIn."""
     carries: Mapping[str, tuple[Carry, ...]] = field(default_factory=dict)
     """By unit call: the carries some chunk needs."""
+    kinds: Mapping[str, Any] = field(default_factory=dict)
+    """By unit call: its output's container types (`kinds`)."""
 
     @property
     def first(self) -> bool:
@@ -557,8 +616,43 @@ def plan_chunks(
     for c in range(n):
         downstream: set[str] = set().union(*needed[c + 1 :])
         send = {s for s in downstream if (u := _source_unit(s)) is None or chunk_of[u] <= c}
-        plans.append(ChunkPlan(c, n, chunk_of, frozenset(send), carries))
+        plans.append(ChunkPlan(c, n, chunk_of, frozenset(send), carries, trace.kinds))
     return plans
+
+
+def _call_sequence(trace: ForwardTrace, names: Sequence[str]) -> list[int]:
+    index = {n: i for i, n in enumerate(names)}
+    return [index[e.unit] for e in trace.events if isinstance(e, _Call)]
+
+
+def call_order(trace: ForwardTrace, names: Sequence[str]) -> list[str]:
+    """``names`` (in registration order) in the order the forward first calls them;
+    a unit it never calls (or runs on every stage) stays after the unit before it."""
+    first: dict[str, int] = {}
+    for i, e in enumerate(e for e in trace.events if isinstance(e, _Call)):
+        first.setdefault(e.unit, i)
+    keys, last = [], -1
+    for r, name in enumerate(names):
+        last = first.get(name, last)
+        keys.append((last, name not in first, r))
+    return [name for _, name in sorted(zip(keys, names, strict=True))]
+
+
+def split_boundaries(trace: ForwardTrace, names: Sequence[str]) -> frozenset[int]:
+    """The indices ``b`` of ``names`` before which a stage may begin: the forward
+    calls no unit before ``b`` once it has called one from ``b`` on."""
+    calls = _call_sequence(trace, names)
+    allowed = set()
+    for b in range(1, len(names)):
+        moved_on = False
+        for u in calls:
+            if u >= b:
+                moved_on = True
+            elif moved_on:
+                break
+        else:
+            allowed.add(b)
+    return frozenset(allowed)
 
 
 # ------------------------------------------------------------- a chunk's forward
@@ -601,7 +695,7 @@ class _Chunk:
         if self.plan.chunk_of[unit] > self.plan.chunk:
             raise _StageEnd
         key = run.key(unit)
-        value = self._fed(run, key)
+        value = retyped(self._fed(run, key), self.plan.kinds.get(key))
         run.outputs[key] = value
         for carry in self.plan.carries.get(key, ()):
             carried = run.outputs[carry.key] = self._fed(run, carry.key)

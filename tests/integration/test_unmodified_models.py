@@ -145,9 +145,21 @@ def test_units_reach_into_nested_models_and_split_points_at_any_depth() -> None:
     assert "transformer.h.1.attn" in names and "transformer.h.1" not in names
     assert plan_split(job).sizes[1] == len(names) - names.index("transformer.h.1.mlp")
     # Hugging Face registers a decoder layer's norms after the parts they feed:
-    # a split inside one cannot follow the forward, and says so.
-    with pytest.raises(SpecError, match=r"calls model\.layers\.1\.self_attn after"):
-        plan_split(job_of("hf_llama", 2, split_points=["model.layers.1.mlp"]))
+    # units follow the order the forward calls them, so a split inside one works.
+    job = job_of("hf_llama", 2, split_points=["model.layers.1.mlp"])
+    names = unit_names(job)
+    at = names.index("model.layers.1.input_layernorm")
+    assert names[at : at + 4] == [
+        "model.layers.1.input_layernorm",
+        "model.layers.1.self_attn",
+        "model.layers.1.post_attention_layernorm",
+        "model.layers.1.mlp",
+    ]
+    want_out, want_grads = whole(job)
+    got_out, got_grads = chained(job)
+    torch.testing.assert_close(um.logits_of(got_out), um.logits_of(want_out), atol=ATOL, rtol=0)
+    for key, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[key], grad, atol=ATOL, rtol=0, msg=key)
 
 
 def test_compute_balancing_counts_a_model_that_reads_values_on_the_cpu() -> None:
@@ -207,7 +219,7 @@ def test_bad_models_are_refused_before_any_process() -> None:
         plan_split(job_of("hf_llama", 2, model=cached))
 
     class Backwards(torch.nn.Module):
-        """Calls its second layer first: no split can follow it."""
+        """Calls its second layer first: the units follow the calls."""
 
         def __init__(self) -> None:
             super().__init__()
@@ -227,8 +239,24 @@ def test_bad_models_are_refused_before_any_process() -> None:
         stages=2,
         max_steps=1,
     )
-    with pytest.raises(SpecError, match="split the model"):
-        plan_split(job)
+    assert plan_split(job).units == ("b", "a")
+
+    class Sandwich(Backwards):
+        """Calls ``a`` before and after ``b``: a stage may begin at ``c`` only."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.c = torch.nn.Linear(3, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.c(self.a(self.b(self.a(x))))
+
+    sandwich = job.with_overrides(model=Sandwich)
+    assert plan_split(sandwich).sizes == (2, 1)  # the balancer proposes only what can run
+    with pytest.raises(SpecError, match=r"start the stage at 'c' instead"):
+        plan_split(sandwich.with_overrides(split_points=["b"]))
+    with pytest.raises(SpecError, match=r"can be split at only 1 place.*at most 2 stages"):
+        plan_split(sandwich.with_overrides(stages=3))
 
     class Mismatched(Backwards):
         """Its second layer cannot take the first one's output."""
