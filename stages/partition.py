@@ -816,7 +816,7 @@ def build_stage_chunks(
         if plans is not None:
             for i in set(range(len(names))) - set(kept):
                 if names[i] in plans[0].chunk_of:
-                    replace_unit(module, names[i], absent(module.get_submodule(names[i]), names[i]))
+                    replace_unit(module, names[i], absent(module, names[i]))
         else:
             _prune(module, names, kept)
         # Moved before the views are made: a move replaces buffers, which the

@@ -238,7 +238,12 @@ class _Sources(TorchFunctionMode):
 
     def _of(self, t: torch.Tensor) -> frozenset[str] | None:
         s = self.of.get(t)
-        if s is not None and t in self.carried and not self._own(s):
+        if (
+            s is not None
+            and t in self.carried
+            and any(x.endswith(_INTERNAL) for x in s)
+            and not self._own(s)
+        ):
             # An internal value that a forward hook saw: it leaves by the hook.
             return self.carried[t]
         return s
@@ -453,7 +458,7 @@ class _Tracer:
     def _attributes(self, key: str, unit: nn.Module, before: Mapping[tuple[str, str], int]) -> None:
         for rel, sub in unit.named_modules():
             for attr, value in vars(sub).items():
-                if before.get((rel, attr)) == id(value) or not any(leaves_of(value)):
+                if before.get((rel, attr)) == id(value) or next(leaves_of(value), None) is None:
                     continue
                 carry = Carry(f"{key}/attr/{rel}:{attr}", rel, attr)
                 self.carries.setdefault(key, []).append(carry)
@@ -795,8 +800,8 @@ def is_shadow(module: nn.Module) -> bool:
     return _ABSENT in vars(module)
 
 
-def shadow(unit: nn.Module, name: str, forward: Callable[..., Any]) -> nn.Module:
-    """What a stage has in place of unit ``name``, which another stage holds.
+def shadow(model: nn.Module, name: str, forward: Callable[..., Any]) -> nn.Module:
+    """What a stage has in place of ``model``'s unit ``name``, which another stage holds.
 
     A copy of the unit's module tree, of the same classes, that holds no
     parameters or buffers: each is a `StandIn` of its shape, dtype and device,
@@ -805,9 +810,18 @@ def shadow(unit: nn.Module, name: str, forward: Callable[..., Any]) -> nn.Module
     what it reads of an absent unit (``self.embeddings.patch_embeddings``,
     a weight's dtype, its config), hooks a model installs by module class
     install on it, and reading a value of its weights raises, naming them.
-    The copy's ``forward`` is ``forward``.
+    The copy's ``forward`` is ``forward``. What the unit refers to outside
+    itself (the model, through a bound-method hook; a list of the model's) is
+    not copied.
     """
-    memo: dict[int, Any] = {}
+    unit = model.get_submodule(name)
+    inside = {id(m) for m in unit.modules()}
+    memo: dict[int, Any] = {
+        id(x): x
+        for m in model.modules()
+        if id(m) not in inside
+        for x in (m, *(v for k, v in vars(m).items() if not k.startswith("_")))
+    }
     for fqn, module in unit.named_modules(remove_duplicate=False):
         for attr in (*module._parameters, *module._buffers):
             t = getattr(module, attr)
@@ -858,10 +872,10 @@ def _run_forward_hooks(module: nn.Module, args: Any, kwargs: Any, out: Any) -> N
             hook(module, args, out)
 
 
-def absent(unit: nn.Module, name: str) -> nn.Module:
-    """A unit that no model chunk of this stage holds, in a stage module of several
-    chunks: each chunk's view of it stands in for the unit (`install`)."""
-    return shadow(unit, name, _absent_forward)
+def absent(model: nn.Module, name: str) -> nn.Module:
+    """``model``'s unit ``name`` where no model chunk of this stage holds it, in a stage
+    module of several chunks: each chunk's view of it stands in for the unit (`install`)."""
+    return shadow(model, name, _absent_forward)
 
 
 def replace_unit(model: nn.Module, name: str, new: nn.Module) -> None:
@@ -885,7 +899,7 @@ def install(model: nn.Module, names: Sequence[str], held: Sequence[int], plan: C
     for name in names:
         if name not in plan.chunk_of or name in kept:
             continue
-        copied = shadow(model.get_submodule(name), name, _absent_forward)
+        copied = shadow(model, name, _absent_forward)
         vars(copied)["forward"] = chunk.standing_in(name, copied)
         replace_unit(model, name, copied)
     hooked = {(c.call.partition("#")[0], c.rel) for cs in plan.carries.values() for c in cs}

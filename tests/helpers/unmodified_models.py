@@ -199,6 +199,58 @@ class UNet(nn.Module):
         return self.head(d1)
 
 
+class AuxBlock(nn.Module):
+    """A block with a gate whose auxiliary loss the model collects; ``route`` says how:
+    ``"hook"`` (a forward hook on the gate), ``"attribute"`` (the block sets
+    ``self.aux``) or ``"list"`` (the block appends to the model's list)."""
+
+    def __init__(self, route: str, collected: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.gate = nn.Linear(WIDTH, 4)
+        self.mix = nn.Linear(4, WIDTH)
+        self.route = route
+        self.collected = collected
+        self.aux: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.gate(x)
+        if self.route == "attribute":
+            self.aux = logits.softmax(-1).pow(2).mean()
+        elif self.route == "list":
+            self.collected.append(logits.softmax(-1).pow(2).mean())
+        return x + self.mix(logits.tanh())
+
+
+class AuxLossModel(nn.Module):
+    """Blocks whose auxiliary losses the loss sums, collected by one of `AuxBlock`'s routes."""
+
+    def __init__(self, route: str) -> None:
+        super().__init__()
+        self.collected: list[torch.Tensor] = []
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList(AuxBlock(route, self.collected) for _ in range(BLOCKS))
+        self.head = nn.Linear(WIDTH, VOCAB)
+        self.route = route
+        if route == "hook":
+            for block in self.blocks:
+                block.gate.register_forward_hook(self._collect)
+
+    def _collect(self, _module: nn.Module, _args: Any, logits: torch.Tensor) -> None:
+        self.collected.append(logits.softmax(-1).pow(2).mean())
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        self.collected.clear()
+        h = self.embed(input_ids)
+        for block in self.blocks:
+            h = block(h)
+        logits = self.head(h)
+        if self.route == "attribute":
+            aux = sum(block.aux for block in self.blocks)
+        else:
+            aux = sum(self.collected)
+        return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1)) + 0.5 * aux
+
+
 def _hf_decoder(family: str) -> nn.Module:
     import transformers
 
@@ -301,6 +353,24 @@ MODELS: dict[str, Any] = {
     "llama_style": (LlamaDecoder, ("input_ids", "attention_mask"), "labels", lm_loss),
     "cnn": (cnn, None, None, F.cross_entropy),
     "unet": (UNet, None, None, F.mse_loss),
+    "aux_hook": (
+        functools.partial(AuxLossModel, "hook"),
+        ("input_ids", "labels"),
+        "labels",
+        None,
+    ),
+    "aux_attribute": (
+        functools.partial(AuxLossModel, "attribute"),
+        ("input_ids", "labels"),
+        "labels",
+        None,
+    ),
+    "aux_list": (
+        functools.partial(AuxLossModel, "list"),
+        ("input_ids", "labels"),
+        "labels",
+        None,
+    ),
     "hf_llama": (hf_llama, ("input_ids", "attention_mask"), "labels", lm_loss),
     "hf_qwen2": (hf_qwen2, ("input_ids", "attention_mask"), "labels", lm_loss),
     "hf_gpt2": (hf_gpt2, ("input_ids", "attention_mask"), "labels", lm_loss),

@@ -42,7 +42,7 @@ from evtrain.stages.survey import SurveyUnavailable
 
 pytest.importorskip("transformers")
 
-ALL = list(um.MODELS)
+ALL = [name for name in um.MODELS if name != "aux_list"]
 
 
 def job_of(name: str, stages: int, **fields: Any) -> Job:
@@ -190,6 +190,23 @@ def test_a_skip_connection_travels_to_the_stage_that_uses_it() -> None:
     assert len(leaves) == 3  # enc1, enc2 and mid's outputs
 
 
+def test_values_collected_by_hooks_and_attributes_reach_the_loss_with_their_gradients() -> None:
+    """Per-block auxiliary losses, collected by a forward hook on each block's gate
+    or set as a block's attribute, cross to the last stage; their gradients reach
+    the first stage's gates. Collected by appending to a list, they are refused."""
+    for route in ("hook", "attribute"):
+        job = job_of(f"aux_{route}", 4)
+        assert plan_split(job).sizes[0] <= unit_names(job).index("blocks.1")
+        (want_loss, want), (got_loss, got) = whole(job), chained(job)
+        torch.testing.assert_close(got_loss, want_loss, atol=ATOL, rtol=0)
+        assert want["blocks.0.gate.weight"].abs().sum() > 0
+        for key, grad in want.items():
+            torch.testing.assert_close(got[key], grad, atol=ATOL, rtol=0, msg=f"{route}: {key}")
+    with pytest.raises(SpecError, match=r"unit blocks\.0 \(call 0\) computes a \(\) tensor") as err:
+        plan_split(job_of("aux_list", 2))
+    assert "\n" not in str(err.value)
+
+
 def test_a_stand_in_never_reaches_real_computation() -> None:
     ghost = stand_in((2, 3), torch.float32, torch.device("cpu"))
     derived = ghost * 2 + 1  # model-level code on a stand-in gives a stand-in
@@ -273,29 +290,42 @@ def test_bad_models_are_refused_before_any_process() -> None:
     assert "\n" not in str(err.value)
 
 
-def write(directory: Path, name: str, stages: int, steps: int, **fields: Any) -> Path:
+def write(
+    directory: Path,
+    name: str,
+    stages: int,
+    steps: int,
+    helper: str = "unmodified_models",
+    **fields: Any,
+) -> Path:
+    """A spec file calling ``make_job`` of tests/helpers/<helper>.py."""
     spec = directory / f"{name}_{stages}_spec.py"
     args = "".join(f", {k}={v!r}" for k, v in fields.items())
     spec.write_text(
         f"import sys\nsys.path.insert(0, {str(TESTS_DIR)!r})\n"
-        "from helpers import unmodified_models\n"
-        f"job = unmodified_models.make_job({name!r}, {stages}, {steps}, "
+        f"from helpers import {helper}\n"
+        f"job = {helper}.make_job({name!r}, {stages}, {steps}, "
         f"{str(directory / f'run{stages}')!r}{args})\n"
     )
     return spec
 
 
 def train_and_compare(
-    tmp_path: Path, name: str, stage_counts: tuple[int, ...], **fields: Any
-) -> None:
-    """Launch ``name`` at each stage count; every run's weights equal one process's."""
+    tmp_path: Path,
+    name: str,
+    stage_counts: tuple[int, ...],
+    helper: str = "unmodified_models",
+    **fields: Any,
+) -> dict[str, torch.Tensor]:
+    """Launch ``name`` at each stage count; every run's weights equal one process's,
+    which it returns."""
     steps = 5
     # The same fields: with replicas a microbatch holds fewer samples, and a loss
     # averaged over a microbatch's tokens depends on how they are grouped.
-    one = {k: v for k, v in fields.items() if k not in ("schedule", "virtual_stages")}
-    want, _ = reference(load_job(write(tmp_path, name, 1, steps, **one)), steps)
+    one = {k: v for k, v in fields.items() if k not in ("schedule", "virtual_stages", "hooks")}
+    want, _ = reference(load_job(write(tmp_path, name, 1, steps, helper, **one)), steps)
     for stages in stage_counts:
-        spec = write(tmp_path, name, stages, steps, **fields)
+        spec = write(tmp_path, name, stages, steps, helper, **fields)
         dump = tmp_path / f"dump{stages}"
         launch(spec, "--dump-weights", str(dump))
         got: dict[str, torch.Tensor] = {}
@@ -305,6 +335,7 @@ def train_and_compare(
             torch.testing.assert_close(value, want[key], atol=ATOL, rtol=0, msg=f"{stages}: {key}")
         params = {k for k in want if not k.endswith(("running_mean", "running_var", "tracked"))}
         assert params <= set(got) | _aliases(load_job(spec)), sorted(params - set(got))
+    return want
 
 
 # The other models launch in tests/test_unmodified_launch.py, so that the two
