@@ -68,6 +68,7 @@ from evtrain.stages.standins import (
     ForwardTrace,
     absent,
     as_inputs,
+    branches_on_units,
     call_order,
     install,
     plan_chunks,
@@ -417,7 +418,13 @@ def partition(
         names = [str(i) for i in range(len(factories))]
     n = len(names)
     if num_stages > n:
-        raise SpecError("stages", f"{num_stages} stages but only {n} units to place")
+        listed = ", ".join(names[:6]) + (", ..." if n > 6 else "")
+        raise SpecError(
+            "stages",
+            f"{num_stages} stages but only {n} units to place ({listed}); a split point "
+            "inside a unit opens it up, and a module the forward calls at several depths "
+            "stays whole on one stage",
+        )
     allowed = _split_boundaries(job, names) if job is not None else None
     if job is not None and job.split_points is not None and not isinstance(balance, tuple | list):
         sizes = _split_sizes(names, job.split_points)
@@ -686,7 +693,16 @@ def plan_split(job: Job) -> SplitPlan:
         ranges = partition(job, balance=sizes if sizes is not None else "params")
         tied_groups(job, ranges)
     if _as_written(job):
-        chunk_plans(job, unit_names(job), ranges, model)
+        names = unit_names(job)
+        chunk_plans(job, names, ranges, model)
+        branching = branches_on_units(_trace(job, names))
+        if branching:
+            log.warning(
+                f"the model's forward reads values computed by {', '.join(branching[:3])} "
+                "(a branch or a Python number): where that changes which units run, a "
+                "stage's forward differs from the traced one and stops naming the unit",
+                units=branching,
+            )
     elif job.model is not None and costs is not None:
         try:
             _check_model_stages(job, ranges)

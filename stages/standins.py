@@ -74,6 +74,7 @@ __all__ = [
     "ForwardTrace",
     "absent",
     "as_inputs",
+    "branches_on_units",
     "call_order",
     "install",
     "is_shadow",
@@ -641,6 +642,20 @@ def call_order(trace: ForwardTrace, names: Sequence[str]) -> list[str]:
         last = first.get(name, last)
         keys.append((last, name not in first, r))
     return [name for _, name in sorted(zip(keys, names, strict=True))]
+
+
+def branches_on_units(trace: ForwardTrace) -> list[str]:
+    """The units whose outputs model-level code reads as values (a branch, a number):
+    where the forward's path depends on them, the trace shows one path only."""
+    return sorted(
+        {
+            u
+            for e in trace.events
+            if isinstance(e, _Read)
+            for s in e.sources
+            if (u := _source_unit(s)) is not None
+        }
+    )
 
 
 def split_boundaries(trace: ForwardTrace, names: Sequence[str]) -> frozenset[int]:

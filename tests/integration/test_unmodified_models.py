@@ -17,6 +17,7 @@ import pytest
 import torch
 from helpers import unmodified_models as um
 from helpers.launch_helpers import TESTS_DIR
+from structlog.testing import capture_logs
 from test_real_models import ATOL, dumped, launch, reference
 
 from evtrain.errors import SpecError
@@ -274,6 +275,18 @@ def test_bad_models_are_refused_before_any_process() -> None:
         plan_split(sandwich.with_overrides(split_points=["b"]))
     with pytest.raises(SpecError, match=r"can be split at only 1 place.*at most 2 stages"):
         plan_split(sandwich.with_overrides(stages=3))
+
+    class Branching(Backwards):
+        """Chooses its second layer by the value of the first one's output."""
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.a(x)
+            return self.b(h) if h.sum() > 0 else self.b(-h)
+
+    with capture_logs() as logs:
+        plan_split(job.with_overrides(model=Branching))
+    (warning,) = [e for e in logs if e["log_level"] == "warning"]
+    assert warning["units"] == ["a"] and "differs from the traced one" in warning["event"]
 
     class Mismatched(Backwards):
         """Its second layer cannot take the first one's output."""
