@@ -693,9 +693,9 @@ def plan_split(job: Job) -> SplitPlan:
         ranges = partition(job, balance=sizes if sizes is not None else "params")
         tied_groups(job, ranges)
     if _as_written(job):
-        names = unit_names(job)
-        chunk_plans(job, names, ranges, model)
-        branching = branches_on_units(_trace(job, names))
+        units_called = unit_names(job)
+        chunk_plans(job, units_called, ranges, model)
+        branching = branches_on_units(_trace(job, units_called))
         if branching:
             log.warning(
                 f"the model's forward reads values computed by {', '.join(branching[:3])} "
