@@ -6,8 +6,9 @@ between:
 * ``Job.layers``: unit i is layer i, built by its factory; the stage module
   (`StageModule`) chains its layers by the calling convention of
   `evtrain.stages.pytree`.
-* ``Job.model``: the units are the model's submodules in registration order,
-  with ``nn.ModuleList`` and ``nn.ModuleDict`` containers expanded into their
+* ``Job.model``: the units are the model's submodules (in the order its
+  forward first calls them, for a model run as written; in registration
+  order for a pruned forward), with ``nn.ModuleList`` and ``nn.ModuleDict`` containers expanded into their
   items, recursively (nanoGPT's ``GPT``: ``transformer.wte``,
   ``transformer.wpe``, ``transformer.drop``, ``transformer.h.0`` …
   ``transformer.ln_f``, ``lm_head``). A stage builds the whole model, keeps
@@ -180,7 +181,8 @@ def _expand(module: nn.Module, prefix: str, pruned: bool) -> Iterator[str]:
 def model_unit_names(
     model: nn.Module, split_points: Sequence[str] | None = None, *, pruned: bool = False
 ) -> list[str]:
-    """The units of a model: submodules in registration order, containers and
+    """The units of a model: submodules in registration order (`_model_units` puts a
+    model run as written in call order), containers and
     modules holding a stack expanded, and units holding a split point expanded
     until it is one."""
     names = list(_expand(model, "", pruned))
