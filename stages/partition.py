@@ -8,8 +8,8 @@ between:
   `evtrain.stages.pytree`.
 * ``Job.model``: the units are the model's submodules (in the order its
   forward first calls them, for a model run as written; in registration
-  order for a pruned forward), with ``nn.ModuleList`` and ``nn.ModuleDict`` containers expanded into their
-  items, recursively (nanoGPT's ``GPT``: ``transformer.wte``,
+  order for a pruned forward), with ``nn.ModuleList`` and ``nn.ModuleDict``
+  containers expanded into their items, recursively (nanoGPT's ``GPT``: ``transformer.wte``,
   ``transformer.wpe``, ``transformer.drop``, ``transformer.h.0`` …
   ``transformer.ln_f``, ``lm_head``). A stage builds the whole model, keeps
   the units of its range and prunes the others (torchtitan's way): a pruned
