@@ -359,7 +359,6 @@ class _Tracer:
     """The hooks of one traced forward: unit calls, their carries and escapes."""
 
     def __init__(self, model: nn.Module, units: Sequence[str]) -> None:
-        self.model = model
         self.mode = _Sources({id(t) for t in (*model.parameters(), *model.buffers())})
         self.params = {u: any(True for _ in model.get_submodule(u).parameters()) for u in units}
         self.stateless = {

@@ -11,8 +11,6 @@ what such an export loads.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +18,7 @@ import pytest
 import torch
 from helpers import zoo
 from safetensors.torch import save_file
+from test_real_models import export_command
 from test_unmodified_models import chained, train_and_compare, whole, write
 
 from evtrain.cli.ckpt import _write_config
@@ -85,17 +84,6 @@ def test_the_load_balancing_loss_reaches_every_stages_routers(name: str) -> None
         _close(got[key], grad, key)
 
 
-def _export(run: Path, out: Path) -> str:
-    proc = subprocess.run(
-        [sys.executable, "-m", "evtrain", "ckpt", "export", str(run), "--hf", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout
-
-
 @pytest.mark.slow
 def test_a_launched_moe_trains_as_one_process_and_exports_for_from_pretrained(
     tmp_path: Path,
@@ -107,7 +95,7 @@ def test_a_launched_moe_trains_as_one_process_and_exports_for_from_pretrained(
     want = train_and_compare(
         tmp_path, "mixtral", (4,), "zoo", hooks=[{"type": "checkpoint", "on_stop": True}]
     )
-    _export(tmp_path / "run4", tmp_path / "hf")
+    export_command(tmp_path / "run4", "--hf", str(tmp_path / "hf"))
     model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
     for key, value in model.state_dict().items():
         _close(value, want[key], key)

@@ -101,15 +101,21 @@ def launch(spec: Path, *args: str, **env: str) -> subprocess.CompletedProcess[st
     return proc
 
 
-def export(ckpt: Path, out: Path) -> dict[str, torch.Tensor]:
-    """``evtrain ckpt export CKPT -o OUT``: the tensors it wrote."""
+def export_command(ckpt: Path, *args: str) -> str:
+    """``evtrain ckpt export CKPT ARGS...``, which must succeed: what it printed."""
     proc = subprocess.run(
-        [sys.executable, "-m", "evtrain", "ckpt", "export", str(ckpt), "-o", str(out)],
+        [sys.executable, "-m", "evtrain", "ckpt", "export", str(ckpt), *args],
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def export(ckpt: Path, out: Path) -> dict[str, torch.Tensor]:
+    """``evtrain ckpt export CKPT -o OUT``: the tensors it wrote."""
+    export_command(ckpt, "-o", str(out))
     return load_file(str(out))
 
 

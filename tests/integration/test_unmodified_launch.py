@@ -5,14 +5,12 @@ through `evtrain ckpt export --hf` and ``from_pretrained``."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from helpers.unmodified_models import Sentences, pad_batch
-from test_real_models import ATOL, dumped, launch, reference
+from test_real_models import ATOL, dumped, export_command, launch, reference
 from test_unmodified_models import train_and_compare, write
 
 from evtrain.checkpoint import latest_committed
@@ -60,23 +58,8 @@ def test_gpt2_computing_its_own_loss_exports_for_from_pretrained(tmp_path: Path)
     ckpt = latest_committed(tmp_path / "run2")
     assert ckpt is not None and ckpt.step == steps
     out = tmp_path / "hf"
-    export = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "evtrain",
-            "ckpt",
-            "export",
-            str(tmp_path / "run2"),
-            "--hf",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert export.returncode == 0, export.stderr
-    assert "GPT2Config" in export.stdout, export.stdout
+    printed = export_command(tmp_path / "run2", "--hf", str(out))
+    assert "GPT2Config" in printed, printed
     model = GPT2LMHeadModel.from_pretrained(str(out))
     assert model.lm_head.weight is model.transformer.wte.weight
     for key, value in model.state_dict().items():
