@@ -579,9 +579,9 @@ class ShardWriter:
         return record.bytes
 
     def _prepare_dir_together(self, job: _Job, spath: Path, group: dist.ProcessGroup) -> None:
-        """The lead (group rank 0) empties and creates the stage directory; the
-        broadcast that follows is the barrier no replica writes into it before,
-        and carries the lead's error, raised on every replica."""
+        """Group rank 0 empties and creates the stage directory; the broadcast
+        that follows is the barrier no replica writes into it before, and carries
+        rank 0's error, raised on every replica."""
         error = None
         if self._lead:
             try:
