@@ -11,7 +11,11 @@ between:
   order for a pruned forward), with ``nn.ModuleList`` and ``nn.ModuleDict``
   containers expanded into their items, recursively (nanoGPT's ``GPT``: ``transformer.wte``,
   ``transformer.wpe``, ``transformer.drop``, ``transformer.h.0`` …
-  ``transformer.ln_f``, ``lm_head``). A stage builds the whole model, keeps
+  ``transformer.ln_f``, ``lm_head``). For a model run as written, a module
+  its forward calls several times is one unit per call (``name@k``), whose
+  stages hold the module as one tied weight (`tied_groups`), and a unit
+  inside which the forward calls a module more often than the unit is
+  opened into its children (`_model_units`). A stage builds the whole model, keeps
   the units of its range and prunes the others (torchtitan's way): a pruned
   item of a ``ModuleDict`` is deleted, a ``ModuleList`` becomes a
   `KeptItems` holding the kept items under their original indices, any
@@ -39,8 +43,9 @@ partition: layer i is always built with the CPU RNG seeded to
   balance, or automatic by parameter count or estimated compute.
 * `build_stage_module` — one stage's part; `build_full_model` — the unsplit
   model with identical weights (single-process reference, export).
-* `tied_groups` — parameters that are one weight (`Job.tied`, or shared
-  parameters of a model), resolved to the stages that hold them.
+* `tied_groups` — parameters that are one weight (`Job.tied`, shared
+  parameters of a model, a module called on several stages), resolved to the
+  stages that hold them.
 """
 
 from __future__ import annotations
@@ -65,17 +70,20 @@ from evtrain.stages.job_data import job_data
 from evtrain.stages.pytree import call, map_tensors, spec_of
 from evtrain.stages.schedules import chunk_place
 from evtrain.stages.standins import (
+    SLOT,
     ChunkPlan,
     ForwardTrace,
     absent,
     as_inputs,
     branches_on_units,
-    call_order,
     install,
+    module_of,
+    modules_of,
     plan_chunks,
     replace_unit,
     split_boundaries,
     trace_forward,
+    unit_slots,
 )
 from evtrain.stages.survey import SurveyUnavailable, imbalance, survey
 from evtrain.stages.tied import TiedGroup, resolve_ties
@@ -186,7 +194,7 @@ def model_unit_names(
     modules holding a stack expanded, and units holding a split point expanded
     until it is one."""
     names = list(_expand(model, "", pruned))
-    for point in split_points or ():
+    for point in (module_of(p) for p in split_points or ()):
         while point not in names:
             outer = next((n for n in names if point.startswith(n + ".")), None)
             if outer is None:
@@ -202,7 +210,7 @@ def model_unit_names(
 
 
 def _check_outside_params(model: nn.Module, units: Sequence[str]) -> None:
-    inside = set(units)
+    inside = set(modules_of(units))
     for fqn, module in model.named_modules():
         if fqn in inside or any(fqn.startswith(u + ".") for u in inside):
             continue
@@ -225,14 +233,44 @@ def meta_units(job: Job) -> list[tuple[str, nn.Module]]:
     model = _on_meta("the model", job.model)
     names = _model_units(job, model)
     _check_outside_params(model, names)
-    return [(n, model.get_submodule(n)) for n in names]
+    return [(n, model.get_submodule(module_of(n))) for n in names]
 
 
 def _model_units(job: Job, model: nn.Module) -> list[str]:
+    """The units of the split. For a model run as written: a unit inside which the
+    forward calls a module more often than the unit itself is opened, and each call
+    of a module called several times is a unit (`unit_slots`), in call order."""
     names = model_unit_names(model, job.split_points, pruned=job.pruned_forward)
     if not _as_written(job):
         return names
-    return call_order(_trace(job, names), names)
+    trace = _trace(job, names)
+    opened = _open_repeated(model, names, trace.module_calls)
+    if opened != names:
+        names = opened
+        trace = _trace(job, names)
+    return unit_slots(trace, names)
+
+
+def _open_repeated(model: nn.Module, names: Sequence[str], calls: Mapping[str, int]) -> list[str]:
+    """``names`` with each unit that calls a module inside it more often than it is
+    called itself (ALBERT's encoder, calling one layer group at every depth) replaced
+    by its children, so that the module's calls can be split; a unit with parameters
+    of its own stays whole."""
+    names = list(names)
+    i = 0
+    while i < len(names):
+        unit = model.get_submodule(names[i])
+        n = calls.get(names[i], 0)
+        inner = (
+            n
+            and not unit._parameters
+            and any(calls.get(f"{names[i]}.{fqn}", 0) > n for fqn, _ in unit.named_modules() if fqn)
+        )
+        if inner:
+            names[i : i + 1] = _expand(unit, names[i] + ".", pruned=False)
+        else:
+            i += 1
+    return names
 
 
 def _split_boundaries(job: Job, names: Sequence[str]) -> frozenset[int] | None:
@@ -264,8 +302,8 @@ def _unit_params(job: Job) -> list[list[tuple[str, nn.Parameter]]]:
     _check_outside_params(model, names)
     return [
         [
-            (f"{u}.{n}", p)
-            for n, p in model.get_submodule(u).named_parameters(remove_duplicate=False)
+            (f"{module_of(u)}.{n}", p)
+            for n, p in model.get_submodule(module_of(u)).named_parameters(remove_duplicate=False)
         ]
         for u in names
     ]
@@ -345,7 +383,11 @@ def _split_sizes(names: Sequence[str], points: Sequence[str]) -> list[int]:
     starts = []
     for point in points:
         if point not in index:
-            near = [n for n in names if n.startswith(point + ".") or point.startswith(n + ".")]
+            near = [
+                n
+                for n in names
+                if n.startswith((point + ".", point + SLOT)) or point.startswith(n + ".")
+            ]
             hint = f" (units inside it: {', '.join(near[:4])})" if near else ""
             raise SpecError(
                 "split_points",
@@ -424,8 +466,7 @@ def partition(
         raise SpecError(
             "stages",
             f"{num_stages} stages but only {n} units to place ({listed}); a split point "
-            "inside a unit opens it up, and a module the forward calls at several depths "
-            "stays whole on one stage",
+            "inside a unit opens it up",
         )
     allowed = _split_boundaries(job, names) if job is not None else None
     if job is not None and job.split_points is not None and not isinstance(balance, tuple | list):
@@ -506,15 +547,23 @@ def _model_costs(job: Job, model: nn.Module | None = None) -> list[float]:
     names = _model_units(job, model)
     counter = FlopCounterMode(display=False)
     flops = [0] * len(names)
-    started: dict[int, int] = {}
-    for i, name in enumerate(names):
+    index = {n: i for i, n in enumerate(names)}
+    calls: dict[str, int] = {}
+    started: dict[str, tuple[int, int]] = {}
+    for name in modules_of(names):
         unit = model.get_submodule(name)
 
-        def before(_m: nn.Module, _args: Any, i: int = i) -> None:
-            started[i] = counter.get_total_flops()
+        def before(_m: nn.Module, _args: Any, name: str = name) -> None:
+            k = calls[name] = calls.get(name, -1) + 1
+            # A unit called several times is one unit per call (``unit@k``).
+            slot = index.get(f"{name}{SLOT}{k}", index.get(name))
+            if slot is not None:
+                started[name] = (slot, counter.get_total_flops())
 
-        def after(_m: nn.Module, _args: Any, _out: Any, i: int = i) -> None:
-            flops[i] += counter.get_total_flops() - started[i]
+        def after(_m: nn.Module, _args: Any, _out: Any, name: str = name) -> None:
+            if name in started:
+                slot, at = started.pop(name)
+                flops[slot] += counter.get_total_flops() - at
 
         unit.register_forward_pre_hook(before)
         unit.register_forward_hook(after)
@@ -566,19 +615,19 @@ def _trace(job: Job, names: Sequence[str], model: nn.Module | None = None) -> Fo
     CPU; with ``model`` (a stage's, still whole) on that, its buffers (BatchNorm
     statistics) left as they were.
     """
-    cached = _TRACES.get(job)
-    if cached is not None and cached[0] == frozenset(names):
-        return cached[1]
-    trace = _trace_once(job, names, model)
-    _TRACES[job] = (frozenset(names), trace)
-    return trace
+    modules = modules_of(names)
+    traces = _TRACES.setdefault(job, {})
+    key = frozenset(modules)
+    if key not in traces:
+        traces[key] = _trace_once(job, modules, model)
+    return traces[key]
 
 
-_TRACES: weakref.WeakKeyDictionary[Job, tuple[frozenset[str], ForwardTrace]] = (
+_TRACES: weakref.WeakKeyDictionary[Job, dict[frozenset[str], ForwardTrace]] = (
     weakref.WeakKeyDictionary()
 )
-"""One traced forward per job and process: the units' order, the split boundaries
-and every chunk's plan come from it."""
+"""One traced forward per job, units and process: the units' order, the split
+boundaries and every chunk's plan come from it."""
 
 
 def _trace_once(job: Job, names: Sequence[str], model: nn.Module | None) -> ForwardTrace:
@@ -697,6 +746,7 @@ def plan_split(job: Job) -> SplitPlan:
     if _as_written(job):
         units_called = unit_names(job)
         chunk_plans(job, units_called, ranges, model)
+        _check_sharded_calls(job, units_called, ranges)
         branching = branches_on_units(_trace(job, units_called))
         if branching:
             log.warning(
@@ -720,6 +770,27 @@ def plan_split(job: Job) -> SplitPlan:
     params = tuple(sum(p.numel() for p in m.parameters()) for _, m in units)
     names = tuple(unit_names(job)) if job.model is not None else tuple(n for n, _ in units)
     return SplitPlan(names, tuple(len(r) for r in ranges), costs, params)
+
+
+def _check_sharded_calls(job: Job, names: Sequence[str], ranges: Sequence[range]) -> None:
+    """Refuse a sharded stage of several chunks that would hold calls of one module in
+    two of them: FSDP shards a module as part of one chunk."""
+    if job.shard == "none" or job.data_parallel < 2 or job.num_chunks < 2:
+        return
+    chunks: dict[tuple[str, int], set[int]] = {}
+    for chunk, units in enumerate(ranges):
+        stage = chunk_place(job.schedule, job.stages, chunk)[0]
+        for i in units:
+            if SLOT in names[i]:
+                chunks.setdefault((module_of(names[i]), stage), set()).add(chunk)
+    for (module, stage), held in sorted(chunks.items()):
+        if len(held) > 1:
+            raise SpecError(
+                "shard",
+                f"stage {stage} would hold calls of {module} in {len(held)} model chunks, "
+                "and a sharded module belongs to one chunk: use shard='none', fewer "
+                "virtual stages, or split_points that keep its calls in one chunk per stage",
+            )
 
 
 def build_layer(job: Job, index: int) -> nn.Module:
@@ -832,9 +903,9 @@ def build_stage_chunks(
         ranges = partition(job)
         plans = chunk_plans(job, names, ranges, module) if _as_written(job) else None
         if plans is not None:
-            for i in set(range(len(names))) - set(kept):
-                if names[i] in plans[0].chunk_of:
-                    replace_unit(module, names[i], absent(module, names[i]))
+            held = set(modules_of([names[i] for i in kept]))
+            for name in sorted(plans[0].placed - held):
+                replace_unit(module, name, absent(module, name))
         else:
             _prune(module, names, kept)
         # Moved before the views are made: a move replaces buffers, which the
@@ -842,7 +913,7 @@ def build_stage_chunks(
         module.to(device)
         views = []
         for r in unit_ranges:
-            units = [module.get_submodule(names[i]) for i in r]
+            units = [module.get_submodule(n) for n in modules_of([names[i] for i in r])]
             shared = {id(x): x for x in (*module.parameters(), *module.buffers(), *units)}
             view = copy.deepcopy(module, memo=shared)
             if plans is not None:
@@ -853,9 +924,9 @@ def build_stage_chunks(
             set_stage_aliases(view, {})
             views.append(view)
         vars(module)["chunks"] = views
-    aliases = _tie_locally(module, tied_groups(job))
+    aliases, copies = _tie_locally(module, tied_groups(job), {i for r in unit_ranges for i in r})
     vars(module).update(chunk_ranges=list(unit_ranges), layer_range=None)
-    set_stage_aliases(module, aliases)
+    set_stage_aliases(module, aliases, copies)
     return module
 
 
@@ -901,14 +972,21 @@ def _prune(model: nn.Module, names: Sequence[str], keep: Collection[int]) -> Non
             setattr(owner, attr, items)
 
 
-def _tie_locally(module: nn.Module, groups: Sequence[TiedGroup]) -> dict[str, str]:
-    """Make the names of each group present in ``module`` one Parameter; alias -> canonical."""
+def _tie_locally(
+    module: nn.Module, groups: Sequence[TiedGroup], held: Collection[int]
+) -> tuple[dict[str, str], set[str]]:
+    """Make the names of each group present in ``module`` (holding the units ``held``)
+    one Parameter. Returns alias -> canonical, and the canonical names held here as a
+    copy of a weight that the stage of the group's first unit saves."""
     present = dict(module.named_parameters(remove_duplicate=False))
     aliases: dict[str, str] = {}
+    copies: set[str] = set()
     for group in groups:
         here = [n for n in group.names if n in present]
         if not here:
             continue
+        if here[0] == group.names[0] and group.unit not in held:
+            copies.add(group.names[0])
         keep = present[here[0]]
         for name in here[1:]:
             if present[name] is not keep:
@@ -917,7 +995,7 @@ def _tie_locally(module: nn.Module, groups: Sequence[TiedGroup]) -> dict[str, st
         aliases.update({n: group.names[0] for n in here if n != group.names[0]})
     if aliases:
         _register_alias_hooks(module, aliases)
-    return aliases
+    return aliases, copies
 
 
 def _register_alias_hooks(module: nn.Module, aliases: Mapping[str, str]) -> None:
@@ -971,7 +1049,7 @@ def build_stage_module(
         else:
             _prune(module, names, unit_range)
     vars(module)["layer_range"] = unit_range  # read back by `stage_units`
-    set_stage_aliases(module, _tie_locally(module, tied_groups(job)))
+    set_stage_aliases(module, *_tie_locally(module, tied_groups(job), unit_range))
     return module.to(device)
 
 
@@ -991,7 +1069,7 @@ def stage_unit_modules(job: Job, module: nn.Module) -> list[nn.Module]:
     if isinstance(module, StageModule | StageChunks):
         return list(module)
     names = unit_names(job)
-    return [module.get_submodule(names[i]) for i in stage_units(module)]
+    return [module.get_submodule(n) for n in modules_of([names[i] for i in stage_units(module)])]
 
 
 def build_full_model(job: Job, device: torch.device | str = "cpu") -> nn.Module:
@@ -1004,7 +1082,7 @@ def build_full_model(job: Job, device: torch.device | str = "cpu") -> nn.Module:
         module = StageModule({i: build_layer(job, i) for i in range(len(job.layers))})
     else:
         module = _build_model(job)
-    _tie_locally(module, tied_groups(job))
+    _tie_locally(module, tied_groups(job), range(len(unit_names(job))))
     return module.to(device)
 
 

@@ -61,6 +61,7 @@ from torch.distributed.tensor import DTensor
 
 from evtrain.errors import UsageError
 from evtrain.stages.data_parallel import check_used
+from evtrain.stages.standins import calls_elsewhere
 
 __all__ = ["ShardedReplicas", "full_tensor", "local_tensor"]
 
@@ -113,7 +114,10 @@ class ShardedReplicas:
         full = mode == "full"
         self._units: list[FSDPModule] = []
         for unit in units:
-            if any(True for _ in unit.parameters()):
+            # A unit with calls on other stages is left to its chunk's root: FSDP's own
+            # forward hooks would run for the calls it stands in for, and a forward
+            # that ends at the stage's boundary inside them.
+            if any(True for _ in unit.parameters()) and not calls_elsewhere(unit):
                 self._units.append(fully_shard(unit, mesh=mesh, reshard_after_forward=full))
         # The roots are what the executor calls: each model chunk (the stage module
         # itself, with one chunk), for whatever parameters no unit holds.

@@ -33,6 +33,10 @@ sets too. Gradients flow back along both. An internal value the forward reads
 by any other route (a list the unit appends to) is refused before launch,
 naming the unit.
 
+A unit the forward calls several times is split by its calls (``unit@k``,
+`unit_slots`): a chunk that holds some of them has the real module, whose
+calls held elsewhere return what was sent, as a stand-in's do (`_PerCall`).
+
 A StandIn that still reaches real computation — a forward whose data flow
 differs from the traced one — raises instead of computing with zeros: a unit
 whose arguments hold one, a value read from one, one written into a real
@@ -75,13 +79,16 @@ __all__ = [
     "absent",
     "as_inputs",
     "branches_on_units",
-    "call_order",
+    "calls_elsewhere",
     "install",
     "is_shadow",
+    "module_of",
+    "modules_of",
     "plan_chunks",
     "replace_unit",
     "split_boundaries",
     "trace_forward",
+    "unit_slots",
 ]
 
 INPUTS = "in"
@@ -141,6 +148,33 @@ class ForwardTrace:
     """By unit call: what left it other than by its return value."""
     kinds: Mapping[str, Any] = field(default_factory=dict)
     """By unit call: the container types of its output that a boundary drops (`kinds`)."""
+    repeated: frozenset[str] = frozenset()
+    """Units with parameters and no buffers that the forward calls several times:
+    each call is a unit of the split (`unit_slots`), the module one tied weight."""
+    module_calls: Mapping[str, int] = field(default_factory=dict)
+    """How often the forward called each module that holds parameters, by name."""
+
+
+SLOT = "@"
+"""``unit@k``: the k-th call of a unit the forward calls several times, as a unit
+of the split."""
+
+
+def module_of(unit: str) -> str:
+    """The module name of a unit of the split (``unit@k`` is a call of ``unit``)."""
+    return unit.partition(SLOT)[0]
+
+
+def modules_of(units: Sequence[str]) -> list[str]:
+    """The modules of ``units``, each once, in order."""
+    return list(dict.fromkeys(module_of(u) for u in units))
+
+
+def _call_of(source: str) -> str | None:
+    """The unit call (``unit#k``) whose output or carry a source is, None for an input."""
+    if source.startswith(INPUTS + "/"):
+        return None
+    return source.partition("/")[0]
 
 
 def _source_unit(source: str) -> str | None:
@@ -374,6 +408,15 @@ class _Tracer:
         self.ours: set[int] = set()
         self.windows: dict[int, list[Any]] = {}
         self.handles: list[Any] = []
+        self.buffers = {u: any(True for _ in model.get_submodule(u).buffers()) for u in units}
+        self.module_calls: Counter[int] = Counter()
+        self.module_names: dict[int, list[str]] = {}
+        for fqn, module in model.named_modules(remove_duplicate=False):
+            if next(module.parameters(), None) is None:
+                continue
+            if id(module) not in self.module_names:
+                self._hook(module.register_forward_pre_hook(self.count))
+            self.module_names.setdefault(id(module), []).append(fqn)
         for name in units:
             unit = model.get_submodule(name)
             # Ours run after a model's own pre-hooks and before its own hooks:
@@ -412,6 +455,20 @@ class _Tracer:
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
+
+    def count(self, module: nn.Module, _args: Any) -> None:
+        self.module_calls[id(module)] += 1
+
+    @property
+    def repeated(self) -> frozenset[str]:
+        return frozenset(
+            u for u, n in self.counts.items() if n > 1 and self.params[u] and not self.buffers[u]
+        )
+
+    def calls_by_name(self) -> dict[str, int]:
+        return {
+            fqn: self.module_calls[i] for i, names in self.module_names.items() for fqn in names
+        }
 
     def before(self, name: str, unit: nn.Module, args: Any, kwargs: Any) -> None:
         if name in self.replicated:
@@ -538,6 +595,8 @@ def trace_forward(model: nn.Module, inputs: Any, units: Sequence[str]) -> Forwar
         frozenset(tracer.replicated),
         {k: tuple(v) for k, v in tracer.carries.items()},
         tracer.kinds,
+        tracer.repeated,
+        tracer.calls_by_name(),
     )
 
 
@@ -551,7 +610,9 @@ class ChunkPlan:
     chunk: int
     num_chunks: int
     chunk_of: Mapping[str, int]
-    """The model chunk of every unit that is placed (not replicated)."""
+    """The model chunk of every traced call (``unit#k``) of a placed unit."""
+    placed: frozenset[str]
+    """The units (modules) some chunk holds: every unit not replicated."""
     send: frozenset[str]
     """The sources (``in/i``, ``unit#k/i``, ``<carry>/i``) sent as tensors;
     every other leaf crosses as a StandIn."""
@@ -568,18 +629,46 @@ class ChunkPlan:
     def last(self) -> bool:
         return self.chunk == self.num_chunks - 1
 
+    def chunk_of_call(self, key: str) -> int:
+        chunk = self.chunk_of.get(key)
+        if chunk is None:
+            raise StandInUsed(
+                f"the forward calls {key.partition('#')[0]} more often than its traced "
+                "forward did: the model's units run in an order that depends on the data"
+            )
+        return chunk
+
+    def shared_calls(self, unit: str) -> bool:
+        """Whether another chunk holds some calls of ``unit`` (a module called at several
+        points, with a stage boundary between its calls)."""
+        calls = [c for k, c in self.chunk_of.items() if k.partition("#")[0] == unit]
+        return len(set(calls)) > 1
+
+
+def _slots(names: Sequence[str]) -> Callable[[str], int]:
+    """The index in ``names`` (units of the split) of the unit that makes call ``unit#k``."""
+    index = {n: i for i, n in enumerate(names)}
+
+    def slot(key: str) -> int:
+        unit, _, k = key.partition("#")
+        return index.get(f"{unit}{SLOT}{k}", index.get(unit, -1))
+
+    return slot
+
 
 def plan_chunks(
     trace: ForwardTrace, names: Sequence[str], ranges: Sequence[range]
 ) -> list[ChunkPlan]:
-    """One `ChunkPlan` per model chunk (``ranges``: each chunk's unit indices).
+    """One `ChunkPlan` per model chunk (``ranges``: each chunk's indices in ``names``,
+    the units of the split, `unit_slots`).
 
     Raises `SpecError` when the model's forward calls its units in an order
     the chunks cannot follow.
     """
-    chunk_of = {
-        names[i]: c for c, r in enumerate(ranges) for i in r if names[i] not in trace.replicated
-    }
+    slot = _slots(names)
+    chunk_at = {i: c for c, r in enumerate(ranges) for i in r}
+    calls = [e for e in trace.events if isinstance(e, _Call)]
+    chunk_of = {e.key: chunk_at[slot(e.key)] for e in calls}
     n = len(ranges)
     needed: list[set[str]] = [set() for _ in range(n)]
     reached = 0  # the furthest chunk whose unit the forward has called
@@ -589,27 +678,26 @@ def plan_chunks(
             for c in range(reached, n):
                 needed[c] |= event.sources
             continue
-        c = chunk_of[event.unit]
+        c = chunk_of[event.key]
         if c < reached:
-            later = next(
-                e.unit for e in trace.events if isinstance(e, _Call) and chunk_of[e.unit] == reached
-            )
+            later = next(e for e in calls if chunk_of[e.key] == reached)
             raise SpecError(
                 "split_points",
-                f"the model's forward calls {event.unit} after {later}, which a later "
-                "stage holds; split the model where its forward moves on for good",
+                f"the model's forward calls {names[slot(event.key)]} after "
+                f"{names[slot(later.key)]}, which a later stage holds; split the model "
+                "where its forward moves on for good",
             )
         reached = c
         needed[c] |= event.sources
     needed[n - 1] |= trace.output
     for c, sources in enumerate(needed):
         for s in sorted(sources):
-            unit = _source_unit(s)
-            if unit is not None and chunk_of[unit] > c:
+            key = _call_of(s)
+            if key is not None and chunk_of[key] > c:
                 raise SpecError(
                     "split_points",
-                    f"unit {unit} is placed after a unit that takes its output; split the "
-                    "model in the order its forward calls the units",
+                    f"unit {names[slot(key)]} is placed after a unit that takes its output; "
+                    "split the model in the order its forward calls the units",
                 )
     wanted = {s.rpartition("/")[0] for s in set().union(*needed)}
     carries = {
@@ -617,30 +705,39 @@ def plan_chunks(
         for call, cs in trace.carries.items()
         if (kept := tuple(c for c in cs if c.key in wanted))
     }
+    placed = frozenset(module_of(u) for u in names) - trace.replicated
     plans = []
     for c in range(n):
         downstream: set[str] = set().union(*needed[c + 1 :])
-        send = {s for s in downstream if (u := _source_unit(s)) is None or chunk_of[u] <= c}
-        plans.append(ChunkPlan(c, n, chunk_of, frozenset(send), carries, trace.kinds))
+        send = {s for s in downstream if (k := _call_of(s)) is None or chunk_of[k] <= c}
+        plans.append(ChunkPlan(c, n, chunk_of, placed, frozenset(send), carries, trace.kinds))
     return plans
 
 
-def _call_sequence(trace: ForwardTrace, names: Sequence[str]) -> list[int]:
-    index = {n: i for i, n in enumerate(names)}
-    return [index[e.unit] for e in trace.events if isinstance(e, _Call)]
-
-
-def call_order(trace: ForwardTrace, names: Sequence[str]) -> list[str]:
-    """``names`` (in registration order) in the order the forward first calls them;
-    a unit it never calls (or runs on every stage) stays after the unit before it."""
-    first: dict[str, int] = {}
+def unit_slots(trace: ForwardTrace, names: Sequence[str]) -> list[str]:
+    """The units of the split: ``names`` (modules, in registration order) in the order
+    the forward first calls them, a unit it calls several times (`ForwardTrace.repeated`)
+    as one unit per call, ``unit@k``, each where the forward makes that call. A unit it
+    never calls (or runs on every stage) stays after the unit before it."""
+    position: dict[str, int] = {}
     for i, e in enumerate(e for e in trace.events if isinstance(e, _Call)):
-        first.setdefault(e.unit, i)
+        position.setdefault(e.unit if e.unit not in trace.repeated else _slot_name(e.key), i)
     keys, last = [], -1
     for r, name in enumerate(names):
-        last = first.get(name, last)
-        keys.append((last, name not in first, r))
-    return [name for _, name in sorted(zip(keys, names, strict=True))]
+        if name in trace.repeated:
+            calls = sorted((p, u) for u, p in position.items() if module_of(u) == name)
+            for p, u in calls:
+                keys.append(((p, False, r), u))
+            last = calls[0][0]
+            continue
+        last = position.get(name, last)
+        keys.append(((last, name not in position, r), name))
+    return [name for _, name in sorted(keys)]
+
+
+def _slot_name(key: str) -> str:
+    unit, _, k = key.partition("#")
+    return f"{unit}{SLOT}{k}"
 
 
 def branches_on_units(trace: ForwardTrace) -> list[str]:
@@ -658,9 +755,10 @@ def branches_on_units(trace: ForwardTrace) -> list[str]:
 
 
 def split_boundaries(trace: ForwardTrace, names: Sequence[str]) -> frozenset[int]:
-    """The indices ``b`` of ``names`` before which a stage may begin: the forward
-    calls no unit before ``b`` once it has called one from ``b`` on."""
-    calls = _call_sequence(trace, names)
+    """The indices ``b`` of ``names`` (units of the split) before which a stage may
+    begin: the forward calls no unit before ``b`` once it has called one from ``b`` on."""
+    slot = _slots(names)
+    calls = [slot(e.key) for e in trace.events if isinstance(e, _Call)]
     allowed = set()
     for b in range(1, len(names)):
         moved_on = False
@@ -711,14 +809,19 @@ class _Chunk:
         run = self.run
         if run is None:
             raise StandInUsed(f"{unit} is held by another stage and ran outside the forward")
-        if self.plan.chunk_of[unit] > self.plan.chunk:
-            raise _StageEnd
         key = run.key(unit)
+        if self.plan.chunk_of_call(key) > self.plan.chunk:
+            raise _StageEnd
+        return self._stand_in(run, key, shadow)
+
+    def _stand_in(self, run: _Run, key: str, module: nn.Module) -> Any:
+        """What call ``key`` of a unit another chunk computed returns here (``module``:
+        the unit, or its shadow), its carries handed to ``module``'s hooks or set on it."""
         value = retyped(self._fed(run, key), self.plan.kinds.get(key))
         run.outputs[key] = value
         for carry in self.plan.carries.get(key, ()):
             carried = run.outputs[carry.key] = self._fed(run, carry.key)
-            sub = shadow.get_submodule(carry.rel)
+            sub = module.get_submodule(carry.rel)
             if carry.attr is not None:
                 vars(sub)[carry.attr] = carried
             else:
@@ -744,17 +847,31 @@ class _Chunk:
 
         return forward
 
-    def begin(self, unit: str, args: Any) -> None:
-        """A held unit's call begins."""
+    def begin(self, unit: str, module: nn.Module, args: Any) -> None:
+        """A call of a held unit begins: this chunk computes it, or, for a unit called
+        at several points (`_PerCall`), another chunk did or will."""
         run = self.run
         if run is None:
+            return
+        key = run.key(unit)
+        chunk = self.plan.chunk_of_call(key)
+        if chunk != self.plan.chunk:
+            per_call = vars(module).get(_PER_CALL)
+            if per_call is None:
+                raise StandInUsed(
+                    f"the forward calls {unit} ({key}), which the stage that holds it did "
+                    "not call: the model's units run in an order that depends on the data"
+                )
+            if chunk > self.plan.chunk:
+                raise _StageEnd
+            per_call.given = self._stand_in(run, key, module)
             return
         if any(isinstance(t, StandIn) for t in leaves_of(args)):
             raise StandInUsed(
                 f"{unit} receives a value that another stage computes and that was not "
                 "sent: the model's data flow differs from its traced forward"
             )
-        run.current = run.key(unit)
+        run.current = key
         run.subcalls.clear()
 
     def hooked(self, rel: str, args: Any, kwargs: Any, out: Any) -> None:
@@ -803,6 +920,39 @@ class _Chunk:
                 t, changed = stand_in(t.shape, t.dtype, t.device), True
             marked.append(t)
         return unflatten(tree, marked) if changed else value
+
+
+_PER_CALL = "_evtrain_per_call"
+"""The attribute of a unit held here for some of its calls: its `_PerCall`."""
+
+_UNSET: Any = object()
+
+
+class _PerCall:
+    """The ``forward`` of a unit that this stage holds for some of its calls only (a
+    module the forward calls at several points, with a stage boundary between them).
+
+    The unit is real, so the calls this stage holds compute; for a call another
+    stage holds, `_Chunk.begin` (a forward pre-hook, outside any activation
+    checkpoint) gives what that stage sent, which the call returns. A call with
+    nothing given computes: the recompute of an activation checkpoint is always
+    one of this stage's calls.
+    """
+
+    def __init__(self, forward: Callable[..., Any]) -> None:
+        self.forward = forward
+        self.given: Any = _UNSET
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        given, self.given = self.given, _UNSET
+        if given is _UNSET:
+            return self.forward(*args, **kwargs)
+        return given
+
+
+def calls_elsewhere(module: nn.Module) -> bool:
+    """Whether another stage or chunk holds some calls of the unit ``module``."""
+    return _PER_CALL in vars(module)
 
 
 _ABSENT = "_evtrain_absent"
@@ -909,20 +1059,23 @@ def install(model: nn.Module, names: Sequence[str], held: Sequence[int], plan: C
     model's output.
     """
     chunk = _Chunk(plan)
-    kept = {names[i] for i in held}
-    for name in names:
-        if name not in plan.chunk_of or name in kept:
+    kept = set(modules_of([names[i] for i in held]))
+    for name in modules_of(names):
+        if name not in plan.placed or name in kept:
             continue
         copied = shadow(model, name, _absent_forward)
         vars(copied)["forward"] = chunk.standing_in(name, copied)
         replace_unit(model, name, copied)
     hooked = {(c.call.partition("#")[0], c.rel) for cs in plan.carries.values() for c in cs}
-    for name in kept:
-        if name not in plan.chunk_of:
-            continue
+    for name in sorted(kept & plan.placed):
         unit = model.get_submodule(name)
+        if plan.shared_calls(name) and _PER_CALL not in vars(unit):
+            # Installed once: the chunks of one stage share their units.
+            per_call = _PerCall(unit.forward)
+            vars(unit)[_PER_CALL] = per_call
+            vars(unit)["forward"] = per_call
         unit.register_forward_pre_hook(
-            lambda _m, args, kwargs, name=name: chunk.begin(name, (args, kwargs)),
+            lambda m, args, kwargs, name=name: chunk.begin(name, m, (args, kwargs)),
             with_kwargs=True,
         )
         # Before the model's own hooks, which a stage standing in for the unit

@@ -1,4 +1,5 @@
-"""Tied weights: one parameter held by several stages (an embedding and an LM head).
+"""Tied weights: one parameter held by several stages (an embedding and an LM head,
+a module the forward calls on several stages).
 
 DeepSpeed's ``TiedLayerSpec`` semantics: every stage that holds a name of a
 tied group holds its own copy of the weight, and the copies stay equal
@@ -12,10 +13,10 @@ because they start equal and take equal steps:
   (`TiedWeights.reduce_grads`);
 * the global gradient norm counts the weight once, on the stage that holds
   the canonical name (`TiedWeights.norm_excluded`);
-* checkpoints and exports keep it once, under the canonical name (the stage
-  module's aliases, `evtrain.checkpoint.state_tree.stage_aliases`); a stage
-  holding only an alias restores it from the canonical name's tensor and
-  optimizer state, which equal its own.
+* checkpoints and exports keep it once, under the canonical name, written by
+  the stage of its first unit (the stage module's aliases and copies,
+  `evtrain.checkpoint.state_tree.set_stage_aliases`); another stage restores
+  its copy from that tensor and optimizer state, which equal its own.
 
 Names inside one stage are made one `nn.Parameter` (`evtrain.stages.partition`).
 """
@@ -44,7 +45,10 @@ class TiedGroup:
     stages: tuple[int, ...] = ()
     """Sorted stages holding a name, when the partition is known."""
     owner: int = 0
-    """The stage holding the canonical name."""
+    """The stage holding the canonical name (its first unit's, for a module the
+    forward calls on several stages)."""
+    unit: int = 0
+    """The first unit holding the canonical name: its stage saves the weight."""
 
 
 def resolve_ties(
@@ -60,17 +64,23 @@ def resolve_ties(
     group in parameter order; an explicit group naming one of them is merged
     into it, its first name canonical.
     """
-    unit_of: dict[str, int] = {}
+    units_of: dict[str, list[int]] = {}
     param_of: dict[str, nn.Parameter] = {}
     by_id: dict[int, list[str]] = {}
     for unit, params in enumerate(unit_params):
         for name, param in params:
-            unit_of[name] = unit
+            held = units_of.setdefault(name, [])
+            if unit not in held:
+                held.append(unit)
             param_of[name] = param
             by_id.setdefault(id(param), [])
             if name not in by_id[id(param)]:
                 by_id[id(param)].append(name)
-    groups: list[list[str]] = [names for names in by_id.values() if len(names) > 1]
+    # A parameter under several names, or of a unit the forward calls several times
+    # (one unit per call), whose calls may fall on several stages.
+    groups: list[list[str]] = [
+        names for names in by_id.values() if len(names) > 1 or len(units_of[names[0]]) > 1
+    ]
     for names in explicit:
         for name in names:
             if name not in param_of:
@@ -92,13 +102,16 @@ def resolve_ties(
         groups.append(merged)
     result = []
     for names in groups:
+        first = units_of[names[0]][0]
         if ranges is None:
-            result.append(TiedGroup(tuple(names)))
+            result.append(TiedGroup(tuple(names), unit=first))
             continue
-        stage_of = {n: next(s for s, r in enumerate(ranges) if unit_of[n] in r) for n in names}
-        result.append(
-            TiedGroup(tuple(names), tuple(sorted(set(stage_of.values()))), stage_of[names[0]])
-        )
+
+        def stage_of(unit: int) -> int:
+            return next(s for s, r in enumerate(ranges) if unit in r)
+
+        stages = {stage_of(u) for n in names for u in units_of[n]}
+        result.append(TiedGroup(tuple(names), tuple(sorted(stages)), stage_of(first), first))
     return result
 
 
@@ -117,13 +130,19 @@ class TiedWeights:
         self._local: list[tuple[str, dist.ProcessGroup, int]] = []
         """(name of the parameter here, group of its stages in this replica, global rank
         of the owner)."""
+        # One process group per set of ranks: a module's weights are many groups.
+        made: dict[tuple[int, ...], dist.ProcessGroup] = {}
         for group in groups:
             if len(group.stages) < 2:
                 continue
             # A group per replica: each replica's pipeline keeps its own copies equal.
             for replica in range(place.replicas):
-                ranks = [place.rank_of(s, replica) for s in group.stages]
-                pg = dist.new_group(ranks=ranks, backend=backend)
+                ranks = tuple(place.rank_of(s, replica) for s in group.stages)
+                if ranks not in made:
+                    new = dist.new_group(ranks=list(ranks), backend=backend)
+                    assert new is not None
+                    made[ranks] = new
+                pg = made[ranks]
                 if replica != place.replica or place.stage not in group.stages:
                     continue
                 name = next(n for n in group.names if n in present)

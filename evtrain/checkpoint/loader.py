@@ -303,11 +303,14 @@ def load_stage_shard(  # noqa: C901
     fqns = list(dict.fromkeys(_param_names(module).values()))
     optim_owner: dict[str, _Shard] = {}
     if optimizer is not None:
-        for shard in shards:
-            st = _read_state(shard, verified, verify)
-            for fqn in st.get("optimizer", {}).get("state", {}):
+        # The shard that saved a parameter's state; one that only lists it in a group
+        # (a tied weight another stage saves), for a parameter without state.
+        states = [_read_state(shard, verified, verify).get("optimizer", {}) for shard in shards]
+        for shard, st in zip(shards, states, strict=True):
+            for fqn in st.get("state", {}):
                 optim_owner.setdefault(fqn, shard)
-            for group in st.get("optimizer", {}).get("param_groups", []):
+        for shard, st in zip(shards, states, strict=True):
+            for group in st.get("param_groups", []):
                 for fqn in group["params"]:
                     optim_owner.setdefault(fqn, shard)
         missing = [f for f in fqns if f not in optim_owner]

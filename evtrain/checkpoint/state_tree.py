@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import random
 import warnings
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
@@ -175,18 +175,29 @@ def _restore_rng(
 # ------------------------------------------------------------------- tied weights
 
 _TIED_ALIASES = "tied_aliases"
+_TIED_COPIES = "tied_copies"
 
 
-def set_stage_aliases(module: nn.Module, aliases: Mapping[str, str]) -> None:
+def set_stage_aliases(
+    module: nn.Module, aliases: Mapping[str, str], copies: Collection[str] = ()
+) -> None:
     """Record on a stage module which of its parameter names are aliases of a tied
-    weight (alias -> canonical name): checkpoints store a tied weight once, under
-    its canonical name."""
+    weight (alias -> canonical name) and which canonical names it holds as a copy
+    that another stage saves: checkpoints store a tied weight once, under its
+    canonical name."""
     vars(module)[_TIED_ALIASES] = dict(aliases)
+    vars(module)[_TIED_COPIES] = frozenset(copies)
 
 
 def stage_aliases(module: nn.Module) -> dict[str, str]:
     """A stage module's alias -> canonical names of tied weights (`set_stage_aliases`)."""
     return dict(vars(module).get(_TIED_ALIASES, {}))
+
+
+def stage_copies(module: nn.Module) -> frozenset[str]:
+    """Canonical names of tied weights that a stage module holds and another stage saves."""
+    copies: frozenset[str] = vars(module).get(_TIED_COPIES, frozenset())
+    return copies
 
 
 # ------------------------------------------------------------------- the capture
@@ -207,7 +218,7 @@ def _held_elsewhere(module: nn.Module) -> set[str]:
     Another stage saves their tensors and optimizer state, which equal ours.
     """
     local = {name for name, _ in module.named_parameters(remove_duplicate=False)}
-    return {c for c in stage_aliases(module).values() if c not in local}
+    return {c for c in stage_aliases(module).values() if c not in local} | stage_copies(module)
 
 
 def _capture(
@@ -224,7 +235,8 @@ def _capture(
     """Live tensors (by key) and the JSON state of this stage, without copying tensors
     (a sharded stage's are DTensors: each process holds its shards)."""
     tensors: dict[str, torch.Tensor] = {}
-    model_sd = module.state_dict()
+    copies = stage_copies(module)
+    model_sd = {k: v for k, v in module.state_dict().items() if k not in copies}
     for key, value in model_sd.items():
         if not isinstance(value, torch.Tensor):
             raise CheckpointError(f"model state {key!r} is a {type(value).__name__}, not a tensor")

@@ -11,6 +11,7 @@ what such an export loads.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -18,16 +19,21 @@ import pytest
 import torch
 from helpers import zoo
 from safetensors.torch import save_file
-from test_real_models import export_command
+from test_real_models import dumped, export_command, launch, reference
 from test_unmodified_models import chained, train_and_compare, whole, write
 
+from evtrain.checkpoint import committed_shard_record, read_manifest, resolve_resume
+from evtrain.checkpoint.loader import load_stage_shard
 from evtrain.cli.ckpt import _write_config
 from evtrain.errors import SpecError
+from evtrain.job import Job
+from evtrain.spec import load_job
 from evtrain.stages.partition import (
     build_full_model,
     build_stage_module,
     partition,
     plan_split,
+    unit_names,
 )
 from evtrain.stages.pytree import StandIn
 
@@ -49,12 +55,6 @@ def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 @pytest.mark.parametrize("name", FAMILIES)
 def test_every_family_equals_one_process(name: str, stages: int) -> None:
     job = zoo.make_job(name, stages, 4, "/nonexistent")
-    if name == "albert" and stages == 4:
-        # One layer group called at every depth stays on one stage.
-        with pytest.raises(SpecError) as err:
-            plan_split(job)
-        assert "\n" not in str(err.value)
-        return
     plan = plan_split(job)
     assert len(plan.sizes) == stages
     want_out, want_grads = whole(job)
@@ -99,6 +99,121 @@ def test_a_launched_moe_trains_as_one_process_and_exports_for_from_pretrained(
     model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
     for key, value in model.state_dict().items():
         _close(value, want[key], key)
+
+
+GROUP = "albert.encoder.albert_layer_groups.0"
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + torch.tanh(self.linear(h))
+
+
+class Looped(torch.nn.Module):
+    """A model of one's own that runs one block at every depth."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Linear(4, 8)
+        self.block = Block()
+        self.head = torch.nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for _ in range(3):
+            h = self.block(h)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["plain", "activation_checkpointing"])
+def test_the_calls_of_one_module_split_across_stages(recompute: bool) -> None:
+    looped = Job(
+        name="looped",
+        model=Looped,
+        loss_fn=torch.nn.functional.mse_loss,
+        optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+        train_data=(torch.randn(8, 4), torch.randn(8, 2)),
+        batch_size=4,
+        stages=5,
+        max_steps=1,
+        activation_checkpointing=recompute,
+    )
+    albert = zoo.make_job("albert", 4, 4, "/nonexistent", activation_checkpointing=recompute)
+    assert plan_split(looped).units == ("embed", "block@0", "block@1", "block@2", "head")
+    for job in (looped, albert):
+        want_out, want_grads = whole(job)
+        got_out, got_grads = chained(job)
+        _close(_loss(got_out), _loss(want_out), "loss")
+        for key, grad in want_grads.items():
+            _close(got_grads[key], grad, key)
+
+
+@pytest.mark.slow
+def test_a_module_called_at_every_depth_is_one_weight_across_stages(tmp_path: Path) -> None:
+    """ALBERT's one layer group, called at each of its four depths: one call per model
+    chunk of an interleaved 2-stage pipeline, so both stages hold the group (each of
+    them for two calls, on two chunks). Every copy trains to one process's weights;
+    the checkpoint holds the group once and loads, optimizer state too, at 4 stages."""
+    fields: dict[str, Any] = {
+        "schedule": "interleaved",
+        "virtual_stages": 2,
+        "hooks": [{"type": "checkpoint", "on_stop": True}],
+    }
+    spec = write(tmp_path, "albert", 2, 5, "zoo", **fields)
+    job = load_job(spec)
+    calls = [f"{GROUP}@{k}" for k in range(4)]
+    assert [u for u in plan_split(job).units if u.startswith(GROUP)] == calls
+    assert [[unit_names(job)[i] for i in r if i in range(2, 6)] for r in partition(job)] == [
+        [u] for u in calls
+    ]
+    want, _ = reference(load_job(write(tmp_path, "albert", 1, 5, "zoo")), 5)
+    launch(spec, "--dump-weights", str(tmp_path / "dump"))
+    for shard in dumped(tmp_path / "dump"):
+        assert f"{GROUP}.albert_layers.0.ffn.weight" in shard
+        for key, value in shard.items():
+            _close(value, want[key], key)
+
+    ckpt = resolve_resume(tmp_path / "run2")
+    holders = [
+        {k for k in committed_shard_record(ckpt, e)[1].model_keys if k.startswith(GROUP)}
+        for e in read_manifest(ckpt).stages
+    ]
+    assert [bool(h) for h in holders] == [True, False]
+
+    four = zoo.make_job("albert", 4, 5, str(tmp_path / "run4"))
+    for stage, units in enumerate(partition(four)):
+        module = build_stage_module(four, units)
+        optimizer = four.optimizer(module.parameters())
+        load_stage_shard(ckpt, stage, module, optimizer)
+        for key, value in module.state_dict().items():
+            _close(value, want[key], key)
+        group = module.get_submodule(GROUP)
+        for p in group.parameters():
+            assert optimizer.state[p]["momentum_buffer"].abs().sum() > 0
+
+
+@pytest.mark.slow
+def test_sharded_replicas_hold_a_module_whose_calls_span_stages(tmp_path: Path) -> None:
+    """FSDP2 over each stage's two replicas, each stage calling the layer group twice
+    and standing in for the other stage's calls; both chunks of an interleaved stage
+    holding calls of it cannot be one sharded module, and are refused before launch."""
+    train_and_compare(tmp_path, "albert", (2,), "zoo", data_parallel=2, shard="grads")
+    job = zoo.make_job(
+        "albert",
+        2,
+        5,
+        "/nonexistent",
+        data_parallel=2,
+        shard="grads",
+        schedule="interleaved",
+        virtual_stages=2,
+    )
+    with pytest.raises(SpecError, match=rf"stage 0 would hold calls of {GROUP} in 2 model"):
+        plan_split(job)
 
 
 EXPORTED = [n for n in FAMILIES if zoo.FAMILIES[n].hf]

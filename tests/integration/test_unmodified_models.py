@@ -260,10 +260,12 @@ def test_bad_models_are_refused_before_any_process() -> None:
     assert plan_split(job).units == ("b", "a")
 
     class Sandwich(Backwards):
-        """Calls ``a`` before and after ``b``: a stage may begin at ``c`` only."""
+        """Calls ``a``, whose buffer is one stage's state, before and after ``b``:
+        a stage may begin at ``c`` only."""
 
         def __init__(self) -> None:
             super().__init__()
+            self.a.register_buffer("scale", torch.ones(3))
             self.c = torch.nn.Linear(3, 3)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
