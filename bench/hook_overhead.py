@@ -9,7 +9,7 @@ event settings (microbatch spans "sampled").
 * ``all_hooks``: every built-in that only observes — logging, metrics,
   recorder, timer, lr_monitor, memory, prometheus, early_stopping (no evals
   happen, so it never acts) and tensorboard when installed — which the
-  launcher runs in one shared host process (`evtrain.hook_supervisor`).
+  launcher runs in one shared host process (`evtrain.launcher.hook_supervisor`).
   ``eval_every`` is left out: evaluating is extra training-side work by
   design, not overhead;
 * ``slow_hook``: one hook that sleeps 1 s (blocking) in every event handler,

@@ -32,7 +32,7 @@ cut at markers in time order; each phase ends at its marker:
   forks it first thing in ``Launcher.run``, after the CLI's imports and
   torch's (with torch._dynamo, which the split's survey on the meta device
   needs), so that the agent and its fork server import nothing more
-  (``evtrain.forking``);
+  (``evtrain.launcher.forking``);
 * ``run dir created`` — ``RUN_DIR/launches`` appears (polled), right after the
   launcher's ``prepare``: spec load and the preflight (split plan on the meta
   device), hook options;
@@ -181,7 +181,7 @@ import evtrain.cli, evtrain.cli.launch, evtrain.launcher
 evtrain.cli.build_parser()
 t1 = time.perf_counter()
 h1 = heavy()
-# What `evtrain launch` imports before it forks the agent (evtrain.forking).
+# What `evtrain launch` imports before it forks the agent (evtrain.launcher.forking).
 import torch._dynamo
 t2 = time.perf_counter()
 h2 = heavy()
@@ -363,13 +363,13 @@ class TreeWatch(threading.Thread):
         }
 
         # By place in the tree: the agent and the fork server may be forks that
-        # carry the launcher's command line (evtrain.forking).
+        # carry the launcher's command line (evtrain.launcher.forking).
         root_cmd = self.procs[self.root].cmd if self.root in self.procs else ""
 
         def agent(proc: Proc) -> bool:
             if proc.ppid != self.root:
                 return False
-            return "evtrain.elastic_agent" in proc.cmd or proc.cmd == root_cmd
+            return "evtrain.launcher.elastic_agent" in proc.cmd or proc.cmd == root_cmd
 
         agents = {p.pid for p in self.procs.values() if agent(p)}
         forkservers = {

@@ -2,7 +2,7 @@
 
 Every pipeline stage is an actor that runs 1F1B/GPipe microbatch instructions and
 publishes lifecycle events on a ZeroMQ bus; hooks are subscriber processes.
-`launch` and `evaluate` (`evtrain.api`) run a job or evaluate a checkpoint from
+`launch` and `evaluate` (`evtrain.tools.api`) run a job or evaluate a checkpoint from
 Python with the same processes as the command line.
 
 The public names below are imported lazily, so ``evtrain bus`` and ``--help``
@@ -34,11 +34,11 @@ _EXPORTS: dict[str, str] = {
     "Subscriber": "evtrain.bus.subscriber",
     "RunState": "evtrain.run_state",
     "report": "evtrain.reporting",
-    "launch": "evtrain.api",
-    "evaluate": "evtrain.api",
-    "LaunchResult": "evtrain.api",
-    "EvalResult": "evtrain.api",
-    "EvaluationFailed": "evtrain.api",
+    "launch": "evtrain.tools.api",
+    "evaluate": "evtrain.tools.api",
+    "LaunchResult": "evtrain.tools.api",
+    "EvalResult": "evtrain.tools.api",
+    "EvaluationFailed": "evtrain.tools.api",
 }
 
 __all__ = [
@@ -69,7 +69,6 @@ __all__ = [
 
 if TYPE_CHECKING:
     from evtrain import events
-    from evtrain.api import EvalResult, EvaluationFailed, LaunchResult, evaluate, launch
     from evtrain.bus.address import BusAddress
     from evtrain.bus.broker import Broker
     from evtrain.bus.publisher import Publisher
@@ -82,6 +81,7 @@ if TYPE_CHECKING:
     from evtrain.reporting import report
     from evtrain.run_state import RunState
     from evtrain.spec import load_job
+    from evtrain.tools.api import EvalResult, EvaluationFailed, LaunchResult, evaluate, launch
 
 
 def __getattr__(name: str) -> Any:

@@ -10,7 +10,7 @@ launcher therefore decides from evidence that does not depend on the bus:
 * every stage's own `evtrain.stages.worker.StageReport`: the exception, the
   time it was caught, the innermost frame in user code, whether it is a
   communication error (`is_communication_error`);
-* the elastic agent's record of every worker process (`evtrain.elastic_agent`):
+* the elastic agent's record of every worker process (`evtrain.launcher.elastic_agent`):
   when it died, its exit status or signal, whether the agent killed it after
   another worker had failed;
 * ``StageFailed`` events from the bus, for stages the first two do not cover

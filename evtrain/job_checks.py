@@ -10,17 +10,15 @@ import inspect
 import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from evtrain.errors import SpecError, UsageError
 from evtrain.events import SPAN_MODES
+from evtrain.job_fields import JobFields
 from evtrain.schedule_names import Schedule, check_virtual_stages
-
-if TYPE_CHECKING:
-    from evtrain.job import Job
 
 __all__ = [
     "BALANCE_MODES",
@@ -116,7 +114,7 @@ def check_int(field: str, value: object, *, minimum: int, optional: bool = False
         raise SpecError(field, f"expected an integer >= {minimum}, got {value!r}")
 
 
-def check_job(job: Job) -> None:
+def check_job(job: JobFields) -> None:
     """Check every field; raise `SpecError` naming the first bad one.
 
     Cheap: does not load data (`evtrain.stages.job_data.JobData` checks the
@@ -224,7 +222,7 @@ def check_job(job: Job) -> None:
     check_int("threads", job.threads, minimum=1, optional=True)
 
 
-def _layers(job: Job) -> None:
+def _layers(job: JobFields) -> None:
     if (job.layers is None) == (job.model is None):
         raise SpecError(
             "layers",
@@ -248,14 +246,14 @@ def _layers(job: Job) -> None:
             raise SpecError("layers", f"layer {i} is not callable: {factory!r}")
 
 
-def _virtual_stages(job: Job) -> None:
+def _virtual_stages(job: JobFields) -> None:
     try:
         check_virtual_stages(job.schedule, job.stages, job.num_microbatches, job.virtual_stages)
     except UsageError as exc:
         raise SpecError("virtual_stages", str(exc)) from None
 
 
-def _shard(job: Job) -> None:
+def _shard(job: JobFields) -> None:
     if job.shard not in SHARD_MODES:
         raise SpecError(
             "shard", f"unknown mode {job.shard!r}; choose one of {', '.join(SHARD_MODES)}"
@@ -283,7 +281,7 @@ def _shard(job: Job) -> None:
         raise SpecError("shard", f"{job.shard!r} cannot be combined with {refused}")
 
 
-def _balance(job: Job) -> None:
+def _balance(job: JobFields) -> None:
     if job.balance is None:
         return
     if isinstance(job.balance, str):
@@ -308,7 +306,7 @@ def _balance(job: Job) -> None:
         )
 
 
-def _model_options(job: Job) -> None:
+def _model_options(job: JobFields) -> None:
     if job.pruned_forward is not False and (
         job.model is None or not isinstance(job.pruned_forward, bool)
     ):
@@ -384,7 +382,7 @@ def _model_options(job: Job) -> None:
         )
 
 
-def _data_loader(job: Job) -> None:
+def _data_loader(job: JobFields) -> None:
     if job.data_loader is None:
         return
     if not isinstance(job.data_loader, dict):
@@ -400,7 +398,7 @@ def _data_loader(job: Job) -> None:
         )
 
 
-def _metrics(job: Job) -> None:
+def _metrics(job: JobFields) -> None:
     if not isinstance(job.metrics, dict):
         raise SpecError(
             "metrics", f"expected a dict name -> fn(output, target), got {job.metrics!r}"
@@ -441,7 +439,7 @@ def _metrics(job: Job) -> None:
             raise SpecError(name, f"expected a callable target -> count, got {weight!r}")
 
 
-def _eval_data(job: Job) -> None:
+def _eval_data(job: JobFields) -> None:
     sets = job.eval_data
     if not named_eval_sets(sets):
         return
@@ -459,7 +457,7 @@ def _eval_data(job: Job) -> None:
             raise SpecError("eval_data", f"set {name!r} has no data")
 
 
-def _hooks(job: Job) -> None:
+def _hooks(job: JobFields) -> None:
     if not isinstance(job.hooks, tuple):
         raise SpecError("hooks", f"expected a list of hook specs, got {job.hooks!r}")
     for i, hook in enumerate(job.hooks):

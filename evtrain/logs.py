@@ -10,7 +10,7 @@ raises.
 
 Who logs what when a launcher shows the run (`LAUNCHER_CONSOLE_ENV`): the
 launcher's console owns the run's header, its progress, every evaluation
-and the end-of-run summary (`evtrain.progress`); the processes it starts
+and the end-of-run summary (`evtrain.launcher.progress`); the processes it starts
 log only what the console does not show (a stage's partition, checkpoint
 commits, warnings, errors) and keep their attach and start-up details at
 debug level.

@@ -33,7 +33,7 @@ One JSON object per line:
 clock. When the stages start over from a checkpoint within one launch (an
 elastic restart: a `RunStarted` whose ``start_step`` is below the steps
 written), the lines of the steps after it are dropped first, as a resumed
-launch's are (`evtrain.run_record.rewind_metrics`): each step appears once,
+launch's are (`evtrain.launcher.run_record.rewind_metrics`): each step appears once,
 from the attempt whose weights went on. Every value comes from the events,
 so replaying a recorded run (``evtrain replay RUN_DIR --hook metrics``) writes
 the same lines.

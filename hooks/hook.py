@@ -8,7 +8,7 @@ asyncio program (tests, notebooks) through `HookRunner`. Under ``evtrain
 launch`` each user hook of the spec runs in a process of its own, while the
 built-in hooks share one host process and runner, where their ``priority``
 orders them; a built-in's spec entry with ``isolate=True`` gives it its own
-process (`evtrain.hook_supervisor`).
+process (`evtrain.launcher.hook_supervisor`).
 
 ``@on`` takes filters, as ignite's ``Events.X(every=, once=)`` does:
 ``@on(StepEnded, every=10)`` calls the handler for steps 10, 20, ...;

@@ -6,7 +6,7 @@ The launcher runs every *built-in* hook (`is_builtin`: a short name of
 `BUILTIN_HOOKS`, or a class of ``evtrain.hooks`` / ``evtrain.exporters``) of a
 spec in one shared host process, and every other hook in a process of its
 own; ``isolate=True`` gives a built-in its own process too
-(`evtrain.hook_supervisor` says what sharing costs and saves).
+(`evtrain.launcher.hook_supervisor` says what sharing costs and saves).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ def worker_main(config_json: str) -> None:
     Module-level in this torch-free module, so that the agent can name it to
     elastic (which pickles it by name) without importing the stage runtime:
     the fork server the workers are forked from has that preloaded
-    (`evtrain.forking`).
+    (`evtrain.launcher.forking`).
     """
     # lazy: the stage runtime imports torch; the agent only names this function.
     from evtrain.stages.actor import serve

@@ -65,7 +65,8 @@ from torch import nn
 from evtrain.checkpoint.state_tree import set_stage_aliases
 from evtrain.data import derive_seed
 from evtrain.errors import SpecError
-from evtrain.job import Job, LayerFactory
+from evtrain.job import Job
+from evtrain.job_fields import LayerFactory
 from evtrain.stages.job_data import job_data
 from evtrain.stages.pytree import call, map_tensors, spec_of
 from evtrain.stages.schedules import chunk_place

@@ -17,7 +17,7 @@
   before anything is published), so the launcher knows every stage's steps,
   status and failure even when the bus is lost. A worker killed by a signal
   leaves its last report behind; its exit status comes from the elastic agent
-  (`evtrain.elastic_agent`).
+  (`evtrain.launcher.elastic_agent`).
 * Stacks on request — a stage that hangs cannot say where. Every worker
   registers `faulthandler` for ``SIGUSR1`` (`enable_stack_dumps`): the
   launcher's signal (`request_stacks`) makes it write every thread's Python

@@ -40,7 +40,7 @@ from evtrain.checkpoint import (
     validate_checkpoint,
 )
 from evtrain.errors import UsageError
-from evtrain.run_record import mark_if_stale
+from evtrain.launcher.run_record import mark_if_stale
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -265,7 +265,7 @@ def _spec_of(ckpt: Path, given: str | None) -> Path | None:
             raise UsageError(f"--spec: {spec} is not a file")
         return spec
     # lazy: torch loads when the command runs, not when the CLI is built
-    from evtrain.run_record import read_run_record
+    from evtrain.launcher.run_record import read_run_record
 
     for directory in ckpt.parents:
         record = read_run_record(directory)

@@ -13,7 +13,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "demo",
         help="train the built-in demo: an MLP on scikit-learn's digits, 2 stages",
         description=(
-            "Launch the built-in demo (evtrain/demo.py): an MLP on scikit-learn's bundled "
+            "Launch the built-in demo (evtrain/tools/demo.py): an MLP on scikit-learn's bundled "
             "handwritten digits across 2 pipeline stages, with the logging hook, the "
             "Prometheus exporter, evaluation and checkpoints. Same options as "
             "`evtrain launch`."

@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     spec = args.spec
     if spec is None:
         # lazy: torch loads when the command runs, not when the CLI is built
-        from evtrain.demo import SPEC_PATH
+        from evtrain.tools.demo import SPEC_PATH
 
         spec = SPEC_PATH
     options = LaunchOptions(

@@ -5,7 +5,7 @@ JSON`` runs the hooks of a JSON list of job-spec entries (``[{"type":
 "logging", "every": 10}, {"type": "metrics"}]``, each with its own options)
 in one process and one `HookRunner`, which dispatches every event to them in
 ``priority`` order: how the launcher hosts a spec's built-in hooks
-(`evtrain.hook_supervisor`).
+(`evtrain.launcher.hook_supervisor`).
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def run(args: argparse.Namespace) -> int:
     """Replay; exit 1 if a handler raised."""
     # lazy: torch loads when the command runs, not when the CLI is built
-    from evtrain.replay import replay
+    from evtrain.tools.replay import replay
 
     hook = build_hook(args.hook, parse_options(args.option))
     result = anyio.run(lambda: replay(args.run_dir, [hook], out_dir=args.out))

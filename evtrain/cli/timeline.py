@@ -46,7 +46,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def run(args: argparse.Namespace) -> int:
     """Write the trace (and the PNG); print what was written and each stage's time shares."""
     # lazy: torch loads when the command runs, not when the CLI is built
-    from evtrain.timeline import (
+    from evtrain.tools.timeline import (
         StepRange,
         filter_steps,
         load_run,

@@ -1,4 +1,4 @@
-"""``evtrain top``: a live dashboard of a running job (`evtrain.top`)."""
+"""``evtrain top``: a live dashboard of a running job (`evtrain.tools.top`)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from evtrain.cli.common import (
     run_async,
 )
 from evtrain.errors import UsageError
-from evtrain.run_record import RUN_RECORD, launcher_alive, read_run_record
+from evtrain.launcher.run_record import RUN_RECORD, launcher_alive, read_run_record
 
 DEFAULT_INTERVAL = 0.5
 
@@ -78,7 +78,7 @@ def bus_of_run_dir(run_dir: str) -> tuple[str, str | None]:
 def run(args: argparse.Namespace) -> int:
     """Resolve the bus, check it answers, show the dashboard until told to stop."""
     # lazy: the console watcher loads when the command runs, not when the CLI is built
-    from evtrain.top import MIN_INTERVAL_S, watch
+    from evtrain.tools.top import MIN_INTERVAL_S, watch
 
     if not args.interval >= MIN_INTERVAL_S:
         raise UsageError(f"--interval must be at least {MIN_INTERVAL_S:g} s, got {args.interval:g}")

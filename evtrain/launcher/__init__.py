@@ -8,7 +8,7 @@ One `Launcher` (`evtrain.launcher.launcher`) runs one job on this node:
    mistake is one line and exit status 2 (`evtrain.launcher.options`,
    `evtrain.launcher.plan`). It picks a run id, takes the run directory over
    (`evtrain.launcher.run_dir`) and writes ``run.json`` there
-   (`evtrain.run_record`: run id, spec, overrides, bus address; completed
+   (`evtrain.launcher.run_record`: run id, spec, overrides, bus address; completed
    with the outcome at the end).
 2. It starts the broker in threads of its own process, or joins one that
    already runs, and prints the bus address (`evtrain.launcher.bus`, which
@@ -18,7 +18,7 @@ One `Launcher` (`evtrain.launcher.launcher`) runs one job on this node:
 4. It starts the stage workers through torch.distributed.elastic, run by a
    child process (`evtrain.launcher.agent`, which also says how a run spans
    several machines), and follows the run: progress line
-   (`evtrain.progress`) from the bus; the truth about every stage, failures
+   (`evtrain.launcher.progress`) from the bus; the truth about every stage, failures
    and their root cause from files that do not depend on the bus, and a bus
    that was lost (`evtrain.launcher.watch`); a run that hangs
    (`evtrain.launcher.hang`); signals and the phases of a stop
@@ -27,7 +27,7 @@ One `Launcher` (`evtrain.launcher.launcher`) runs one job on this node:
    prints a summary and returns the exit status (`evtrain.launcher.report`).
 
 Evaluation only (``LaunchOptions.evaluate``: ``evtrain eval``,
-`evtrain.api.evaluate`) is the same launch for another purpose
+`evtrain.tools.api.evaluate`) is the same launch for another purpose
 (`evtrain.launcher.plan.Evaluation`): no hook, the stages evaluate the
 committed checkpoint once, and its result is printed and written as JSON.
 

@@ -1,14 +1,14 @@
 """The elastic agent's process, seen from the launcher: start it, tell it, end it.
 
 The stage workers are started by torch.distributed.elastic, run by a child
-process (`evtrain.elastic_agent`; that module says why a process and not a
+process (`evtrain.launcher.elastic_agent`; that module says why a process and not a
 thread). `AgentProcess.start` starts it first thing, idle until it is told
 what to run: a fork of the launcher once torch is imported, or a fresh
 interpreter whose torch import overlaps the spec loading
-(`evtrain.forking` says when each). It reads two messages on its stdin: a
-`evtrain.elastic_agent.LauncherCleanup` as soon as the launcher has a run
+(`evtrain.launcher.forking` says when each). It reads two messages on its stdin: a
+`evtrain.launcher.elastic_agent.LauncherCleanup` as soon as the launcher has a run
 directory and a bus (what to undo should the launcher die), then the
-`evtrain.elastic_agent.AgentConfig` of this node's worker group
+`evtrain.launcher.elastic_agent.AgentConfig` of this node's worker group
 (`agent_config`). From then on stdin stays open: its end tells the agent
 that the launcher is gone. The agent leads its own session, and its
 workers are in its process group, so that a Ctrl-C at the terminal reaches
@@ -30,7 +30,7 @@ node runs is the rendezvous's choice. Nothing depends on it: ``--node-rank``
 says which node runs the bus, the hooks and the store (``is_host``, set
 explicitly: node 0 would not take an address its host name does not resolve
 to for its own), the stages find the bus by its address, and the agent reads
-the ranks its workers got (`evtrain.elastic_agent`). Each node takes part as
+the ranks its workers got (`evtrain.launcher.elastic_agent`). Each node takes part as
 ``--local-addr`` (default: its address on the route to the rendezvous
 endpoint, `evtrain.launcher.options.route_address`, since the host name often
 resolves to a loopback address), and the node that gets rank 0 serves the
@@ -60,15 +60,15 @@ from typing import Any
 import anyio
 import structlog
 
-from evtrain.elastic_agent import LAUNCHER_PID_ENV, AgentConfig, LauncherCleanup
-from evtrain.elastic_agent import main as agent_main
-from evtrain.forking import ForkedChild, can_fork_here, fork_agent
 from evtrain.launcher.bus import curve_env
+from evtrain.launcher.elastic_agent import LAUNCHER_PID_ENV, AgentConfig, LauncherCleanup
+from evtrain.launcher.elastic_agent import main as agent_main
+from evtrain.launcher.forking import ForkedChild, can_fork_here, fork_agent
 from evtrain.launcher.options import LaunchOptions
 from evtrain.launcher.plan import LaunchPlan
+from evtrain.launcher.progress import RunConsole
+from evtrain.launcher.run_record import RUN_RECORD
 from evtrain.launcher.stop import ELASTIC_SHUTDOWN_S
-from evtrain.progress import RunConsole
-from evtrain.run_record import RUN_RECORD
 from evtrain.stages.worker import WorkerConfig
 
 __all__ = [
@@ -87,7 +87,7 @@ _POLL_S = 0.1
 
 
 class AgentProcess:
-    """The running ``python -m evtrain.elastic_agent`` (module docstring)."""
+    """The running ``python -m evtrain.launcher.elastic_agent`` (module docstring)."""
 
     def __init__(self, process: subprocess.Popen[bytes] | ForkedChild) -> None:
         self.process = process
@@ -97,7 +97,7 @@ class AgentProcess:
         """Start the agent, idle until `send` tells it what to run.
 
         The ``evtrain`` command forks it once torch is imported, so that the
-        agent and its fork server import nothing more (`evtrain.forking`);
+        agent and its fork server import nothing more (`evtrain.launcher.forking`);
         inside an application it is a fresh interpreter.
         """
         fork = can_fork_here()
@@ -113,7 +113,7 @@ class AgentProcess:
         env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
         env.update(console.child_env())
         # The agent learns of our death from the end of its stdin (see
-        # evtrain.elastic_agent), and then tells it from a deliberate close by
+        # evtrain.launcher.elastic_agent), and then tells it from a deliberate close by
         # whether we are still its parent.
         env[LAUNCHER_PID_ENV] = str(os.getpid())
         env = curve_env(env, options)
@@ -132,7 +132,7 @@ class AgentProcess:
             )
         return cls(
             subprocess.Popen(
-                [sys.executable, "-m", "evtrain.elastic_agent", options.start_method],
+                [sys.executable, "-m", "evtrain.launcher.elastic_agent", options.start_method],
                 env=env,
                 stdin=subprocess.PIPE,
                 stdout=console.child_output,
@@ -204,7 +204,7 @@ class AgentProcess:
 
 
 def agent_report_path(report_dir: Path, options: LaunchOptions) -> Path:
-    """Where this node's agent writes its `evtrain.elastic_agent.AgentReport`."""
+    """Where this node's agent writes its `evtrain.launcher.elastic_agent.AgentReport`."""
     node = f"-node{options.node_rank}" if options.nnodes > 1 else ""
     return report_dir / f"agent{node}.json"
 

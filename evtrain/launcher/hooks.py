@@ -1,7 +1,7 @@
 """The spec's hooks during a launch: started, attached, given time to finish.
 
 The launcher starts the spec's hooks as supervised processes
-(`evtrain.hook_supervisor`) and waits until each has attached before any
+(`evtrain.launcher.hook_supervisor`) and waits until each has attached before any
 stage starts: the built-in hooks together in one host process
 (``priority`` orders them there), every other hook, and a built-in whose
 spec entry says ``isolate=True``, in a process of its own. At the end they
@@ -22,11 +22,11 @@ import anyio.to_thread
 import structlog
 
 from evtrain.bus.address import BusAddress
-from evtrain.hook_supervisor import HookSupervisor
 from evtrain.launcher.bus import curve_env
+from evtrain.launcher.hook_supervisor import HookSupervisor
 from evtrain.launcher.options import LaunchOptions
 from evtrain.launcher.plan import LaunchPlan
-from evtrain.progress import RunConsole
+from evtrain.launcher.progress import RunConsole
 
 __all__ = ["FAILED_HOOK_GRACE_S", "finish_hooks", "start_hooks", "wait_attached"]
 

@@ -40,10 +40,10 @@ from evtrain.events import (
     StopRun,
 )
 from evtrain.failures import RootCause
-from evtrain.hook_supervisor import HookSupervisor
 from evtrain.launcher.agent import AgentProcess, agent_config, agent_report_path, cleanup_message
 from evtrain.launcher.bus import RunBus
 from evtrain.launcher.hang import Hang, HangWatch, gather_hang, write_hang
+from evtrain.launcher.hook_supervisor import HookSupervisor
 from evtrain.launcher.hooks import finish_hooks, start_hooks, wait_attached
 from evtrain.launcher.options import (
     EXIT_FAILED,
@@ -54,13 +54,13 @@ from evtrain.launcher.options import (
     new_run_id,
 )
 from evtrain.launcher.plan import LaunchPlan, make_plan, purpose_of
+from evtrain.launcher.progress import RunConsole
 from evtrain.launcher.report import Report, closing_event, record_status
 from evtrain.launcher.run_dir import take_over
+from evtrain.launcher.run_record import LAUNCHES_DIR
 from evtrain.launcher.stop import StopAction, StopMachine, StopRequests
 from evtrain.launcher.stragglers import StragglerWatch
 from evtrain.launcher.watch import BusWatch, FailureWatch, workers_outstay_failure
-from evtrain.progress import RunConsole
-from evtrain.run_record import LAUNCHES_DIR
 from evtrain.stages.worker import remove_flight_recorder_pipes, this_host
 
 __all__ = ["Launcher"]
@@ -99,7 +99,7 @@ class Launcher:
     * `evtrain.launcher.agent.AgentProcess`: the elastic agent that runs the stage
       workers, started first and told `evtrain.launcher.agent.agent_config`;
     * `evtrain.launcher.run_dir.take_over`: the run directory;
-    * `evtrain.hook_supervisor.HookSupervisor` (`evtrain.launcher.hooks`): the hooks;
+    * `evtrain.launcher.hook_supervisor.HookSupervisor` (`evtrain.launcher.hooks`): the hooks;
     * `evtrain.launcher.stop.StopMachine`: the phases of a stop, fed by signals and
       `request_stop`;
     * `evtrain.launcher.watch.FailureWatch` and `evtrain.launcher.watch.BusWatch`: the
@@ -109,7 +109,7 @@ class Launcher:
     * `evtrain.launcher.stragglers.StragglerWatch`: stages and replicas slower than
       their peers;
     * `evtrain.launcher.report.Report`: header, summary, an evaluation's result, the
-      failure, ``run.json``; on `evtrain.progress.RunConsole`, the terminal.
+      failure, ``run.json``; on `evtrain.launcher.progress.RunConsole`, the terminal.
     """
 
     def __init__(
@@ -312,7 +312,7 @@ class Launcher:
         """Act as if ``signum`` had arrived (callable from any thread; `evtrain.launcher.stop`).
 
         What a caller that keeps the signals to itself (``handle_signals`` off:
-        `evtrain.api` in a thread) uses to pass on a Ctrl-C.
+        `evtrain.tools.api` in a thread) uses to pass on a Ctrl-C.
         """
         self._requests.put(signum)
 

@@ -59,7 +59,7 @@ START_METHODS = ("spawn", "forkserver", "fork")
 
 
 class JobSource(Protocol):
-    """A `evtrain.job.Job` packed for the stage processes (`evtrain.api.JobPayload`)."""
+    """A `evtrain.job.Job` packed for the stage processes (`evtrain.tools.api.JobPayload`)."""
 
     def directories(self) -> list[str]:
         """Directories of the files that define its names (hooks import their neighbours)."""
@@ -78,9 +78,9 @@ class LaunchOptions:
     """Path of the job spec file (with `job`: where the workers rebuild that Job from)."""
     job: Job | None = None
     """A `evtrain.job.Job` to check before anything starts instead of loading ``spec``
-    (`evtrain.api` writes ``spec`` so that the workers rebuild the same Job)."""
+    (`evtrain.tools.api` writes ``spec`` so that the workers rebuild the same Job)."""
     job_source: JobSource | None = None
-    """With `job`: that Job packed for the workers (`evtrain.api.JobPayload`); the
+    """With `job`: that Job packed for the workers (`evtrain.tools.api.JobPayload`); the
     launcher writes the spec that rebuilds it into the launch's report directory."""
     overrides: dict[str, str] = field(default_factory=dict)
     """Override strings (`evtrain.overrides.apply_overrides`), passed on to every worker."""
@@ -111,13 +111,13 @@ class LaunchOptions:
     """Checkpoint to resume: a path; ``"latest"``: the run directory's latest committed
     one; ``"auto"``: that one if there is one, else start at step 0 (`RESUME_AUTO`)."""
     overwrite: bool = False
-    """Start over in a run directory that holds a run (`evtrain.run_record.clear_run`)."""
+    """Start over in a run directory that holds a run (`evtrain.launcher.run_record.clear_run`)."""
     evaluate: str | None = None
     """Evaluate this checkpoint (or a run directory's latest committed one) once instead
     of training."""
     eval_dir: str | None = None
     """With ``evaluate``: the evaluation run's own directory (default ``evals/RUN_ID`` in
-    the checkpoint's run directory, `evtrain.run_record.EVALS_DIR`)."""
+    the checkpoint's run directory, `evtrain.launcher.run_record.EVALS_DIR`)."""
     eval_output: str | None = None
     """With ``evaluate``: the JSON file of the result (default ``EVAL_DIR/eval.json``)."""
     load_weights: str | None = None

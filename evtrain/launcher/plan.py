@@ -8,9 +8,9 @@ that a mistake is one line and exit status 2 (`evtrain.errors.UsageError`,
 
 The purpose of a launch is decided once, from the options (`purpose_of`):
 
-* `Training` (``evtrain launch``, `evtrain.api.launch`): the spec's hooks,
+* `Training` (``evtrain launch``, `evtrain.tools.api.launch`): the spec's hooks,
   the run directory of the job, and a summary at the end;
-* `Evaluation` (``evtrain eval``, `evtrain.api.evaluate`): the same broker
+* `Evaluation` (``evtrain eval``, `evtrain.tools.api.evaluate`): the same broker
   and stage workers, no hook (the spec's checkpoint hook would plan saves
   and its log writers would write into the training run's files); the
   stages load the committed checkpoint and evaluate once at its step
@@ -49,7 +49,7 @@ from evtrain.launcher.options import (
     check_options,
     is_bus_owner,
 )
-from evtrain.run_record import EVALS_DIR, describe_run
+from evtrain.launcher.run_record import EVALS_DIR, describe_run
 
 if TYPE_CHECKING:
     from evtrain.job import Job
@@ -315,7 +315,7 @@ def make_plan(options: LaunchOptions, purpose: Purpose) -> LaunchPlan:
     opts = options
     local_addr = check_options(opts)
     if opts.job is not None and opts.job_source is None:
-        raise UsageError("a Job object needs its job_source (see evtrain.api)")
+        raise UsageError("a Job object needs its job_source (see evtrain.tools.api)")
     # lazy: torch comes with the job spec, once the agent process is already
     # starting (it imports torch too, at the same time).
     from evtrain.overrides import apply_overrides

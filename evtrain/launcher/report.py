@@ -40,9 +40,9 @@ from evtrain.launcher.options import (
     LaunchOptions,
 )
 from evtrain.launcher.plan import LaunchPlan, world
+from evtrain.launcher.progress import RunConsole
+from evtrain.launcher.run_record import process_start_ticks, write_run_record
 from evtrain.launcher.watch import BusWatch, FailureWatch
-from evtrain.progress import RunConsole
-from evtrain.run_record import process_start_ticks, write_run_record
 
 if TYPE_CHECKING:
     from evtrain.launcher.plan import Evaluation

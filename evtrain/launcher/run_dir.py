@@ -2,9 +2,9 @@
 
 The launch that runs the bus (node 0) takes the directory over: a
 ``run.json`` left ``running`` by a launcher that is gone is marked
-``interrupted`` first (`evtrain.run_record.mark_if_stale`); one whose
+``interrupted`` first (`evtrain.launcher.run_record.mark_if_stale`); one whose
 launcher still runs makes the directory in use. A directory that holds a
-run is never started in afresh (`evtrain.run_record` says why): without
+run is never started in afresh (`evtrain.launcher.run_record` says why): without
 ``--resume`` or ``--overwrite`` that is a usage mistake, and an evaluation
 never writes into one (`evtrain.launcher.plan.Purpose.check_used_dir`). A
 resume of a run that has trained all its ``max_steps`` says so and starts
@@ -22,7 +22,7 @@ import structlog
 from evtrain.errors import UsageError
 from evtrain.launcher.options import LaunchOptions
 from evtrain.launcher.plan import LaunchPlan
-from evtrain.run_record import (
+from evtrain.launcher.run_record import (
     LAUNCHES_DIR,
     clear_run,
     mark_if_stale,
@@ -48,7 +48,7 @@ def take_over(
 
     A record its dead launcher left ``running`` is marked interrupted first
     (``warn`` says so). A directory that holds a run
-    (`evtrain.run_record.used_by`) is refused unless the launch resumes that
+    (`evtrain.launcher.run_record.used_by`) is refused unless the launch resumes that
     run (its metrics log is rewound to the resumed step) or starts it over
     (``--overwrite``: the run's files go). Reports an earlier launch with the
     same ``run_id`` left here are set aside (``launches/RUN_ID.1``...): this

@@ -23,14 +23,14 @@ the stages: then 2 comes first. Before the workers exist there is nothing
 to stop gently: then 3 comes first.
 
 If the launcher itself is killed, the hooks receive SIGTERM
-(``PR_SET_PDEATHSIG``, `evtrain.hook_supervisor`) and the agent sees its
+(``PR_SET_PDEATHSIG``, `evtrain.launcher.hook_supervisor`) and the agent sees its
 stdin end: it stops the workers the same way, marks ``run.json``
 interrupted and removes the launcher's ipc directory
-(`evtrain.elastic_agent`).
+(`evtrain.launcher.elastic_agent`).
 
 `StopMachine` holds no process and reads no clock: signals, acknowledgements
 and the time go in, the `StopAction` to carry out comes out. A caller that
-keeps the signals to itself (`evtrain.api` in a thread) passes them on
+keeps the signals to itself (`evtrain.tools.api` in a thread) passes them on
 through `StopRequests`.
 """
 

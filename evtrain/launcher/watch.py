@@ -2,7 +2,7 @@
 
 `FailureWatch`: the truth about every stage comes from files that do not
 depend on the bus — each stage's `evtrain.stages.worker.StageReport` and the
-agent's `evtrain.elastic_agent.AgentReport`, in ``RUN_DIR/launches/RUN_ID/``
+agent's `evtrain.launcher.elastic_agent.AgentReport`, in ``RUN_DIR/launches/RUN_ID/``
 — and, for another node's stages, from ``StageFailed`` events.
 
 Failures: the first stage that failed is the root cause, not the first one
@@ -51,7 +51,6 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from evtrain.checkpoint import latest_committed
-from evtrain.elastic_agent import AgentReport, AttemptReport
 from evtrain.events import RunEnded, StageFailed
 from evtrain.failures import (
     Failure,
@@ -61,7 +60,8 @@ from evtrain.failures import (
     is_communication_error,
 )
 from evtrain.launcher.bus import RunBus
-from evtrain.progress import Progress
+from evtrain.launcher.elastic_agent import AgentReport, AttemptReport
+from evtrain.launcher.progress import Progress
 from evtrain.stages.worker import StageReport, read_stage_reports
 
 if TYPE_CHECKING:

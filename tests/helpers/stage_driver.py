@@ -22,14 +22,14 @@ from evtrain.stages.worker import WorkerConfig
 # Runs each WorkerConfig of argv[1] (JSON list of [nproc, config_json]) under
 # elastic_launch in turn; exits 1 at the first failed launch. Workers fork from
 # the agent's fork server, which has torch and the stage runtime imported
-# (evtrain.forking): seconds less per worker on a 2-core machine.
+# (evtrain.launcher.forking): seconds less per worker on a 2-core machine.
 DRIVER = """
 import json, sys, uuid
 import torch
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from evtrain.bus.address import free_port_block
-from evtrain.elastic_agent import FORK_SERVER_PRELOAD
-from evtrain.forking import start_fork_server
+from evtrain.launcher.elastic_agent import FORK_SERVER_PRELOAD
+from evtrain.launcher.forking import start_fork_server
 from evtrain.stages.entry import worker_main
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from helpers.launch_helpers import (
 import evtrain
 from evtrain.checkpoint import list_checkpoints
 from evtrain.errors import UsageError
-from evtrain.run_record import read_run_record
+from evtrain.launcher.run_record import read_run_record
 from evtrain.spec import load_job
 
 pytestmark = pytest.mark.slow

@@ -264,7 +264,7 @@ def test_a_hook_that_outlives_its_run_keeps_the_books_of_each_run_apart(tmp_path
     import anyio
 
     from evtrain.events import CheckpointPlan, RunEnded, RunStarted
-    from evtrain.replay import ReplayRunner
+    from evtrain.tools.replay import ReplayRunner
 
     def started(run_id: str, run_dir: Path) -> RunStarted:
         return RunStarted(

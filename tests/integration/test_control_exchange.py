@@ -14,7 +14,7 @@ import json, multiprocessing, os, sys
 import torch
 import torch.distributed as dist
 from evtrain.bus.address import free_port_block
-from evtrain.forking import start_fork_server
+from evtrain.launcher.forking import start_fork_server
 
 
 def member(rank, world, port, out):

@@ -18,7 +18,13 @@ from helpers.launch_helpers import kill_marked, launch_env, new_marker, wait_no_
 
 from evtrain.checkpoint import latest_committed, list_checkpoints
 from evtrain.data import microbatches
-from evtrain.demo import (
+from evtrain.errors import UsageError
+from evtrain.hooks.registry import build_hook_from_spec
+from evtrain.job import Job
+from evtrain.spec import load_job
+from evtrain.stages.job_data import job_data
+from evtrain.stages.partition import build_full_model, partition
+from evtrain.tools.demo import (
     DEMO_HOOKS,
     EVAL_EVERY,
     MAX_STEPS,
@@ -26,12 +32,6 @@ from evtrain.demo import (
     load_digits_split,
     make_job,
 )
-from evtrain.errors import UsageError
-from evtrain.hooks.registry import build_hook_from_spec
-from evtrain.job import Job
-from evtrain.spec import load_job
-from evtrain.stages.job_data import job_data
-from evtrain.stages.partition import build_full_model, partition
 
 MIN_ACCURACY = 0.95
 """Test accuracy the demo must reach; it typically reaches 0.966-0.975 (seeds 0-3)."""

@@ -42,11 +42,11 @@ from helpers.launch_helpers import launch_cmd, write_spec
 from evtrain.bus.address import BusAddress
 from evtrain.bus.subscriber import Subscriber
 from evtrain.checkpoint import list_checkpoints
-from evtrain.demo import DEMO_HOOKS, MAX_STEPS
 from evtrain.errors import UsageError
 from evtrain.events import HookStarted
 from evtrain.hooks.registry import build_hook, parse_options
 from evtrain.launcher import Launcher, LaunchOptions
+from evtrain.tools.demo import DEMO_HOOKS, MAX_STEPS
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"

@@ -51,7 +51,7 @@ from evtrain.hooks.early_stopping import EarlyStopping
 from evtrain.hooks.hook import Hook
 from evtrain.job import Job, accuracy, layer, metric
 from evtrain.launcher import check_monitored_metric
-from evtrain.progress import RunConsole
+from evtrain.launcher.progress import RunConsole
 from evtrain.spec import load_job
 from evtrain.stages.evaluation import unsyncable_metric
 from evtrain.stages.job_data import job_data
@@ -583,7 +583,7 @@ def test_a_hook_watching_an_unprefixed_name_of_named_sets_is_a_spec_error() -> N
 
 
 def _replayed(hook: Any, events: list[Message]) -> None:
-    from evtrain.replay import ReplayRunner
+    from evtrain.tools.replay import ReplayRunner
 
     runner = ReplayRunner([hook])
     anyio.run(runner.replay, events)

@@ -551,7 +551,7 @@ def _run_started(
 def _replay(exporter: PrometheusExporter, events: list[Message]) -> Any:
     import anyio
 
-    from evtrain.replay import ReplayRunner
+    from evtrain.tools.replay import ReplayRunner
 
     runner = ReplayRunner([exporter])
     anyio.run(runner.replay, events)
@@ -741,7 +741,7 @@ def _linger(
     """Set up, see a run end (after ``scrapes`` scrapes), time the teardown."""
     import anyio
 
-    from evtrain.replay import ReplayRunner
+    from evtrain.tools.replay import ReplayRunner
 
     runner = ReplayRunner([exporter])
     scraper: _Scraper | None = None
@@ -803,7 +803,7 @@ def test_prometheus_waits_at_most_two_scrape_intervals() -> None:
 def test_metrics_log_writes_each_step_once_across_an_elastic_restart(tmp_path: Path) -> None:
     import anyio
 
-    from evtrain.replay import ReplayRunner
+    from evtrain.tools.replay import ReplayRunner
 
     # Steps 1-5, then the stages restart from the checkpoint of step 3 (same run,
     # a new RunStarted) and redo steps 4-6.
@@ -830,7 +830,7 @@ def test_info_and_timestamp_series_an_sre_alerts_on() -> None:
     """evtrain_build_info and evtrain_run_info (one series: a later run replaces the
     earlier's labels), and when the latest step ended and the latest checkpoint was
     committed."""
-    from evtrain.replay import ReplayRunner
+    from evtrain.tools.replay import ReplayRunner
 
     def run_started(run_id: str, ts: float) -> events.RunStarted:
         return events.RunStarted(
@@ -864,7 +864,7 @@ def test_each_stage_has_one_instruction_series_and_hangs_are_counted() -> None:
     """evtrain_stage_instruction_seconds follows each heartbeat's instruction, one series
     per stage (the previous instruction's is removed); a made-up instruction is "other";
     evtrain_hangs_reported_total counts the launcher's hang reports."""
-    from evtrain.replay import ReplayRunner
+    from evtrain.tools.replay import ReplayRunner
 
     started = events.RunStarted(
         name="r", num_stages=2, num_microbatches=1, schedule="1f1b", max_steps=5,
@@ -902,7 +902,7 @@ def test_each_stage_has_one_instruction_series_and_hangs_are_counted() -> None:
 def test_stragglers_are_one_while_they_straggle() -> None:
     """evtrain_straggler: 0 for every stage process from the run's start, 1 while one
     straggles; a whole stage is each of its replicas."""
-    from evtrain.replay import ReplayRunner
+    from evtrain.tools.replay import ReplayRunner
 
     started = events.RunStarted(
         name="r", num_stages=2, num_microbatches=1, schedule="1f1b", max_steps=5,

@@ -35,7 +35,7 @@ from helpers.launch_helpers import (
 from evtrain.bus.address import BusAddress
 from evtrain.checkpoint import latest_committed, list_checkpoints
 from evtrain.failures import Failure, find_root_cause, is_communication_error, user_frames
-from evtrain.run_record import read_run_record, write_run_record
+from evtrain.launcher.run_record import read_run_record, write_run_record
 
 GLOO_CLOSED = (
     "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by "

@@ -1,4 +1,4 @@
-"""One import of torch per launch: the agent and the fork server are forks (`evtrain.forking`)."""
+"""One torch import per launch: the agent and fork server are forks (`evtrain.launcher.forking`)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from helpers.launch_helpers import (
 
 FORK_SERVER_SCRIPT = """
 import json, multiprocessing, os, sys
-from evtrain.forking import start_fork_server
+from evtrain.launcher.forking import start_fork_server
 
 STATE = "as imported"
 
@@ -65,7 +65,7 @@ if __name__ == "__main__":
 
 FORK_AGENT_SCRIPT = """
 import json, os, sys
-from evtrain.forking import fork_agent
+from evtrain.launcher.forking import fork_agent
 
 # Open in the parent: the child must not keep it.
 stray = os.dup2(os.open(os.devnull, os.O_RDONLY), 50)

@@ -64,7 +64,7 @@ from evtrain.events import (
 from evtrain.exporters import EventRecorder, MetricsLog, PrometheusExporter
 from evtrain.exporters.recorder import read_recording
 from evtrain.hooks import ConsoleLog, EarlyStopping, EvalTrigger, LRMonitor, MemoryMonitor, Timer
-from evtrain.replay import ReplayRunner
+from evtrain.tools.replay import ReplayRunner
 
 REAL_RUN = "realrun00001"
 STAGES = 2

@@ -29,8 +29,8 @@ from evtrain.bus.address import BusAddress
 from evtrain.bus.publisher import Publisher
 from evtrain.bus.subscriber import Subscriber
 from evtrain.events import HookError, HookStarted, StepEnded, StopRun
-from evtrain.hook_supervisor import HookSupervisor, hook_groups, host_command
 from evtrain.hooks.registry import build_hook_from_spec, is_builtin
+from evtrain.launcher.hook_supervisor import HookSupervisor, hook_groups, host_command
 
 PROBE = "test/probe"
 

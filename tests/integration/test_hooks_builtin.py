@@ -224,7 +224,7 @@ def test_launcher_progress_with_replicas_counts_each_step_once(bus: BusAddress, 
     from evtrain.bus.publisher import Publisher
     from evtrain.bus.subscriber import Subscriber
     from evtrain.events import Heartbeat
-    from evtrain.progress import Progress
+    from evtrain.launcher.progress import Progress
 
     progress = Progress()
 
@@ -364,7 +364,7 @@ def test_lr_monitor_warns_once_about_a_replica_that_disagrees() -> None:
     import anyio
 
     from evtrain.events import StepEnded
-    from evtrain.replay import ReplayRunner
+    from evtrain.tools.replay import ReplayRunner
 
     lr = LRMonitor()
     events: list[Message] = [two_stage_run(data_parallel=2)]
@@ -389,7 +389,7 @@ def test_monitors_take_a_step_that_overtook_its_run_start_as_that_run() -> None:
     import anyio
 
     from evtrain.events import StepEnded
-    from evtrain.replay import ReplayRunner
+    from evtrain.tools.replay import ReplayRunner
 
     lr, memory = LRMonitor(), MemoryMonitor(threshold="1MiB")
 
@@ -457,7 +457,7 @@ def test_logging_hook_escapes_event_text_and_prints_nan(tmp_path: Path) -> None:
     import anyio
 
     from evtrain.events import RunStarted, StageFailed, StepEnded
-    from evtrain.replay import ReplayRunner
+    from evtrain.tools.replay import ReplayRunner
 
     path = tmp_path / "train.log"
     hook = ConsoleLog(every=1, path=path)
@@ -564,7 +564,7 @@ def test_logging_hook_says_a_stage_error_once_and_consequences_briefly(tmp_path:
     import anyio
 
     from evtrain.events import RunEnded, RunStarted, StageFailed
-    from evtrain.replay import ReplayRunner
+    from evtrain.tools.replay import ReplayRunner
 
     path = tmp_path / "train.log"
     hook = ConsoleLog(path=path)

@@ -44,9 +44,9 @@ from evtrain.events import (
     StageStopped,
     StepEnded,
 )
-from evtrain.hook_supervisor import HookSupervisor, hook_command
+from evtrain.launcher.hook_supervisor import HookSupervisor, hook_command
+from evtrain.launcher.progress import Progress, RunConsole
 from evtrain.logs import LAUNCHER_CONSOLE_ENV, LOG_STREAM, configure_logging
-from evtrain.progress import Progress, RunConsole
 
 
 def _one_line(text: str) -> str:
@@ -295,7 +295,7 @@ def test_logging_hook_leaves_the_run_to_the_launchers_console(
     under_launcher: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from evtrain.hooks.console_log import ConsoleLog
-    from evtrain.replay import ReplayRunner
+    from evtrain.tools.replay import ReplayRunner
 
     if under_launcher:
         monkeypatch.setenv(LAUNCHER_CONSOLE_ENV, "1")

@@ -77,7 +77,7 @@ def test_an_import_cycle_fails(tree: Path) -> None:
         "evtrain.cli",  # --help, and every hook process's start
         "evtrain.launcher",  # the agent process starts before the launcher imports torch
         "evtrain.bus.broker",  # evtrain bus
-        "evtrain.top",
+        "evtrain.tools.top",
         "evtrain.stages",  # schedules as data
         "evtrain.checkpoint",  # evtrain ckpt list
     ],

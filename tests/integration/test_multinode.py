@@ -43,8 +43,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import load_file
 
 from evtrain.checkpoint import latest_committed, list_checkpoints
-from evtrain.elastic_agent import AgentReport
 from evtrain.launcher import FAILED_WORKERS_GRACE_S
+from evtrain.launcher.elastic_agent import AgentReport
 from evtrain.stages.worker import read_stage_reports
 
 pytestmark = pytest.mark.slow

@@ -25,9 +25,9 @@ from evtrain.exporters import MetricsLog
 from evtrain.exporters.recorder import read_recording
 from evtrain.hooks.checkpoint import CheckpointHook
 from evtrain.launcher import Launcher, LaunchOptions
-from evtrain.replay import replay
-from evtrain.run_record import read_run_record, without_redone
-from evtrain.timeline import load_run
+from evtrain.launcher.run_record import read_run_record, without_redone
+from evtrain.tools.replay import replay
+from evtrain.tools.timeline import load_run
 
 pytestmark = pytest.mark.slow
 

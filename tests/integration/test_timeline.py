@@ -27,7 +27,7 @@ from evtrain.events import (
     StepEnded,
 )
 from evtrain.stages.simulator import simulate
-from evtrain.timeline import (
+from evtrain.tools.timeline import (
     KIND_COLOURS,
     StepRange,
     chrome_trace,
@@ -397,7 +397,7 @@ HOSTILE_LINES = (
 def test_hostile_lines_in_a_recording_are_skipped_and_counted(recorded_run: Path) -> None:
     from structlog.testing import capture_logs
 
-    from evtrain.replay import read_events as replay_events
+    from evtrain.tools.replay import read_events as replay_events
 
     events = recorded_run / "events.jsonl"
     complete = load_run(recorded_run)

@@ -43,8 +43,8 @@ from evtrain.events import (
     StragglerReported,
 )
 from evtrain.hooks import Hook, HookRunner, on
-from evtrain.run_record import process_start_ticks, write_run_record
-from evtrain.top import (
+from evtrain.launcher.run_record import process_start_ticks, write_run_record
+from evtrain.tools.top import (
     CheckpointView,
     HookView,
     RunView,
@@ -286,7 +286,7 @@ def test_a_stage_long_in_one_instruction_is_shown_with_it() -> None:
 def test_a_straggler_is_shown_while_it_is_one() -> None:
     """The launcher's straggler reports: a whole stage marks each of its replicas, until
     it recovers."""
-    from evtrain.replay import ReplayRunner
+    from evtrain.tools.replay import ReplayRunner
 
     started = RunStarted(
         name="x", num_stages=2, num_microbatches=4, schedule="1f1b", max_steps=50,
@@ -500,7 +500,7 @@ def test_mistakes_are_one_line_and_exit_2(
 
 def test_top_of_a_run_directory_takes_the_launchs_curve_keys(tmp_path: Path) -> None:
     from evtrain.cli.top import bus_of_run_dir
-    from evtrain.run_record import write_run_record
+    from evtrain.launcher.run_record import write_run_record
 
     record = {"status": "running", "bus": "tcp://127.0.0.1:5999", "launcher_pid": os.getpid()}
     write_run_record(tmp_path, {**record, "curve_dir": "/keys"})

@@ -8,9 +8,9 @@ that elastic's ``forkserver`` start method forks every worker from. Each
 used to be a fresh interpreter importing it again; now:
 
 * `fork_agent`: the ``evtrain`` command forks the agent from itself once it
-  has imported torch, instead of starting ``python -m evtrain.elastic_agent``.
+  has imported torch, instead of starting ``python -m evtrain.launcher.elastic_agent``.
   Only when the launcher's process is its own (the CLI): inside an
-  application (`evtrain.api`) that may have threads or may have computed with
+  application (`evtrain.tools.api`) that may have threads or may have computed with
   torch, the agent is a fresh interpreter as before.
 * `start_fork_server`: multiprocessing's fork server is a fork of the agent
   instead of an interpreter the stdlib starts with exec. The protocol it

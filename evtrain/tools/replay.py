@@ -38,9 +38,9 @@ from evtrain.events import (
 from evtrain.exporters.recorder import read_recording
 from evtrain.hooks.hook import Hook
 from evtrain.hooks.runner import HookRunner
-from evtrain.run_record import without_redone
+from evtrain.launcher.run_record import without_redone
 
-log = structlog.get_logger("evtrain.replay")
+log = structlog.get_logger("evtrain.tools.replay")
 
 EVENTS_FILENAME = "events.jsonl"
 REPLAY_DIRNAME = "replay"
@@ -62,7 +62,7 @@ def read_events(path: str | Path) -> Iterator[Message]:
     """The events of a recorder file in order; exact duplicates (a restarted recorder
     records the state snapshot again), lines that are not valid events (see
     `evtrain.exporters.recorder.read_recording`) and, of a resumed run, the
-    steps a later launch redid (`evtrain.run_record.without_redone`) are skipped."""
+    steps a later launch redid (`evtrain.launcher.run_record.without_redone`) are skipped."""
     seen: set[tuple[str, str, int, float, str]] = set()
     for msg in without_redone(path, read_recording(path)):
         key = (msg.run_id, msg.source, msg.seq, msg.ts, msg.topic.decode())

@@ -46,7 +46,7 @@ from evtrain.events import (
     RunStarted,
 )
 from evtrain.exporters.recorder import read_recording
-from evtrain.run_record import without_redone
+from evtrain.launcher.run_record import without_redone
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -244,7 +244,7 @@ def load_run(run_dir: str | Path) -> RecordedRun:
     """Read ``RUN_DIR/events.jsonl`` (or a given ``.jsonl`` file) for a timeline.
 
     Of a resumed run each step's spans come from the launch that went on
-    (`evtrain.run_record.without_redone`).
+    (`evtrain.launcher.run_record.without_redone`).
 
     Raises `UsageError` when the file is missing or holds no microbatch spans.
     """

@@ -80,7 +80,7 @@ __all__ = [
     "set_pdeathsig",
 ]
 
-log = structlog.get_logger("evtrain.hook_supervisor")
+log = structlog.get_logger("evtrain.launcher.hook_supervisor")
 
 _PR_SET_PDEATHSIG = 1
 

@@ -72,8 +72,8 @@ from evtrain.checkpoint import latest_committed
 from evtrain.errors import UsageError
 from evtrain.job import Job
 from evtrain.launcher import Launcher, LaunchOptions
+from evtrain.launcher.run_record import read_run_record
 from evtrain.logs import configure_logging
-from evtrain.run_record import read_run_record
 
 if TYPE_CHECKING:
     from evtrain.job import Job
@@ -95,9 +95,9 @@ _MODULES_FILE = "modules.json"
 _MAIN_ALIAS = "__evtrain_main__"
 _REBUILDING = threading.local()
 _GENERATED_SPEC = '''\
-"""The Job handed to evtrain.launch(), rebuilt in this process (generated; see evtrain.api)."""
+"""The Job handed to evtrain.launch(), rebuilt here (generated; see evtrain.tools.api)."""
 
-from evtrain.api import rebuild_job
+from evtrain.tools.api import rebuild_job
 
 job = rebuild_job(__file__)
 '''
@@ -376,7 +376,7 @@ class JobPayload:
         except (pickle.PicklingError, AttributeError, TypeError) as exc:
             raise UsageError(
                 f"the Job cannot be sent to the stage processes: {exc} (define it in a "
-                "module or a spec file; see evtrain.api)"
+                "module or a spec file; see evtrain.tools.api)"
             ) from None
         files: dict[str, str] = {}
         for module, name in _globals_of(data):

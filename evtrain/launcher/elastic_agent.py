@@ -1,7 +1,7 @@
 """The torch.distributed.elastic agent process that the launcher starts.
 
 ``evtrain launch`` does not spawn stage workers itself: it starts this module
-as a child process (``python -m evtrain.elastic_agent``), which runs
+as a child process (``python -m evtrain.launcher.elastic_agent``), which runs
 ``elastic_launch(LaunchConfig(...), worker_main)(worker_config_json)`` — the
 same agent torchrun uses — to rendezvous, spawn the P stage workers, watch
 them and restart the group on failure (``max_restarts``).
@@ -72,8 +72,8 @@ from typing import Any
 
 import msgspec
 
-from evtrain.forking import start_fork_server
-from evtrain.run_record import mark_interrupted
+from evtrain.launcher.forking import start_fork_server
+from evtrain.launcher.run_record import mark_interrupted
 from evtrain.stages.entry import worker_main
 from evtrain.stages.worker import read_stage_reports
 
@@ -412,10 +412,10 @@ def _read_cleanup(lines: str) -> LauncherCleanup | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m evtrain.elastic_agent [START_METHOD]``: read, run, clean up.
+    """``python -m evtrain.launcher.elastic_agent [START_METHOD]``: read, run, clean up.
 
     With ``forkserver`` as the start method the fork server starts at once, a
-    fork of this process once torch is imported (`evtrain.forking`).
+    fork of this process once torch is imported (`evtrain.launcher.forking`).
     """
     args = sys.argv[1:] if argv is None else argv
     launcher = int(os.environ.get(LAUNCHER_PID_ENV) or os.getppid())
