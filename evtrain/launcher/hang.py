@@ -29,18 +29,22 @@ committed checkpoint.
 from __future__ import annotations
 
 import contextlib
+import os
 import re
+import signal
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import anyio
 import structlog
 
-from evtrain.events import doing_kind
+from evtrain.events import HangReported, RunEnded, doing_kind
 from evtrain.failures import frame_text, is_user_file
 from evtrain.formatting import fmt_duration
+from evtrain.launcher.ending import RunEnding
+from evtrain.launcher.watch import FailureWatch
 from evtrain.stages.worker import (
     StageReport,
     flight_recorder_dumps,
@@ -55,6 +59,7 @@ __all__ = [
     "HANG_FLOOR_S",
     "HANG_STEP_FACTOR",
     "Hang",
+    "HangResponse",
     "HangWatch",
     "StackFrame",
     "Thread",
@@ -489,3 +494,67 @@ def _size(path: Path) -> int:
         return path.stat().st_size
     except OSError:
         return 0
+
+
+class HangResponse:
+    """What node 0's launcher does about a run that makes no progress: report where it
+    is stuck (`HangReported`, the console, a report file), then end the run, or, when
+    elastic restarts the worker group, kill this node's stuck workers and watch anew."""
+
+    def __init__(
+        self, timeout: float | None, *, report_dir: Path, run_id: str, replicas: int
+    ) -> None:
+        self._timeout = timeout
+        self.watch = HangWatch(timeout)
+        self._report_dir = report_dir
+        self._run_id = run_id
+        self._replicas = replicas
+
+    async def check(
+        self, failures: FailureWatch, ending: RunEnding, error: Callable[[str], None]
+    ) -> Hang | None:
+        """The hang that ends the run, published, if one is found now; None otherwise
+        (none, or the workers restart)."""
+        now = time.monotonic()
+        if not self.watch.observe(failures.stage_reports, now):
+            return None
+        attempt = failures.current_attempt()
+        number = attempt.attempt if attempt is not None else 0
+        hang = await gather_hang(
+            failures.stage_reports,
+            report_dir=self._report_dir,
+            run_id=self._run_id,
+            attempt=number,
+            replicas=self._replicas,
+            still_s=self.watch.still_for(now),
+        )
+        restarting = failures.restart_pending(attempt)
+        path = write_hang(hang, self._report_dir, number, restarting=restarting)
+        culprit = hang.culprit.report
+        ending.send(
+            HangReported(
+                step=hang.step,
+                stage=culprit.stage,
+                replica=culprit.replica,
+                doing=culprit.doing,
+                location=hang.culprit.location(),
+                summary=hang.summary(None),
+                report=str(path or ""),
+                restarting=restarting,
+            )
+        )
+        error(hang.summary(path))
+        if restarting:
+            # Elastic restarts a worker group one of whose workers died.
+            failures.hung_attempts[number] = hang.headline()
+            self.watch = HangWatch(self._timeout)
+            for report in failures.stage_reports.values():
+                if report.host == this_host():
+                    with contextlib.suppress(OSError):
+                        os.kill(report.pid, signal.SIGKILL)
+            return None
+        headline = hang.headline()
+        ending.publish(
+            RunEnded(status="failed", reason=headline, root_cause=headline, step=hang.step)
+        )
+        return hang

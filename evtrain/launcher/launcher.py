@@ -6,8 +6,6 @@ The phases and the exit statuses are the package's docstring
 
 from __future__ import annotations
 
-import contextlib
-import os
 import secrets
 import signal
 import sys
@@ -20,7 +18,6 @@ from typing import Any, TextIO
 import anyio
 import structlog
 
-from evtrain.bus.publisher import Publisher
 from evtrain.bus.subscriber import Subscriber
 from evtrain.checkpoint import commit_complete
 from evtrain.events import (
@@ -28,8 +25,6 @@ from evtrain.events import (
     EvalEnded,
     EvalProgress,
     EvalStarted,
-    Event,
-    HangReported,
     Heartbeat,
     HookStarted,
     Message,
@@ -42,7 +37,8 @@ from evtrain.events import (
 from evtrain.failures import RootCause
 from evtrain.launcher.agent import AgentProcess, agent_config, agent_report_path, cleanup_message
 from evtrain.launcher.bus import RunBus
-from evtrain.launcher.hang import Hang, HangWatch, gather_hang, write_hang
+from evtrain.launcher.ending import RunEnding
+from evtrain.launcher.hang import Hang, HangResponse
 from evtrain.launcher.hook_supervisor import HookSupervisor
 from evtrain.launcher.hooks import finish_hooks, start_hooks, wait_attached
 from evtrain.launcher.options import (
@@ -59,9 +55,9 @@ from evtrain.launcher.report import Report, closing_event, record_status
 from evtrain.launcher.run_dir import take_over
 from evtrain.launcher.run_record import LAUNCHES_DIR
 from evtrain.launcher.stop import StopAction, StopMachine, StopRequests
-from evtrain.launcher.stragglers import StragglerWatch
-from evtrain.launcher.watch import BusWatch, FailureWatch, workers_outstay_failure
-from evtrain.stages.worker import remove_flight_recorder_pipes, this_host
+from evtrain.launcher.stragglers import StragglerNotices
+from evtrain.launcher.watch import BusWatch, FailureResponse, FailureWatch
+from evtrain.stages.worker import remove_flight_recorder_pipes
 
 __all__ = ["Launcher"]
 
@@ -103,11 +99,14 @@ class Launcher:
     * `evtrain.launcher.stop.StopMachine`: the phases of a stop, fed by signals and
       `request_stop`;
     * `evtrain.launcher.watch.FailureWatch` and `evtrain.launcher.watch.BusWatch`: the
-      stages' and the agent's reports, root causes, a lost bus;
-    * `evtrain.launcher.hang.HangWatch` and `evtrain.launcher.hang.Hang`: a run that
-      makes no progress, and where it is stuck;
-    * `evtrain.launcher.stragglers.StragglerWatch`: stages and replicas slower than
+      stages' and the agent's reports, root causes, a lost bus; and
+      `evtrain.launcher.watch.FailureResponse`: what a failure makes the launcher do;
+    * `evtrain.launcher.hang.HangResponse`: a run that makes no progress, where it is
+      stuck, and its end;
+    * `evtrain.launcher.stragglers.StragglerNotices`: stages and replicas slower than
       their peers;
+    * `evtrain.launcher.ending.RunEnding`: the `RunEnded` the launcher publishes itself
+      when the stages cannot;
     * `evtrain.launcher.report.Report`: header, summary, an evaluation's result, the
       failure, ``run.json``; on `evtrain.launcher.progress.RunConsole`, the terminal.
     """
@@ -135,20 +134,16 @@ class Launcher:
         self._supervisor: HookSupervisor | None = None
         self._failures: FailureWatch | None = None
         self._bus_watch: BusWatch | None = None
-        self._hang_watch: HangWatch | None = None
+        self._failure_response: FailureResponse | None = None
+        self._hangs: HangResponse | None = None
         self._hang: Hang | None = None
         """The hang that ended the run."""
-        self._stragglers: StragglerWatch | None = None
-        self._stragglers_named: set[tuple[int, int | None]] = set()
-        """Stragglers the console named already (once each)."""
-        self._publisher: Publisher | None = None
+        self._stragglers: StragglerNotices | None = None
+        self._end = RunEnding(self._bus_down)
         self._config_sent = False
         self._ended: RunEnded | None = None
         """The stages' own ``RunEnded``, from the bus."""
         self._ended_event: anyio.Event | None = None
-        self._published: RunEnded | None = None
-        """The ``RunEnded`` the launcher published itself (a failure, a kill)."""
-        self._published_at = 0.0
         self._root: RootCause | None = None
         self._started = time.monotonic()
         self._started_at = time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime())
@@ -259,9 +254,23 @@ class Launcher:
             restarts=self.options.max_restarts,
         )
         self._bus_watch = BusWatch(bus, self.console.warn, since=self._started)
+        self._failure_response = FailureResponse(
+            self._failures,
+            self._end,
+            self.stop,
+            warn=self.console.warn,
+            kill_workers=self._kill_agent,
+            bus_owner=self.is_bus_owner,
+        )
         if self.is_bus_owner:
             # Node 0 decides for the run: another node sees its own stages only.
-            self._hang_watch = HangWatch(self.options.hang_timeout)
+            self._hangs = HangResponse(
+                self.options.hang_timeout,
+                report_dir=self.report_dir,
+                run_id=self.run_id,
+                replicas=plan.job.data_parallel,
+            )
+            self._stragglers = StragglerNotices(self._end.send, self.console.warn)
         self.report = Report(
             self.options,
             plan,
@@ -284,7 +293,7 @@ class Launcher:
         assert self.bus is not None and self._bus_watch is not None
         self._ended_event = anyio.Event()
         subscriber: Subscriber = self.bus.subscribe(_TOPICS)
-        self._publisher = self.bus.open_publisher()
+        self._end.publisher = self.bus.open_publisher()
         handle_signals = self.options.handle_signals
         signals: AbstractContextManager[AsyncIterator[int]] = (
             anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM)
@@ -356,7 +365,7 @@ class Launcher:
             stages_running=lambda: (
                 self._config_sent
                 and self._ended is None
-                and self._published is None
+                and self._end.published is None
                 and failures.any_running()
             ),
             steps_known=failures.steps_known,
@@ -375,13 +384,10 @@ class Launcher:
                 self._supervisor.attached(msg.pid)
         elif isinstance(msg, RunStarted):
             log.debug("run started", after_s=round(time.monotonic() - self._started, 2))
-            if self.is_bus_owner:
-                # Each attempt starts over: its processes may be other ones.
-                self._stragglers = StragglerWatch(
-                    msg.num_stages, msg.data_parallel, start_step=msg.start_step
-                )
+            if self._stragglers is not None:
+                self._stragglers.run_started(msg)
         elif isinstance(msg, StepEnded) and self._stragglers is not None:
-            self._on_step(msg, self._stragglers)
+            self._stragglers.step_ended(msg)
         elif isinstance(msg, CommandAcked):
             if msg.command_id == self._stop_id:
                 self.stop.acknowledged(msg.stage)
@@ -396,9 +402,10 @@ class Launcher:
         opts, plan, bus, agent = self.options, self.plan, self.bus, self._agent
         assert plan is not None and bus is not None and bus.address is not None
         assert agent is not None and self._bus_watch is not None and self.run_dir is not None
-        failures = self._failures
-        assert failures is not None
+        failures, response = self._failures, self._failure_response
+        assert failures is not None and response is not None
         supervisor = self._supervisor = start_hooks(opts, plan, bus.address, self.console)
+        self._end.supervisor = supervisor
         stopping = lambda: self.stop.signal is not None  # noqa: E731
         problem = await wait_attached(supervisor, opts.hook_attach_timeout, stopping)
         if problem is not None or self.stop.signal is not None:
@@ -426,13 +433,13 @@ class Launcher:
         while (agent_status := agent.poll()) is None:
             supervisor.poll()
             failures.refresh()
-            self._watch_failure(failures)
+            response.tick()
             await self._watch_hang(failures)
             self.console.tick()
             self._act(self.stop.tick(time.monotonic(), stages=plan.job.stages))
             await anyio.sleep(_POLL_S)
         failures.refresh()
-        await self._settle_failure(failures)
+        await response.settle(_POLL_S)
         seen_on_bus = self.progress.stats.steps_done
         failures.settle_progress()
         self._root = failures.final_root_cause(ended_by_us=self.stop.workers_ended_by_us)
@@ -444,20 +451,19 @@ class Launcher:
             if self._ended is None:
                 await self._bus_watch.check(seen_on_bus, agent_running=lambda: agent.poll() is None)
         self._kill_agent()  # anything left in the agent's process group
-        if self._ended is None and self._published is None and self.is_bus_owner:
+        if self._ended is None and self._end.published is None and self.is_bus_owner:
             # Tell hooks the run is over when the stages could not.
             step = failures.steps_known()
             signum = self.stop.signal
-            self._publish(
+            self._end.publish(
                 failures.failed(self._root)
                 if self._root is not None
                 else closing_event(agent_status, stop_signal=signum, step=step)
             )
-        failed = self._published is not None and self._published.status == "failed"
         await finish_hooks(
             supervisor,
             bus_down=self._bus_down(),
-            failed_at=self._published_at if failed else None,
+            failed_at=self._end.published_at if self._end.failed else None,
             finish_timeout=opts.hook_finish_timeout,
         )
         plan, run_dir = self.plan, self.run_dir
@@ -474,108 +480,16 @@ class Launcher:
             agent_status, stop_signal=signum, ended=ended, root=self._root, hang=self._hang
         )
 
-    def _watch_failure(self, failures: FailureWatch) -> None:
-        """Announce failed attempts; once the last one failed, end the run for the hooks.
-
-        This node's workers that outstay a run failed elsewhere are killed.
-        """
-        ended_by_us = self.stop.workers_ended_by_us
-        for line in failures.announce_restarts(ended_by_us=ended_by_us):
-            self.console.warn(line)
-        if self._published is None and not ended_by_us:
-            end = failures.settled_end(time.monotonic(), bus_owner=self.is_bus_owner)
-            if end is not None:
-                self._publish(end[0], on_bus=end[1])
-        now, published = time.monotonic(), self._published
-        if workers_outstay_failure(published, self._published_at, now, ended_by_us=ended_by_us):
-            log.warning("the run failed; killing the stage workers of this node that wait on it")
+    async def _watch_hang(self, failures: FailureWatch) -> None:
+        """Node 0: a run that made no progress for the hang timeout is reported and
+        ended, or restarted by elastic (`evtrain.launcher.hang`)."""
+        if self._hangs is None or self._end.published is not None or self.stop.phase > 0:
+            return
+        hang = await self._hangs.check(failures, self._end, self.console.error)
+        if hang is not None:
+            self._hang = hang
             self.stop.killed_workers()  # their deaths are ours, not a failure
             self._kill_agent()
-
-    async def _settle_failure(self, failures: FailureWatch) -> None:
-        """The agent ended: publish the root cause as the watch loop does, waiting
-        (bounded by `FailureWatch.settled_root`) where another node may still name it."""
-        if self._published is not None or self.stop.workers_ended_by_us:
-            return  # the hooks were told, or the deaths are ours
-        if not failures.last_attempt_failed():
-            return
-        while (end := failures.settled_end(time.monotonic(), bus_owner=self.is_bus_owner)) is None:
-            await anyio.sleep(_POLL_S)
-            failures.refresh()
-        self._publish(end[0], on_bus=end[1])
-
-    async def _watch_hang(self, failures: FailureWatch) -> None:
-        """Report a run that made no progress for the hang timeout, and end it (or have
-        elastic restart it: `evtrain.launcher.hang`)."""
-        watch = self._hang_watch
-        if watch is None or self._published is not None or self.stop.phase > 0:
-            return
-        now = time.monotonic()
-        if not watch.observe(failures.stage_reports, now):
-            return
-        attempt = failures.current_attempt()
-        number = attempt.attempt if attempt is not None else 0
-        hang = await gather_hang(
-            failures.stage_reports,
-            report_dir=self.report_dir,
-            run_id=self.run_id,
-            attempt=number,
-            replicas=self.job.data_parallel,
-            still_s=watch.still_for(now),
-        )
-        restarting = failures.restart_pending(attempt)
-        path = write_hang(hang, self.report_dir, number, restarting=restarting)
-        culprit = hang.culprit.report
-        event = HangReported(
-            step=hang.step,
-            stage=culprit.stage,
-            replica=culprit.replica,
-            doing=culprit.doing,
-            location=hang.culprit.location(),
-            summary=hang.summary(None),
-            report=str(path or ""),
-            restarting=restarting,
-        )
-        self._send(event)
-        self.console.error(hang.summary(path))
-        if restarting:
-            # Elastic restarts a worker group one of whose workers died.
-            failures.hung_attempts[number] = hang.headline()
-            self._hang_watch = HangWatch(self.options.hang_timeout)
-            for report in failures.stage_reports.values():
-                if report.host == this_host():
-                    with contextlib.suppress(OSError):
-                        os.kill(report.pid, signal.SIGKILL)
-            return
-        self._hang = hang
-        headline = hang.headline()
-        self._publish(
-            RunEnded(status="failed", reason=headline, root_cause=headline, step=hang.step)
-        )
-        self.stop.killed_workers()  # their deaths are ours, not a failure
-        self._kill_agent()
-
-    def _on_step(self, msg: StepEnded, stragglers: StragglerWatch) -> None:
-        """Stragglers found or recovered with this step: published; named once."""
-        for change in stragglers.step_ended(msg):
-            self._send(change)
-            key = (change.stage, None if change.whole_stage else change.replica)
-            if change.straggling and key not in self._stragglers_named:
-                self._stragglers_named.add(key)
-                self.console.warn(change.describe())
-
-    def _send(self, event: Event) -> None:
-        """Publish ``event`` from the launcher, unless the bus is lost."""
-        if self._publisher is not None and not self._bus_down():
-            self._publisher.publish(event)
-
-    def _publish(self, event: RunEnded, *, on_bus: StageFailed | None = None) -> None:
-        """The run ended with ``event``: published (or ``on_bus`` instead) and remembered."""
-        self._send(event if on_bus is None else on_bus)
-        self._published = event
-        self._published_at = time.monotonic()
-        if self._supervisor is not None:
-            self._supervisor.mark_run_ended()
 
     # -- the end ------------------------------------------------------------------------
 

@@ -34,11 +34,20 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from evtrain.events import StepEnded, StragglerReported
+from evtrain.events import RunStarted, StepEnded, StragglerReported
 
-__all__ = ["BASELINE", "RECOVERED", "SLOWER", "WARMUP", "WINDOW", "StragglerWatch"]
+__all__ = [
+    "BASELINE",
+    "RECOVERED",
+    "SLOWER",
+    "WARMUP",
+    "WINDOW",
+    "StragglerNotices",
+    "StragglerWatch",
+]
 
 WARMUP = 2
 """Steps not measured at the start (shape agreement, first allocations, compilation)."""
@@ -180,3 +189,30 @@ def _report(
         slowdown=round(slowdown, 3),
         straggling=straggling,
     )
+
+
+class StragglerNotices:
+    """Node 0's stragglers of the current attempt: each change published, each
+    straggler named on the console once."""
+
+    def __init__(
+        self, send: Callable[[StragglerReported], None], warn: Callable[[str], None]
+    ) -> None:
+        self._send = send
+        self._warn = warn
+        self._watch: StragglerWatch | None = None
+        self._named: set[tuple[int, int | None]] = set()
+
+    def run_started(self, msg: RunStarted) -> None:
+        # Each attempt starts over: its processes may be other ones.
+        self._watch = StragglerWatch(msg.num_stages, msg.data_parallel, start_step=msg.start_step)
+
+    def step_ended(self, msg: StepEnded) -> None:
+        if self._watch is None:
+            return
+        for change in self._watch.step_ended(msg):
+            self._send(change)
+            key = (change.stage, None if change.whole_stage else change.replica)
+            if change.straggling and key not in self._named:
+                self._named.add(key)
+                self._warn(change.describe())

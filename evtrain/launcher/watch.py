@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import structlog
 
 from evtrain.checkpoint import latest_committed
 from evtrain.events import RunEnded, StageFailed
@@ -61,7 +62,9 @@ from evtrain.failures import (
 )
 from evtrain.launcher.bus import RunBus
 from evtrain.launcher.elastic_agent import AgentReport, AttemptReport
+from evtrain.launcher.ending import RunEnding
 from evtrain.launcher.progress import Progress
+from evtrain.launcher.stop import StopMachine
 from evtrain.stages.worker import StageReport, read_stage_reports
 
 if TYPE_CHECKING:
@@ -73,9 +76,12 @@ __all__ = [
     "FAILURE_SETTLE_S",
     "BusLoss",
     "BusWatch",
+    "FailureResponse",
     "FailureWatch",
     "workers_outstay_failure",
 ]
+
+log = structlog.get_logger(__name__)
 
 FAILURE_SETTLE_S = 1.5
 """Seconds after the first sign of a failure by which the root cause is published anyway."""
@@ -430,3 +436,55 @@ class BusWatch:
             "back_at_step": loss.back_at_step,
             "consequence": self.loss_line(checkpointing=checkpointing, run_dir=run_dir),
         }
+
+
+class FailureResponse:
+    """What the launcher does as stages fail: announce each failed attempt that elastic
+    restarts, end the run for the hooks once the last attempt failed (node 0 names the
+    root cause), and kill this node's workers that outstay a run failed elsewhere."""
+
+    def __init__(
+        self,
+        failures: FailureWatch,
+        ending: RunEnding,
+        stop: StopMachine,
+        *,
+        warn: Callable[[str], None],
+        kill_workers: Callable[[], None],
+        bus_owner: bool,
+    ) -> None:
+        self._failures = failures
+        self._ending = ending
+        self._stop = stop
+        self._warn = warn
+        self._kill_workers = kill_workers
+        self._bus_owner = bus_owner
+
+    def tick(self) -> None:
+        """One look while the agent runs."""
+        failures, ending = self._failures, self._ending
+        ended_by_us = self._stop.workers_ended_by_us
+        for line in failures.announce_restarts(ended_by_us=ended_by_us):
+            self._warn(line)
+        if ending.published is None and not ended_by_us:
+            end = failures.settled_end(time.monotonic(), bus_owner=self._bus_owner)
+            if end is not None:
+                ending.publish(end[0], on_bus=end[1])
+        now, published = time.monotonic(), ending.published
+        if workers_outstay_failure(published, ending.published_at, now, ended_by_us=ended_by_us):
+            log.warning("the run failed; killing the stage workers of this node that wait on it")
+            self._stop.killed_workers()  # their deaths are ours, not a failure
+            self._kill_workers()
+
+    async def settle(self, poll_s: float) -> None:
+        """The agent ended: publish the root cause as `tick` does, waiting (bounded by
+        `FailureWatch.settled_root`) where another node may still name it."""
+        failures, ending = self._failures, self._ending
+        if ending.published is not None or self._stop.workers_ended_by_us:
+            return  # the hooks were told, or the deaths are ours
+        if not failures.last_attempt_failed():
+            return
+        while (end := failures.settled_end(time.monotonic(), bus_owner=self._bus_owner)) is None:
+            await anyio.sleep(poll_s)
+            failures.refresh()
+        ending.publish(end[0], on_bus=end[1])
