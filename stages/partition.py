@@ -77,6 +77,7 @@ from evtrain.stages.standins import (
     absent,
     as_inputs,
     branches_on_units,
+    call_slots,
     install,
     module_of,
     modules_of,
@@ -548,7 +549,7 @@ def _model_costs(job: Job, model: nn.Module | None = None) -> list[float]:
     names = _model_units(job, model)
     counter = FlopCounterMode(display=False)
     flops = [0] * len(names)
-    index = {n: i for i, n in enumerate(names)}
+    slot_of = call_slots(names)
     calls: dict[str, int] = {}
     started: dict[str, tuple[int, int]] = {}
     for name in modules_of(names):
@@ -557,8 +558,8 @@ def _model_costs(job: Job, model: nn.Module | None = None) -> list[float]:
         def before(_m: nn.Module, _args: Any, name: str = name) -> None:
             k = calls[name] = calls.get(name, -1) + 1
             # A unit called several times is one unit per call (``unit@k``).
-            slot = index.get(f"{name}{SLOT}{k}", index.get(name))
-            if slot is not None:
+            slot = slot_of(f"{name}#{k}")
+            if slot >= 0:
                 started[name] = (slot, counter.get_total_flops())
 
         def after(_m: nn.Module, _args: Any, _out: Any, name: str = name) -> None:

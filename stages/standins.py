@@ -79,6 +79,7 @@ __all__ = [
     "absent",
     "as_inputs",
     "branches_on_units",
+    "call_slots",
     "calls_elsewhere",
     "install",
     "is_shadow",
@@ -179,9 +180,8 @@ def _call_of(source: str) -> str | None:
 
 def _source_unit(source: str) -> str | None:
     """The unit whose output (or carry) a source is, None for an input."""
-    if source.startswith(INPUTS + "/"):
-        return None
-    return source.partition("#")[0]
+    call = _call_of(source)
+    return None if call is None else call.partition("#")[0]
 
 
 _INTERNAL = "/~"
@@ -645,13 +645,13 @@ class ChunkPlan:
         return len(set(calls)) > 1
 
 
-def _slots(names: Sequence[str]) -> Callable[[str], int]:
-    """The index in ``names`` (units of the split) of the unit that makes call ``unit#k``."""
+def call_slots(names: Sequence[str]) -> Callable[[str], int]:
+    """The index in ``names`` (units of the split) of the unit that makes call
+    ``unit#k``: ``unit@k`` for a unit split by its calls, else ``unit`` (-1: none)."""
     index = {n: i for i, n in enumerate(names)}
 
     def slot(key: str) -> int:
-        unit, _, k = key.partition("#")
-        return index.get(f"{unit}{SLOT}{k}", index.get(unit, -1))
+        return index.get(_slot_name(key), index.get(key.partition("#")[0], -1))
 
     return slot
 
@@ -665,7 +665,7 @@ def plan_chunks(
     Raises `SpecError` when the model's forward calls its units in an order
     the chunks cannot follow.
     """
-    slot = _slots(names)
+    slot = call_slots(names)
     chunk_at = {i: c for c, r in enumerate(ranges) for i in r}
     calls = [e for e in trace.events if isinstance(e, _Call)]
     chunk_of = {e.key: chunk_at[slot(e.key)] for e in calls}
@@ -757,7 +757,7 @@ def branches_on_units(trace: ForwardTrace) -> list[str]:
 def split_boundaries(trace: ForwardTrace, names: Sequence[str]) -> frozenset[int]:
     """The indices ``b`` of ``names`` (units of the split) before which a stage may
     begin: the forward calls no unit before ``b`` once it has called one from ``b`` on."""
-    slot = _slots(names)
+    slot = call_slots(names)
     calls = [slot(e.key) for e in trace.events if isinstance(e, _Call)]
     allowed = set()
     for b in range(1, len(names)):

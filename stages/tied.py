@@ -100,18 +100,15 @@ def resolve_ties(
             groups.remove(group)
             merged += [n for n in group if n not in merged]
         groups.append(merged)
+    stage_of = {u: s for s, r in enumerate(ranges or ()) for u in r}
     result = []
     for names in groups:
         first = units_of[names[0]][0]
         if ranges is None:
             result.append(TiedGroup(tuple(names), unit=first))
             continue
-
-        def stage_of(unit: int) -> int:
-            return next(s for s, r in enumerate(ranges) if unit in r)
-
-        stages = {stage_of(u) for n in names for u in units_of[n]}
-        result.append(TiedGroup(tuple(names), tuple(sorted(stages)), stage_of(first), first))
+        stages = {stage_of[u] for n in names for u in units_of[n]}
+        result.append(TiedGroup(tuple(names), tuple(sorted(stages)), stage_of[first], first))
     return result
 
 
