@@ -119,16 +119,13 @@ boundary (``EvalEnded(step=K)``) and end; they train no step, apply no
 command and own no shard writer, so such a run saves nothing. The last
 stage's report carries the metrics exactly as computed.
 
-Reports: with ``WorkerConfig.report_dir`` the stage keeps its
-`evtrain.stages.worker.StageReport` there — at start, with every heartbeat,
-at the end, and on failure (exception, innermost user frame, whether it is a
-communication error) before `StageFailed` is published.
+Heartbeats, the stage's report file and its failure report:
+`evtrain.stages.liveness`.
 """
 
 from __future__ import annotations
 
 import atexit
-import contextlib
 import math
 import os
 import resource
@@ -137,10 +134,9 @@ import socket
 import sys
 import threading
 import time
-import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import IO, Any, Literal
+from typing import Any, Literal
 
 import anyio
 import anyio.to_thread
@@ -168,14 +164,12 @@ from evtrain.events import (
     MicrobatchWait,
     RunEnded,
     RunStarted,
-    StageFailed,
     StageStarted,
     StageStopped,
     StepEnded,
     StepStarted,
     StopRun,
 )
-from evtrain.failures import frame_location, is_communication_error, user_frames
 from evtrain.job import Job
 from evtrain.logs import configure_logging
 from evtrain.overrides import apply_overrides
@@ -184,6 +178,7 @@ from evtrain.spec import load_job
 from evtrain.stages.checkpointing import await_plan, await_the_end
 from evtrain.stages.control import ControlResult
 from evtrain.stages.executor import Span, StepStats
+from evtrain.stages.liveness import StageLiveness
 from evtrain.stages.mesh import Place
 from evtrain.stages.partition import (
     stage_units,
@@ -193,22 +188,15 @@ from evtrain.stages.setup import (
     build_stage,
     finish_stage,
     prepare_stage,
-    restart_count,
 )
 from evtrain.stages.worker import (
-    ReportStatus,
-    StageReport,
     WorkerConfig,
-    enable_stack_dumps,
-    keep_flight_recorder,
-    this_host,
 )
 
 __all__ = ["RankInfo", "StageActor", "run_worker", "serve", "spans_enabled"]
 
 log = structlog.get_logger("evtrain.stages.actor")
 
-HEARTBEAT_INTERVAL_S = 1.0
 _FORCE_EXIT_AFTER_S = 1.0
 
 
@@ -286,7 +274,17 @@ def _fast_exit() -> None:
 
 
 class StageActor:
-    """One pipeline stage: setup, the step loop, boundaries, events (module docstring)."""
+    """One pipeline stage: setup, the step loop, boundaries, events (module docstring).
+
+    Its collaborators:
+
+    * `evtrain.stages.setup` builds the stage (`build_stage`, `prepare_stage`) into a
+      `StageRuntime`: the `StageExecutor` that runs each step and pass, the
+      `StageEvaluator`, `StageCheckpointing` and the `Orders` of commands;
+    * `evtrain.stages.liveness.StageLiveness`: heartbeats, the report file, the failure;
+    * `evtrain.bus`: the publisher, and on rank 0 the command receiver and the
+      subscriber of the checkpoint hook's verdicts.
+    """
 
     def __init__(self, config: WorkerConfig, ranks: RankInfo) -> None:
         self.config = config
@@ -296,9 +294,8 @@ class StageActor:
         self.stage = ranks.rank
         self.num_stages = ranks.world_size
         self.replica = 0
-        self.completed = 0
-        self.state = "starting"
         self.publisher: Publisher | None = None
+        self.live = StageLiveness(config, ranks.rank, self.publish)
         self.reporter = Reporter()
         self.job: Job | None = None
         self.runtime: StageRuntime | None = None
@@ -309,28 +306,6 @@ class StageActor:
         self.ledger = CommandLedger(self.stage, None)
         self._stop_requested = False
         self._first_signal: float | None = None
-        self._in_step = False
-        self._last_loss: float | None = None
-        self.report: StageReport | None = None
-        self._stacks: IO[str] | None = None
-        self._phase: tuple[str, float] | None = None
-        """What the stage does outside the executor's instructions, and since when
-        (`_in_phase`)."""
-        if config.report_dir is not None:
-            attempt = restart_count()
-            self.report = StageReport(
-                rank=ranks.rank,
-                stage=self.stage,
-                pid=os.getpid(),
-                host=this_host(),
-                attempt=attempt,
-                status="starting",
-                updated=time.time(),
-            )
-            # Before the first report: the launcher asks for stacks only of a
-            # stage that reported, and the signal would otherwise end it.
-            self._stacks = enable_stack_dumps(config.report_dir, attempt, ranks.rank)
-            keep_flight_recorder(config.report_dir, config.run_id, attempt)
         # Span times are perf_counter readings; this turns them into wall clock.
         self._clock_offset = time.time() - time.perf_counter()
 
@@ -354,13 +329,13 @@ class StageActor:
 
     async def run(self) -> None:
         """Set up, train, publish; re-raise a failure after reporting and publishing it."""
-        self._write_report()
+        self.live.write_report()
         try:
             # The job says which stage and replica this rank is, which the
             # events name from the first one on.
             await anyio.to_thread.run_sync(self._load_job)
         except BaseException as exc:
-            self._report_failure(exc)
+            self.live.failed(exc, first_rank=self.place.rank == 0)
             raise
         if self.config.bus is not None:
             address = BusAddress.parse(self.config.bus)
@@ -391,7 +366,7 @@ class StageActor:
         failure: BaseException | None = None
         try:
             async with anyio.create_task_group() as tg:
-                tg.start_soon(self._heartbeats)
+                tg.start_soon(self.live.heartbeats)
                 tg.start_soon(self._signals)
                 try:
                     await self._main()
@@ -402,7 +377,7 @@ class StageActor:
             if failure is not None:
                 if self.runtime is not None:
                     self.runtime.checkpointing.finish_failing()
-                self._report_failure(failure)
+                self.live.failed(failure, first_rank=self.place.rank == 0)
             if self._receiver is not None:
                 self._receiver.close()
             if self._verdicts is not None:
@@ -411,101 +386,6 @@ class StageActor:
                 self.publisher.close()
         if failure is not None:
             raise failure
-
-    def _write_report(self, status: ReportStatus | None = None) -> None:
-        """Bring this stage's `StageReport` up to date (the launcher's view without the bus)."""
-        report, directory = self.report, self.config.report_dir
-        if report is None or directory is None:
-            return
-        if status is not None:
-            report.status = status
-        elif report.status == "starting" and self.state == "running":
-            report.status = "running"
-        report.step = self.completed
-        report.loss = self._last_loss
-        report.doing, report.doing_s = self._doing()
-        try:
-            report.write(directory)
-        except OSError as exc:
-            log.warning("cannot write the stage report", stage=self.stage, error=str(exc))
-
-    def _report_failure(self, exc: BaseException) -> None:
-        text = "".join(traceback.format_exception(exc))
-        error = f"{type(exc).__name__}: {exc}"
-        step = self.completed + 1 if self._in_step else None
-        if self.report is not None:
-            # The file comes first: the launcher decides the root cause from it,
-            # whatever becomes of the bus.
-            frames = user_frames(exc.__traceback__)
-            self.report.error = error
-            self.report.traceback = text
-            self.report.user_frames = frames
-            self.report.location = frame_location(frames[-1]) if frames else ""
-            self.report.consequence = is_communication_error(error)
-            self.report.failed_at = time.time()
-            self.report.failed_step = step
-            self._write_report("failed")
-            # The launcher prints the root cause once; a line per stage here
-            # would repeat it and its consequences.
-            log.debug("stage failed", stage=self.stage, error=error)
-        else:
-            log.error("stage failed", stage=self.stage, error=error)
-        self.publish(
-            StageFailed(
-                stage=self.stage, replica=self.replica, error=error, traceback=text, step=step
-            )
-        )
-        if self.report is None and self.place.rank == 0 and not _restart_pending():
-            # Without a launcher nobody else ends the run for the hooks; a
-            # launcher publishes RunEnded itself, naming the root cause.
-            self.publish(RunEnded(status="failed", reason=error, step=self.completed))
-
-    async def _heartbeats(self) -> None:
-        while True:
-            doing, doing_s = self._doing()
-            self.publish(
-                Heartbeat(
-                    stage=self.stage,
-                    replica=self.replica,
-                    step=self.completed,
-                    state=self.state,
-                    doing=doing,
-                    doing_s=doing_s,
-                )
-            )
-            progress = self.runtime.evaluator.progress() if self.runtime is not None else None
-            if progress is not None:
-                self.publish(progress)
-            self._write_report()
-            if self.runtime is not None:
-                self.runtime.checkpointing.publish_done()
-            await anyio.sleep(HEARTBEAT_INTERVAL_S)
-
-    def _doing(self) -> tuple[str, float]:
-        """The instruction the executor is in, within the phase it serves (an evaluation:
-        ``"Evaluate step 40: Forward m3"``), and for how long (``""``: none)."""
-        at = self.runtime.executor.doing() if self.runtime is not None else None
-        phase = self._phase
-        if at is None and phase is None:
-            return "", 0.0
-        if at is None:
-            assert phase is not None
-            text, since = phase
-        elif phase is None:
-            text, since = at
-        else:
-            text, since = f"{phase[0]}: {at[0]}", at[1]
-        return text[:200], round(max(0.0, time.monotonic() - since), 3)
-
-    @contextlib.contextmanager
-    def _in_phase(self, text: str) -> Iterator[None]:
-        """What the stage does until the block ends, for `_doing` (the executor's
-        instruction, if any, is named within it)."""
-        self._phase = (text, time.monotonic())
-        try:
-            yield
-        finally:
-            self._phase = None
 
     async def _signals(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -548,8 +428,8 @@ class StageActor:
         rt = await anyio.to_thread.run_sync(
             prepare_stage, job, parts, self.config, self.publish, self.reporter
         )
-        self.runtime = rt
-        self.completed = start_step = rt.start_step
+        self.runtime = self.live.runtime = rt
+        self.live.completed = start_step = rt.start_step
         total, control = rt.total_steps, parts.control
         rt.executor.stop_requested = self._stop_requested
 
@@ -572,11 +452,11 @@ class StageActor:
                 )
             )
             if self.config.await_plan and self._receiver is not None:
-                with self._in_phase("AwaitPlan (the checkpoint hook's plan)"):
+                with self.live.in_phase("AwaitPlan (the checkpoint hook's plan)"):
                     await await_plan(self._receiver)
-        with self._in_phase("Boundary 0"):
+        with self.live.in_phase("Boundary 0"):
             first = await anyio.to_thread.run_sync(control.exchange, 0.0, self._stop_requested)
-        self.state = "running"
+        self.live.state = "running"
         log.debug("stage running", stage=self.stage, steps=total, device=str(self.device))
         if self.config.evaluate_only:
             # The checkpoint's own boundary, evaluated once. No command is
@@ -587,15 +467,15 @@ class StageActor:
         else:
             step, stop_reason = await self._train(start_step, total, first)
         status: Literal["completed", "stopped"] = "completed" if stop_reason is None else "stopped"
-        self.state = "stopping"
+        self.live.state = "stopping"
         # The on-stop checkpoint, every shard still in flight and StageStopped
         # are this stage's last events; stage 0 announces the end only once it
         # got every stage's StageStopped back from the broker, so RunEnded
         # reaches every hook after all of them.
         checkpointing = rt.checkpointing
-        with self._in_phase(f"SaveCheckpoint step {self.completed}"):
-            if self.completed > start_step:
-                await checkpointing.save_on_stop(self.completed, rt.orders.plan)
+        with self.live.in_phase(f"SaveCheckpoint step {self.live.completed}"):
+            if self.live.completed > start_step:
+                await checkpointing.save_on_stop(self.live.completed, rt.orders.plan)
             await checkpointing.finish()
         self.publish(
             StageStopped(
@@ -608,15 +488,17 @@ class StageActor:
         await anyio.to_thread.run_sync(finish_stage, rt, self.config.dump_weights_dir)
         if self._verdicts is not None:
             everyone = {(s, r) for s in range(self.num_stages) for r in range(self.place.replicas)}
-            with self._in_phase("AwaitVerdicts (the checkpoint hook's commits)"):
+            with self.live.in_phase("AwaitVerdicts (the checkpoint hook's commits)"):
                 await await_the_end(
                     self._verdicts, self.config.run_id, everyone, checkpointing.awaiting
                 )
-        self._write_report(status)
+        self.live.write_report(status)
         if self.place.rank == 0:
-            self.publish(RunEnded(status=status, reason=stop_reason or "", step=self.completed))
+            self.publish(
+                RunEnded(status=status, reason=stop_reason or "", step=self.live.completed)
+            )
         checkpointing.close()
-        log.debug("stage finished", stage=self.stage, status=status, steps=self.completed)
+        log.debug("stage finished", stage=self.stage, status=status, steps=self.live.completed)
 
     async def _train(self, step: int, total: int, first: ControlResult) -> tuple[int, str | None]:
         """Train from boundary ``step`` to ``total``; the last step and the stop reason."""
@@ -634,7 +516,7 @@ class StageActor:
                 )
         # The final boundary: what arrived since the last one (a checkpoint
         # that a hook asked for on the last step's events) applies too.
-        with self._in_phase(f"Boundary {step}"):
+        with self.live.in_phase(f"Boundary {step}"):
             final = await anyio.to_thread.run_sync(control.exchange, 0.0, self._stop_requested)
         await self._boundary(step, final, scheduled_eval=False, final=True)
         return step, stop_reason
@@ -659,8 +541,7 @@ class StageActor:
         self.stage, self.num_stages = self.place.stage, self.place.num_stages
         self.replica = self.place.replica
         self.ledger = CommandLedger(self.stage, None)
-        if self.report is not None:
-            self.report.stage, self.report.replica = self.stage, self.replica
+        self.live.placed(self.stage, self.replica)
 
     # ------------------------------------------------------------------- steps
 
@@ -671,14 +552,14 @@ class StageActor:
         self.publish(StepStarted(step=step, stage=self.stage, replica=self.replica))
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        self._in_step = True
+        self.live.in_step = True
         stats = await anyio.to_thread.run_sync(
             lambda: executor.train_step(step, record_spans=spans)
         )
-        self._in_step = False
-        self.completed = step
+        self.live.in_step = False
+        self.live.completed = step
         if stats.loss is not None:
-            self._last_loss = stats.loss
+            self.live.last_loss = stats.loss
         metrics = self.reporter.collect()
         for span in stats.spans:
             self.publish(self._span_event(step, span))
@@ -766,7 +647,7 @@ class StageActor:
                 metric = await anyio.to_thread.run_sync(
                     self._share_metric, metrics.get(plan.best_metric, math.nan)
                 )
-        with self._in_phase(f"SaveCheckpoint step {step}"):
+        with self.live.in_phase(f"SaveCheckpoint step {step}"):
             await rt.checkpointing.save_due(
                 step, work.checkpoints, orders.plan, metric, periodic=fresh
             )
@@ -803,22 +684,15 @@ class StageActor:
     async def _evaluate(self, step: int) -> dict[str, float]:
         """Evaluate the weights after ``step`` steps on every eval set; the metrics (all
         sets, prefixed for named ones) on the last stage, else {}."""
-        previous, self.state = self.state, "evaluating"
+        previous, self.live.state = self.live.state, "evaluating"
         try:
-            with self._in_phase(f"Evaluate step {step}"):
+            with self.live.in_phase(f"Evaluate step {step}"):
                 result = await self._rt.evaluator.evaluate(step)
         finally:
-            self.state = previous
+            self.live.state = previous
         if result is None:
             return {}
-        if self.report is not None:
-            metrics = result.metrics
-            self.report.eval_metrics = {
-                k: v if math.isfinite(v) else None for k, v in metrics.items()
-            }
-            self.report.eval_step, self.report.eval_samples = step, sum(result.samples.values())
-            self.report.eval_sets = {k: v for k, v in result.samples.items() if k}
-            self._write_report()
+        self.live.evaluated(step, result)
         return result.metrics
 
 
@@ -839,9 +713,3 @@ COMMAND_HANDLERS: dict[type[Command], Callable[[StageActor, Any, _Work], None]] 
     StopRun: StageActor._on_stop_run,
 }
 """What each command does at the boundary it applies at (the stage's command table)."""
-
-
-def _restart_pending() -> bool:
-    """Whether elastic will restart the workers after this failure."""
-    max_restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
-    return restart_count() < max_restarts

@@ -8,18 +8,9 @@ its event loop free for heartbeats, signals and publishing.
 
 How instructions map to communication (see `evtrain.stages.p2p`):
 
-* Receives are *posted* ahead of the instructions that wait for them: gloo
-  moves a message only once its receive is posted, so a just-in-time
-  receive would cost a round trip. A pass posts the first
-  `RECEIVES_AT_START` activation receives of each chunk at its start (and
-  of its output gradients right after its first activation send), then one
-  more receive after every instruction, on the channel (activations or
-  gradients of a chunk) with the fewest posted ahead, up to ``recv_window``
-  ahead of the waits (default: all of a pass). Posting a receive costs tens
-  to hundreds of microseconds; posting a whole pass's at once would hold
-  the first forward of a step, which the whole pipeline waits for, by
-  milliseconds. `RecvActivation` / `RecvGrad` post their own receive if it
-  is not posted yet, then wait for the data.
+* Receives are *posted* ahead of the instructions that wait for them, one
+  more after every instruction (`evtrain.stages.receives`); `RecvActivation`
+  / `RecvGrad` wait for theirs.
 * 1F1B and zero bubble run with one extra warm-up forward on every stage
   but the last (`DEFAULT_LOOKAHEAD`), so activations arrive before they are
   needed.
@@ -48,13 +39,8 @@ How instructions map to communication (see `evtrain.stages.p2p`):
   (global gradient norm, global mean loss, commands, signals —
   `evtrain.stages.control`), clipping, the optimizer and LR-scheduler steps.
 
-The last stage computes ``loss_fn(output, target)`` per microbatch and
-back-propagates ``loss / (M * grad_accum)``, so with a mean-reduced loss a
-step equals one single-process step on all the step's samples (DDP divides
-by the D replicas, each of which reads ``1/D`` of every batch). With
-`evtrain.job.Job.loss_weight` it back-propagates ``loss * weight / (M *
-grad_accum)`` and sums the weights; `evtrain.stages.update` divides by the
-step's total, so a step is the mean over every unit of its batch.
+The last stage's loss, what its backwards start from and what the step
+reports, is `evtrain.stages.update.StepLoss`.
 
 Evaluation (`StageExecutor.evaluate`) runs one set at a time, forward only;
 the last stage tallies its metrics (`evtrain.stages.evaluation`).
@@ -92,42 +78,20 @@ from evtrain.stages.instructions import (
     SendActivation,
     SendGrad,
 )
+from evtrain.stages.liveness import Doing
 from evtrain.stages.loading import Reader
 from evtrain.stages.mesh import ChunkRoutes, Place
-from evtrain.stages.p2p import Mailbox, PendingRecv
+from evtrain.stages.p2p import Mailbox
 from evtrain.stages.precision import autocast
 from evtrain.stages.pytree import BoundarySpec, call, split
+from evtrain.stages.receives import PassReceives
 from evtrain.stages.schedules import build_schedule
 from evtrain.stages.shapes import ShapeTable
 from evtrain.stages.sharded import ShardedReplicas
-from evtrain.stages.update import Timed, WeightUpdate
+from evtrain.stages.update import StepLoss, Timed, WeightUpdate
 
 _Program = list[tuple[Callable[[int, int], None], int, int, str]]
 """A compiled instruction list: (handler, microbatch, chunk, the instruction's name)."""
-
-_WITH_NEXT = ("SendActivation", "RecvGrad")
-_WITH_PREV = ("RecvActivation", "SendGrad")
-"""The instructions whose peer is the next chunk's stage, and the previous one's."""
-
-
-def _describe(at: tuple[str, int, int, float], routes: ChunkRoutes, V: int, place: Place) -> str:
-    """An instruction as a stage's heartbeat says it: ``"RecvActivation m5 from stage 1"``,
-    ``"Forward m5"`` (``" chunk v"`` with several chunks), ``"OptimizerStep"``..."""
-    kind, microbatch, chunk, _ = at
-    if microbatch < 0:
-        return kind
-    text = f"{kind} m{microbatch}" + (f" chunk {chunk}" if V > 1 else "")
-    peer = (
-        routes.next[chunk]
-        if kind in _WITH_NEXT
-        else routes.prev[chunk]
-        if kind in _WITH_PREV
-        else None
-    )
-    if peer is not None and not routes.local(peer):
-        text += f" {'to' if kind.startswith('Send') else 'from'} stage {peer[0] // place.replicas}"
-    return text
-
 
 if TYPE_CHECKING:
     from evtrain.stages.evaluation import EvalTally
@@ -176,9 +140,6 @@ class StepStats:
     """fp16: the step overflowed somewhere in the pipeline and no stage applied it."""
 
 
-RECEIVES_AT_START = 2
-"""Receives a channel posts when it opens; the rest follow one per instruction."""
-
 DEFAULT_LOOKAHEAD = 1
 """Extra 1F1B warm-up forwards on every stage but the last (`build_schedule`'s
 ``lookahead``). With the textbook warm-up (0), a 2-stage pipeline on gloo
@@ -208,19 +169,6 @@ class _Slot:
     weight: torch.Tensor | None = None
     """The microbatch's `Job.loss_weight` (training, last chunk)."""
     grads: list[torch.Tensor] | None = None
-    recv_act: PendingRecv | None = None
-    recv_grad: PendingRecv | None = None
-
-
-@dataclass
-class _Channel:
-    """The receives of one chunk's activations or gradients from one peer, in a pass."""
-
-    peer: int
-    posted: int = 0
-    """Microbatches whose receive is posted (they are posted in order)."""
-    waited: int = 0
-    """Microbatches whose receive was waited for."""
 
 
 class StageExecutor:
@@ -237,6 +185,12 @@ class StageExecutor:
     backward's halves under zb and zbv. ``lookahead`` applies to 1F1B (see
     `DEFAULT_LOOKAHEAD`); ``recv_window`` bounds the receives posted ahead
     (default: all of a pass).
+
+    Its collaborators: the `Mailbox` sends and waits (`evtrain.stages.p2p`),
+    `PassReceives` posts each pass's receives ahead (`evtrain.stages.receives`),
+    ``replicas`` (DDP or FSDP2) reduce and shard, `StepLoss` keeps the last
+    stage's loss, `WeightUpdate` ends the step (`evtrain.stages.update`), `Doing`
+    names the instruction for the heartbeats (`evtrain.stages.liveness`).
     """
 
     def __init__(
@@ -287,7 +241,9 @@ class StageExecutor:
         self.shapes = shapes
         self.train = train
         self.M = job.num_microbatches
-        self.recv_window = recv_window or self.M
+        self.receives = PassReceives(mailbox, self.routes, recv_window or self.M)
+        self.doing = Doing(self.routes, self.V, self.place.replicas)
+        """The instruction being executed, for the heartbeats (`evtrain.stages.liveness`)."""
         self.stop_requested = False
         """Set (from another thread) when this process got SIGTERM/SIGINT."""
 
@@ -313,24 +269,17 @@ class StageExecutor:
         (with one chunk; several chunks average their gradients at `ReduceGrads`)."""
         self._final_pass = False
         self._eval_programs: dict[int, _Program] = {}
-        self._at: tuple[str, int, int, float] | None = None
-        """(instruction, microbatch, chunk, since) being executed (`doing`)."""
-        self._loss_scale = 1.0 / (self.M * job.grad_accum)
 
         # Per-pass state: chunk v's microbatch m is slot v * n + m in a pass of n.
         self._n = 0
         self._slots: list[_Slot] = []
-        self._posting: dict[tuple[str, int], _Channel] = {}
-        """This pass's receive channels (``("act" or "grad", chunk)``), grads once open."""
         self._batch_x: list[Any] = []
         self._batch_y: list[Any] = []
         self._mb_offset = 0
         self._spans: list[Span] | None = None
         self._forward_s = 0.0
         self._backward_s = 0.0
-        self._loss_sum: torch.Tensor | None = None
-        """The step's loss sum on the last stage (weighted, with `Job.loss_weight`)."""
-        self._weight_sum: torch.Tensor | None = None
+        self.step_loss = StepLoss(job, update.scaler)
         self._tally: EvalTally | None = None
         self._training = True
 
@@ -362,23 +311,13 @@ class StageExecutor:
             )
         return compiled
 
-    def doing(self) -> tuple[str, float] | None:
-        """What this stage is executing or blocked in, and since when (`time.monotonic`),
-        or None between steps (`_describe`). Read from another thread (the heartbeats):
-        one tuple, replaced per instruction, never mutated."""
-        at = self._at
-        return None if at is None else (_describe(at, self.routes, self.V, self.place), at[3])
-
-    def _doing(self, kind: str, microbatch: int = -1, chunk: int = 0) -> None:
-        self._at = (kind, microbatch, chunk, time.monotonic())
-
     def _run(self, program: _Program) -> None:
         """Execute ``program`` on the pass begun, noting each instruction for `doing`."""
-        offset = self._mb_offset
+        offset, doing, post_one = self._mb_offset, self.doing, self.receives.post_one
         for handler, microbatch, chunk, kind in program:
-            self._at = (kind, offset + microbatch, chunk, time.monotonic())
+            doing.at = (kind, offset + microbatch, chunk, time.monotonic())
             handler(microbatch, chunk)
-            self._post_one()
+            post_one()
 
     # ---------------------------------------------------------------- training
 
@@ -392,7 +331,7 @@ class StageExecutor:
         self.control.prepare()
         self._spans = [] if record_spans else None
         self._forward_s = self._backward_s = 0.0
-        self._loss_sum = self._weight_sum = None
+        self.step_loss.reset()
         self.mailbox.reset_wait()
         self._training = True
         if self.replicas is not None:
@@ -402,28 +341,23 @@ class StageExecutor:
         for accum in range(self.job.grad_accum):
             self._mb_offset = accum * self.M
             self._final_pass = accum == self.job.grad_accum - 1
-            self._doing("LoadBatch")
+            self.doing.set("LoadBatch")
             self._load_batch(self.stream.batch_index(index, accum))
             self._begin_pass([mb] * self.M)
             self._run(self._pass_program)
         self._final_pass = False
-        self._doing("ReduceGrads")
+        self.doing.set("ReduceGrads")
         self._wait(self.update.reduce_grads(), "reduce")
         lr = float(self.optimizer.param_groups[0]["lr"]) if self.optimizer is not None else None
-        local_loss, local_weight = None, 0.0
-        if self.last and self._loss_sum is not None:
-            if self._weight_sum is None:
-                local_loss = float(self._loss_sum) / (self.M * self.job.grad_accum)
-            else:
-                local_loss, local_weight = float(self._loss_sum), float(self._weight_sum)
-        self._doing("OptimizerStep")
+        local_loss, local_weight = self.step_loss.local()
+        self.doing.set("OptimizerStep")
         control, timed = self.update.step(local_loss, self.stop_requested, local_weight)
         self._wait(timed, "control")
         drain_start, drain_end = self.mailbox.drain_sends()
         if self._spans is not None and drain_end - drain_start > 1e-4:
             self._spans.append(Span("wait", -1, drain_start, drain_end, "send"))
         self._end_pass()
-        self._at = None
+        self.doing.at = None
         return StepStats(
             step=step,
             loss=control.loss if self.last else None,
@@ -462,66 +396,20 @@ class StageExecutor:
         self._n = n
         start = time.perf_counter()
         if self.shapes.varying:
-            self._doing("AgreeShapes")
+            self.doing.set("AgreeShapes")
         ids = self.shapes.pass_ids(sizes, self._batch_x if any(self.routes.first) else None)
         if self._spans is not None and self.shapes.varying:
             self._spans.append(Span("wait", -1, start, time.perf_counter(), "shapes"))
         specs = [self.shapes.specs(v, i) for v in range(self.V) for i in ids]
         self._slots = [_Slot(act, out, sizes[k % n]) for k, (act, out) in enumerate(specs)]
-        self._posting = {}
         for v in range(self.V):
             self._handed_acts[v].clear()
             self._handed_grads[v].clear()
-            self._open("act", v)
-        # Gradient receives open right after the first activation send (or at
-        # the first gradient wait): not needed before then, and posting them
-        # here would delay the first stage's first forward.
-
-    def _open(self, kind: str, v: int) -> None:
-        """Start posting chunk ``v``'s ``kind`` receives (when they come from another process)."""
-        peer = self.routes.prev[v] if kind == "act" else self.routes.next[v]
-        if peer is None or self.routes.local(peer) or (kind, v) in self._posting:
-            return
-        self._posting[kind, v] = _Channel(peer[0])
-        self._post_until(kind, v, RECEIVES_AT_START)
-
-    def _post_until(self, kind: str, v: int, stop: int) -> None:
-        """Post chunk ``v``'s ``kind`` receives of the microbatches below ``stop``."""
-        channel = self._posting[kind, v]
-        n = self._n
-        while channel.posted < min(stop, n):
-            slot = self._slots[v * n + channel.posted]
-            if kind == "act":
-                slot.recv_act = self.mailbox.post_recv_activation(slot.act_spec, channel.peer, v)
-            elif slot.out_spec is not None and slot.out_spec.carries_grad:
-                slot.recv_grad = self.mailbox.post_recv_grad(slot.out_spec, channel.peer, v)
-            channel.posted += 1
-
-    def _post_one(self) -> None:
-        """Post one more receive: on the channel with the fewest posted ahead of its waits."""
-        best: tuple[int, tuple[str, int]] | None = None
-        for key, channel in self._posting.items():
-            ahead = channel.posted - channel.waited
-            if (
-                channel.posted < self._n
-                and ahead < self.recv_window
-                and (best is None or ahead < best[0])
-            ):
-                best = (ahead, key)
-        if best is not None:
-            kind, v = best[1]
-            self._post_until(kind, v, self._posting[kind, v].posted + 1)
-
-    def _waiting(self, kind: str, v: int, m: int) -> None:
-        """Microbatch ``m``'s ``kind`` receive of chunk ``v`` is waited for now: posted
-        (with every one before it) and counted."""
-        channel = self._posting.get((kind, v))
-        if channel is not None:
-            self._post_until(kind, v, m + 1)
-            channel.waited = m + 1
+        self.receives.begin(specs, n)
 
     def _end_pass(self) -> None:
         self._slots = []
+        self.receives.end()
         self._batch_x = self._batch_y = []
 
     def _load_batch(self, batch_index: int) -> None:
@@ -550,10 +438,8 @@ class StageExecutor:
         if self.routes.local(peer):
             leaves = self._handed_acts[v].popleft()
         else:
-            self._waiting("act", v, m)
-            pending = slot.recv_act
+            pending = self.receives.take("act", v, m)
             assert pending is not None, f"activation {m} of chunk {v} was never posted"
-            slot.recv_act = None
             leaves, start, end = self.mailbox.wait(pending)
             if self._spans is not None:
                 self._spans.append(Span("wait", self._mb_offset + m, start, end, "recv_act", v))
@@ -586,20 +472,7 @@ class StageExecutor:
                 loss = self.job.loss(out, slot.target)
         if last:
             if loss is not None:
-                slot.loss = loss
-                detached = loss.detach()
-                if self.job.loss_weight is not None:
-                    weight = torch.as_tensor(
-                        self.job.loss_weight(slot.target), device=loss.device
-                    ).detach()
-                    slot.weight = weight
-                    detached = detached.double() * weight.double()
-                    self._weight_sum = (
-                        weight.double()
-                        if self._weight_sum is None
-                        else self._weight_sum + weight.double()
-                    )
-                self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
+                slot.loss, slot.weight = loss, self.step_loss.add(loss, slot.target)
             elif self._tally is not None:
                 self._tally.add(out, slot.target, slot.size)
         else:
@@ -631,8 +504,7 @@ class StageExecutor:
 
     def _open_grads(self) -> None:
         if self._training:
-            for v in range(self.V):
-                self._open("grad", v)
+            self.receives.open_grads()
 
     def _recv_grad_wait(self, m: int, v: int) -> None:
         self._open_grads()  # a program without SendActivation first
@@ -643,8 +515,7 @@ class StageExecutor:
             spec = slot.out_spec
             slot.grads = self._handed_grads[v].popleft() if spec and spec.carries_grad else None
             return
-        self._waiting("grad", v, m)
-        pending, slot.recv_grad = slot.recv_grad, None
+        pending = self.receives.take("grad", v, m)
         if pending is None:  # integer outputs carry no gradient
             return
         grads, start, end = self.mailbox.wait(pending)
@@ -660,12 +531,9 @@ class StageExecutor:
         slot = self._slots[v * self._n + m]
         if self.routes.last[v]:
             loss, slot.loss = slot.loss, None
+            weight, slot.weight = slot.weight, None
             assert loss is not None
-            scale = self._loss_scale * (self.scaler.scale if self.scaler is not None else 1.0)
-            if slot.weight is not None:
-                loss = loss * slot.weight.to(loss.dtype)
-                slot.weight = None
-            return [loss * scale], None
+            return [self.step_loss.root(loss, weight)], None
         outs, received = slot.outputs or [], slot.grads or []
         slot.outputs = slot.grads = None
         pairs = [(o, g) for o, g in zip(outs, received, strict=True) if o.requires_grad]
@@ -747,7 +615,7 @@ class StageExecutor:
         finally:
             self._training = True
             self._tally = None
-            self._at = None
+            self.doing.at = None
             for module in (self.module, *self.chunks):
                 module.train(was_training)
             self._end_pass()
@@ -763,7 +631,7 @@ class StageExecutor:
         self._batch_x = []
         self._batch_y = []
         if reader is not None:
-            self._doing("LoadBatch")
+            self.doing.set("LoadBatch")
             pairs = [reader.rows(r) for r in batch]
             self._batch_x = [x for x, _ in pairs]
             self._batch_y = [y for _, y in pairs]
@@ -777,7 +645,7 @@ class StageExecutor:
         self._tally = None
         self._batch_x = []
         self._batch_y = []
-        self._doing("LoadBatch")
+        self.doing.set("LoadBatch")
         self._load_batch(batch_index)
         self._begin_pass([self.job.microbatch_size] * self.M)
         self._run_forward_only(self.M)

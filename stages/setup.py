@@ -72,6 +72,7 @@ from evtrain.stages.shapes import ChunkSpecs, ShapeTable
 from evtrain.stages.sharded import ShardedReplicas, full_tensor
 from evtrain.stages.tied import TiedWeights
 from evtrain.stages.update import WeightUpdate
+from evtrain.stages.worker import restart_count
 
 if TYPE_CHECKING:  # the worker starts the actor, which calls this module
     from evtrain.stages.worker import WorkerConfig
@@ -83,17 +84,11 @@ __all__ = [
     "build_stage",
     "finish_stage",
     "prepare_stage",
-    "restart_count",
 ]
 
 log = structlog.get_logger("evtrain.stages.setup")
 
 PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=30)
-
-
-def restart_count() -> int:
-    """How many times elastic restarted this worker group (0: the first attempt)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,13 @@ the LR scheduler.
 the control exchange (`evtrain.stages.control`), so every stage clips by the
 same norm and skips the same steps.
 
-With `evtrain.job.Job.loss_weight` the last stages back-propagate each
-microbatch's loss times its weight (and the executor's ``1 / (M *
-grad_accum)``), the replicas average, and the exchange sums the weights: every
+The last stage computes ``loss_fn(output, target)`` per microbatch and
+back-propagates ``loss / (M * grad_accum)`` (`StepLoss`), so with a
+mean-reduced loss a step equals one single-process step on all the step's
+samples (DDP divides by the D replicas, each of which reads ``1/D`` of every
+batch). With `evtrain.job.Job.loss_weight` the last stages back-propagate each
+microbatch's loss times its weight (and ``1 / (M * grad_accum)``), the
+replicas average, and the exchange sums the weights: every
 stage then multiplies its gradients by ``weight_scale / W`` (``weight_scale =
 D * M * grad_accum``, W the step's total weight), which makes them the
 gradient of the mean over every unit of the step's batch. The gradient norm
@@ -24,10 +28,12 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
+from evtrain.job import Job
 from evtrain.stages.control import ControlResult, StepControl
 from evtrain.stages.data_parallel import Replicas
 from evtrain.stages.mesh import Place
@@ -35,7 +41,7 @@ from evtrain.stages.precision import LossScaler
 from evtrain.stages.sharded import ShardedReplicas, local_tensor
 from evtrain.stages.tied import TiedWeights
 
-__all__ = ["Timed", "WeightUpdate", "state_bytes_of"]
+__all__ = ["StepLoss", "Timed", "WeightUpdate", "state_bytes_of"]
 
 
 def state_bytes_of(params: Sequence[nn.Parameter], optimizer: torch.optim.Optimizer | None) -> int:
@@ -49,6 +55,50 @@ def state_bytes_of(params: Sequence[nn.Parameter], optimizer: torch.optim.Optimi
             tensors.extend(v for v in state if isinstance(v, torch.Tensor))
         total += sum(local_tensor(t).numel() * t.element_size() for t in tensors)
     return total
+
+
+class StepLoss:
+    """The last stage's loss over one step: what each microbatch's backward starts from,
+    and the step's loss (and weight) that the control exchange shares (module docstring).
+    ``scaler``: fp16's loss scale applies to every backward."""
+
+    def __init__(self, job: Job, scaler: LossScaler | None) -> None:
+        self._weight_of = job.loss_weight
+        self._microbatches = job.num_microbatches * job.grad_accum
+        self._scaler = scaler
+        self._sum: torch.Tensor | None = None
+        """The step's loss sum (weighted, with `Job.loss_weight`)."""
+        self._weights: torch.Tensor | None = None
+
+    def reset(self) -> None:
+        self._sum = self._weights = None
+
+    def add(self, loss: torch.Tensor, target: Any) -> torch.Tensor | None:
+        """Count one microbatch's ``loss``; its `Job.loss_weight` (None without)."""
+        detached, weight = loss.detach(), None
+        if self._weight_of is not None:
+            weight = torch.as_tensor(self._weight_of(target), device=loss.device).detach()
+            detached = detached.double() * weight.double()
+            w = weight.double()
+            self._weights = w if self._weights is None else self._weights + w
+        self._sum = detached if self._sum is None else self._sum + detached
+        return weight
+
+    def root(self, loss: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+        """What the microbatch's backward starts from."""
+        scale = (self._scaler.scale if self._scaler is not None else 1.0) / self._microbatches
+        if weight is not None:
+            loss = loss * weight.to(loss.dtype)
+        return loss * scale
+
+    def local(self) -> tuple[float | None, float]:
+        """This replica's step loss (the weighted sum, with `Job.loss_weight`) and weight;
+        (None, 0) on a stage that computes no loss."""
+        if self._sum is None:
+            return None, 0.0
+        if self._weights is None:
+            return float(self._sum) / self._microbatches, 0.0
+        return float(self._sum), float(self._weights)
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,7 @@ __all__ = [
     "remove_flight_recorder_pipes",
     "request_flight_recorder",
     "request_stacks",
+    "restart_count",
     "stacks_path",
     "this_host",
 ]
@@ -277,6 +278,11 @@ def remove_flight_recorder_pipes(run_id: str) -> None:
     stem = Path(_flight_recorder_pipe_stem(run_id, 0))
     for pipe in stem.parent.glob(f"evtrain-{run_id}-*-fr-*.pipe"):
         pipe.unlink(missing_ok=True)
+
+
+def restart_count() -> int:
+    """How many times elastic restarted this worker group (0: the first attempt)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
 def this_host() -> str:
