@@ -44,6 +44,7 @@ from evtrain.events import HangReported, RunEnded, doing_kind
 from evtrain.failures import frame_text, is_user_file
 from evtrain.formatting import fmt_duration
 from evtrain.launcher.ending import RunEnding
+from evtrain.launcher.stop import StopMachine
 from evtrain.launcher.watch import FailureWatch
 from evtrain.stages.worker import (
     StageReport,
@@ -499,18 +500,44 @@ def _size(path: Path) -> int:
 class HangResponse:
     """What node 0's launcher does about a run that makes no progress: report where it
     is stuck (`HangReported`, the console, a report file), then end the run, or, when
-    elastic restarts the worker group, kill this node's stuck workers and watch anew."""
+    elastic restarts the worker group, kill this node's stuck workers and watch anew.
+    ``kill_workers`` ends the run's workers (the agent's process group); ``stop`` is
+    told their deaths are the launcher's."""
 
     def __init__(
-        self, timeout: float | None, *, report_dir: Path, run_id: str, replicas: int
+        self,
+        timeout: float | None,
+        failures: FailureWatch,
+        ending: RunEnding,
+        stop: StopMachine,
+        *,
+        error: Callable[[str], None],
+        kill_workers: Callable[[], None],
+        report_dir: Path,
+        run_id: str,
+        replicas: int,
     ) -> None:
         self._timeout = timeout
         self.watch = HangWatch(timeout)
+        self._failures, self._ending, self._stop = failures, ending, stop
+        self._error, self._kill_workers = error, kill_workers
         self._report_dir = report_dir
         self._run_id = run_id
         self._replicas = replicas
+        self.hang: Hang | None = None
+        """The hang that ended the run."""
 
-    async def check(
+    async def tick(self) -> None:
+        """Look for a hang, unless the run is ending already; end the run on one."""
+        if self._ending.published is not None or self._stop.phase > 0:
+            return
+        hang = await self._check(self._failures, self._ending, self._error)
+        if hang is not None:
+            self.hang = hang
+            self._stop.killed_workers()  # their deaths are ours, not a failure
+            self._kill_workers()
+
+    async def _check(
         self, failures: FailureWatch, ending: RunEnding, error: Callable[[str], None]
     ) -> Hang | None:
         """The hang that ends the run, published, if one is found now; None otherwise

@@ -6,7 +6,6 @@ The phases and the exit statuses are the package's docstring
 
 from __future__ import annotations
 
-import secrets
 import signal
 import sys
 import time
@@ -19,7 +18,6 @@ import anyio
 import structlog
 
 from evtrain.bus.subscriber import Subscriber
-from evtrain.checkpoint import commit_complete
 from evtrain.events import (
     CommandAcked,
     EvalEnded,
@@ -32,7 +30,6 @@ from evtrain.events import (
     RunStarted,
     StageFailed,
     StepEnded,
-    StopRun,
 )
 from evtrain.failures import RootCause
 from evtrain.launcher.agent import AgentProcess, agent_config, agent_report_path, cleanup_message
@@ -54,7 +51,7 @@ from evtrain.launcher.progress import RunConsole
 from evtrain.launcher.report import Report, closing_event, record_status
 from evtrain.launcher.run_dir import take_over
 from evtrain.launcher.run_record import LAUNCHES_DIR
-from evtrain.launcher.stop import StopAction, StopMachine, StopRequests
+from evtrain.launcher.stop import StopDriver, StopMachine, StopRequests
 from evtrain.launcher.stragglers import StragglerNotices
 from evtrain.launcher.watch import BusWatch, FailureResponse, FailureWatch
 from evtrain.stages.worker import remove_flight_recorder_pipes
@@ -97,7 +94,7 @@ class Launcher:
     * `evtrain.launcher.run_dir.take_over`: the run directory;
     * `evtrain.launcher.hook_supervisor.HookSupervisor` (`evtrain.launcher.hooks`): the hooks;
     * `evtrain.launcher.stop.StopMachine`: the phases of a stop, fed by signals and
-      `request_stop`;
+      `request_stop`, carried out by `evtrain.launcher.stop.StopDriver`;
     * `evtrain.launcher.watch.FailureWatch` and `evtrain.launcher.watch.BusWatch`: the
       stages' and the agent's reports, root causes, a lost bus; and
       `evtrain.launcher.watch.FailureResponse`: what a failure makes the launcher do;
@@ -129,15 +126,19 @@ class Launcher:
         self.report: Report | None = None
         self.stop = StopMachine(options.grace_s)
         self._requests = StopRequests(_POLL_S)
-        self._stop_id = secrets.token_hex(8)
+        self._stopping = StopDriver(
+            self.stop,
+            send=lambda command: self.bus is not None and self.bus.send_command(command),
+            agent=lambda: self._agent,
+            workers_started=lambda: self._config_sent,
+            bus_down=self._bus_down,
+        )
         self._agent: AgentProcess | None = None
         self._supervisor: HookSupervisor | None = None
         self._failures: FailureWatch | None = None
         self._bus_watch: BusWatch | None = None
         self._failure_response: FailureResponse | None = None
         self._hangs: HangResponse | None = None
-        self._hang: Hang | None = None
-        """The hang that ended the run."""
         self._stragglers: StragglerNotices | None = None
         self._end = RunEnding(self._bus_down)
         self._config_sent = False
@@ -266,6 +267,11 @@ class Launcher:
             # Node 0 decides for the run: another node sees its own stages only.
             self._hangs = HangResponse(
                 self.options.hang_timeout,
+                self._failures,
+                self._end,
+                self.stop,
+                error=self.console.error,
+                kill_workers=self._kill_agent,
                 report_dir=self.report_dir,
                 run_id=self.run_id,
                 replicas=plan.job.data_parallel,
@@ -304,9 +310,9 @@ class Launcher:
             # Before any hook starts, so that no hook's HookStarted is missed.
             await self.bus.prove_subscription(subscriber, self._on_event)
             async with anyio.create_task_group() as tg:
-                tg.start_soon(self._watch_signals, received)
+                tg.start_soon(self._stopping.watch, received)
                 if handle_signals:
-                    tg.start_soon(self._watch_signals, aiter(self._requests))
+                    tg.start_soon(self._stopping.watch, aiter(self._requests))
                 tg.start_soon(self._read_bus, subscriber)
                 tg.start_soon(self._watch_bus)
                 try:
@@ -324,27 +330,6 @@ class Launcher:
         `evtrain.tools.api` in a thread) uses to pass on a Ctrl-C.
         """
         self._requests.put(signum)
-
-    async def _watch_signals(self, signals: AsyncIterator[int]) -> None:
-        async for signum in signals:
-            name = signal.Signals(signum).name
-            log.warning("signal received", signal=name, phase=self.stop.phase + 1)
-            now, started, down = time.monotonic(), self._config_sent, self._bus_down()
-            self._act(self.stop.on_signal(signum, now, workers_started=started, bus_down=down))
-
-    def _act(self, action: StopAction) -> None:
-        """Carry out what the stop machine says."""
-        if action.announcement is not None:
-            log.warning(action.announcement)
-        if action in (StopAction.SEND_STOP, StopAction.RESEND_STOP):
-            assert self.bus is not None
-            # Stages apply one command id once, however often it arrives.
-            if self.bus.send_command(StopRun(command_id=self._stop_id, reason=self.stop.reason)):
-                self.stop.sent(time.monotonic())
-        elif action is StopAction.TERMINATE and self._agent is not None:
-            self._agent.terminate()
-        elif action is StopAction.KILL:
-            self._kill_agent()
 
     def _kill_agent(self) -> None:
         if self._agent is not None:
@@ -389,8 +374,7 @@ class Launcher:
         elif isinstance(msg, StepEnded) and self._stragglers is not None:
             self._stragglers.step_ended(msg)
         elif isinstance(msg, CommandAcked):
-            if msg.command_id == self._stop_id:
-                self.stop.acknowledged(msg.stage)
+            self._stopping.acknowledged(msg)
         elif isinstance(msg, RunEnded) and msg.source != LAUNCHER_SOURCE:
             self._ended = msg
             if self._supervisor is not None:
@@ -434,9 +418,10 @@ class Launcher:
             supervisor.poll()
             failures.refresh()
             response.tick()
-            await self._watch_hang(failures)
+            if self._hangs is not None:  # node 0 decides for the run
+                await self._hangs.tick()
             self.console.tick()
-            self._act(self.stop.tick(time.monotonic(), stages=plan.job.stages))
+            self._stopping.tick(plan.job.stages)
             await anyio.sleep(_POLL_S)
         failures.refresh()
         await response.settle(_POLL_S)
@@ -453,26 +438,17 @@ class Launcher:
         self._kill_agent()  # anything left in the agent's process group
         if self._ended is None and self._end.published is None and self.is_bus_owner:
             # Tell hooks the run is over when the stages could not.
-            step = failures.steps_known()
-            signum = self.stop.signal
-            self._end.publish(
-                failures.failed(self._root)
-                if self._root is not None
-                else closing_event(agent_status, stop_signal=signum, step=step)
-            )
+            signum, step = self.stop.signal, failures.steps_known()
+            closing = closing_event(agent_status, stop_signal=signum, step=step)
+            self._end.publish(failures.failed(self._root) if self._root is not None else closing)
         await finish_hooks(
             supervisor,
             bus_down=self._bus_down(),
             failed_at=self._end.published_at if self._end.failed else None,
             finish_timeout=opts.hook_finish_timeout,
         )
-        plan, run_dir = self.plan, self.run_dir
-        if self._bus_watch.loss is not None and plan is not None and plan.checkpointing:
-            # The coordinator could not hear of the shards written since: every
-            # hook is done now, so nobody else commits them.
-            assert run_dir is not None
-            committed = commit_complete(run_dir, run_id=self.run_id)
-            self._bus_watch.committed_after_loss = len(committed)
+        if plan.checkpointing:
+            self._bus_watch.commit_after_loss(self.run_dir, self.run_id)
         self.console.close()
         assert self.report is not None
         signum, ended = self.stop.signal, self._ended
@@ -480,18 +456,11 @@ class Launcher:
             agent_status, stop_signal=signum, ended=ended, root=self._root, hang=self._hang
         )
 
-    async def _watch_hang(self, failures: FailureWatch) -> None:
-        """Node 0: a run that made no progress for the hang timeout is reported and
-        ended, or restarted by elastic (`evtrain.launcher.hang`)."""
-        if self._hangs is None or self._end.published is not None or self.stop.phase > 0:
-            return
-        hang = await self._hangs.check(failures, self._end, self.console.error)
-        if hang is not None:
-            self._hang = hang
-            self.stop.killed_workers()  # their deaths are ours, not a failure
-            self._kill_agent()
-
     # -- the end ------------------------------------------------------------------------
+
+    @property
+    def _hang(self) -> Hang | None:
+        return self._hangs.hang if self._hangs is not None else None
 
     def _write_record(self, **extra: Any) -> None:
         assert self.report is not None

@@ -29,29 +29,38 @@ interrupted and removes the launcher's ipc directory
 (`evtrain.launcher.elastic_agent`).
 
 `StopMachine` holds no process and reads no clock: signals, acknowledgements
-and the time go in, the `StopAction` to carry out comes out. A caller that
-keeps the signals to itself (`evtrain.tools.api` in a thread) passes them on
-through `StopRequests`.
+and the time go in, the `StopAction` to carry out comes out. `StopDriver`
+carries it out for the launcher: the command on the bus, the agent
+terminated or killed. A caller that keeps the signals to itself
+(`evtrain.tools.api` in a thread) passes them on through `StopRequests`.
 """
 
 from __future__ import annotations
 
 import enum
 import queue
+import secrets
 import signal
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Protocol
 
 import anyio
+import structlog
 
 from evtrain.bus.commands import Delivery
+from evtrain.events import CommandAcked, StopRun
 
 __all__ = [
     "ELASTIC_SHUTDOWN_S",
     "KILL_AFTER_S",
     "StopAction",
+    "StopDriver",
     "StopMachine",
     "StopRequests",
 ]
+
+log = structlog.get_logger("evtrain.launcher.stop")
 
 ELASTIC_SHUTDOWN_S = 5
 """Seconds elastic gives workers between its SIGTERM and SIGKILL (second stop phase)."""
@@ -178,3 +187,64 @@ class StopRequests:
                 yield self._queue.get_nowait()
             except queue.Empty:
                 await anyio.sleep(self._poll_s)
+
+
+class _Agent(Protocol):
+    def terminate(self) -> None: ...
+    def kill(self) -> None: ...
+
+
+class StopDriver:
+    """Carries out what ``machine`` says: ``send`` publishes a `StopRun` (False: it could
+    not), ``agent`` is the process that runs the workers (None: not started).
+    ``workers_started`` and ``bus_down`` say what the machine must know of a signal."""
+
+    def __init__(
+        self,
+        machine: StopMachine,
+        *,
+        send: Callable[[StopRun], bool],
+        agent: Callable[[], _Agent | None],
+        workers_started: Callable[[], bool],
+        bus_down: Callable[[], bool],
+    ) -> None:
+        self.machine = machine
+        self.command_id = secrets.token_hex(8)
+        """The one id of this launch's stop command: stages apply it once, however
+        often it arrives."""
+        self._send, self._agent = send, agent
+        self._workers_started, self._bus_down = workers_started, bus_down
+
+    async def watch(self, signals: AsyncIterator[int]) -> None:
+        """Every signal (or request) takes the stop one phase on."""
+        async for signum in signals:
+            name = signal.Signals(signum).name
+            log.warning("signal received", signal=name, phase=self.machine.phase + 1)
+            action = self.machine.on_signal(
+                signum,
+                time.monotonic(),
+                workers_started=self._workers_started(),
+                bus_down=self._bus_down(),
+            )
+            self.act(action)
+
+    def tick(self, stages: int) -> None:
+        """The machine's timeouts, checked."""
+        self.act(self.machine.tick(time.monotonic(), stages=stages))
+
+    def act(self, action: StopAction) -> None:
+        if action.announcement is not None:
+            log.warning(action.announcement)
+        if action in (StopAction.SEND_STOP, StopAction.RESEND_STOP):
+            if self._send(StopRun(command_id=self.command_id, reason=self.machine.reason)):
+                self.machine.sent(time.monotonic())
+        elif (agent := self._agent()) is None:
+            return
+        elif action is StopAction.TERMINATE:
+            agent.terminate()
+        elif action is StopAction.KILL:
+            agent.kill()
+
+    def acknowledged(self, ack: CommandAcked) -> None:
+        if ack.command_id == self.command_id:
+            self.machine.acknowledged(ack.stage)

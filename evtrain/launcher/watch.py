@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import structlog
 
-from evtrain.checkpoint import latest_committed
+from evtrain.checkpoint import commit_complete, latest_committed
 from evtrain.events import RunEnded, StageFailed
 from evtrain.failures import (
     Failure,
@@ -369,6 +369,12 @@ class BusWatch:
     def down(self) -> bool:
         """Whether the bus is lost and has not come back."""
         return self.loss is not None and self.loss.back_at_step is None
+
+    def commit_after_loss(self, run_dir: Path, run_id: str) -> None:
+        """At the end of a run that lost its bus, commit the checkpoints written since:
+        the coordinator could not hear of their shards, and every hook is done now."""
+        if self.loss is not None:
+            self.committed_after_loss = len(commit_complete(run_dir, run_id=run_id))
 
     async def run(
         self,
