@@ -198,6 +198,7 @@ def check_job(job: JobFields) -> None:
         )
     _virtual_stages(job)
     _shard(job)
+    _tensor_parallel(job)
     if job.layers is not None and job.num_chunks > len(job.layers):
         what = "stages" if job.virtual_stages == 1 else "model chunks"
         raise SpecError(
@@ -279,6 +280,37 @@ def _shard(job: JobFields) -> None:
         )
     if refused is not None:
         raise SpecError("shard", f"{job.shard!r} cannot be combined with {refused}")
+
+
+def _tensor_parallel(job: JobFields) -> None:
+    check_int("tensor_parallel", job.tensor_parallel, minimum=1)
+    plan = job.tp_plan
+    named = isinstance(plan, Mapping) and all(
+        isinstance(k, str) and isinstance(v, str) for k, v in plan.items()
+    )
+    if plan is not None and not callable(plan) and not named:
+        raise SpecError(
+            "tp_plan", f"expected module paths to style names, or a callable, got {plan!r}"
+        )
+    if job.tensor_parallel == 1:
+        if plan is not None:
+            raise SpecError("tp_plan", "splits layers over tensor_parallel ranks: set it > 1")
+        return
+    if plan is None and job.model is None:
+        raise SpecError(
+            "tp_plan",
+            f"tensor_parallel={job.tensor_parallel} with layers= needs a tp_plan "
+            "(module paths to 'colwise', 'rowwise', ...)",
+        )
+    refused = None
+    if job.data_parallel > 1:
+        refused = "data_parallel > 1"
+    elif job.virtual_stages > 1:
+        refused = "model chunks (virtual_stages > 1)"
+    if refused is not None:
+        raise SpecError(
+            "tensor_parallel", f"{job.tensor_parallel} does not combine with {refused} yet"
+        )
 
 
 def _balance(job: JobFields) -> None:

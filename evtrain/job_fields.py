@@ -228,6 +228,21 @@ class JobFields:
     equals one on the whole batch; `batch_size` is the global batch and must be a
     multiple of ``num_microbatches * data_parallel``."""
 
+    tensor_parallel: int = 1
+    """Tensor-parallel ranks T of every stage of every replica: P x D x T processes on a
+    (pp, dp, tp) mesh, tp innermost (a machine's devices). Each stage's layers are split
+    over its T ranks by `tp_plan` (or a Hugging Face model's own plan), applied after
+    the stage is built; docs/scale.md explains the layout."""
+
+    tp_plan: Mapping[str, str] | Callable[..., Any] | None = None
+    """With `tensor_parallel` > 1: how the stage's layers split, as module paths (``*``
+    for any one name) to styles — ``"colwise"``, ``"rowwise"``, ``"colwise_rep"``
+    (gathered output), ``"rowwise_rep"`` (replicated input), ``"embedding_rowwise"``,
+    ``"sequence_parallel"``, ``"replicate"`` — in Hugging Face's vocabulary
+    (`evtrain.stages.tensor_parallel`); or a callable ``(stage_module, tp_mesh) ->
+    None`` that parallelizes the stage itself. ``None``: the model's own plan (a
+    Hugging Face model's ``config.base_model_tp_plan`` and ``_tp_plan``)."""
+
     shard: str = "none"
     """With `data_parallel` > 1, what each stage's replicas split between them instead
     of each holding it whole (torch's FSDP2 over the stage's replicas): ``"none"``
@@ -306,8 +321,8 @@ class JobFields:
 
     @property
     def world_size(self) -> int:
-        """Processes of the run: ``stages * data_parallel``."""
-        return self.stages * self.data_parallel
+        """Processes of the run: ``stages * data_parallel * tensor_parallel``."""
+        return self.stages * self.data_parallel * self.tensor_parallel
 
     @property
     def samples_per_step(self) -> int:

@@ -84,6 +84,14 @@ OVERRIDES: dict[str, Override] = {
             "data-parallel replicas D of the pipeline (P x D processes)",
         ),
         Override(
+            "tp",
+            "tensor_parallel",
+            _parse_int,
+            "an integer",
+            "tensor-parallel ranks T of every stage (P x D x T processes; the layers split "
+            "by the job's tp_plan or the model's own)",
+        ),
+        Override(
             "shard",
             "shard",
             _parse_str,

@@ -337,7 +337,9 @@ class StageActor:
         except BaseException as exc:
             self.live.failed(exc, first_rank=self.place.rank == 0)
             raise
-        if self.config.bus is not None:
+        # Tensor ranks above 0 repeat rank 0's computations, and its events: they
+        # tell the launcher of themselves through their reports alone.
+        if self.config.bus is not None and self.place.tp == 0:
             address = BusAddress.parse(self.config.bus)
             # A CURVE bus: the launcher names its key directory in the environment.
             curve = curve_from_env()
@@ -532,16 +534,18 @@ class StageActor:
         if job.world_size != self.ranks.world_size:
             raise SpecError(
                 "stages",
-                f"the job has {job.stages} stages x {job.data_parallel} replicas but "
-                f"{self.ranks.world_size} stage workers were started (one process per stage "
-                "and replica)",
+                f"the job has {job.stages} stages x {job.data_parallel} replicas x "
+                f"{job.tensor_parallel} tensor ranks but {self.ranks.world_size} stage workers "
+                "were started (one process per stage, replica and tensor rank)",
             )
         self.job = job
-        self.place = Place.of_rank(self.ranks.rank, job.stages, job.data_parallel)
+        self.place = Place.of_rank(
+            self.ranks.rank, job.stages, job.data_parallel, job.tensor_parallel
+        )
         self.stage, self.num_stages = self.place.stage, self.place.num_stages
         self.replica = self.place.replica
         self.ledger = CommandLedger(self.stage, None)
-        self.live.placed(self.stage, self.replica)
+        self.live.placed(self.stage, self.replica, self.place.tp, self.place.tp_size)
 
     # ------------------------------------------------------------------- steps
 

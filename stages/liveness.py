@@ -63,9 +63,9 @@ class Doing:
 
     __slots__ = ("_chunks", "_replicas", "_routes", "at")
 
-    def __init__(self, routes: ChunkRoutes, chunks: int, replicas: int) -> None:
+    def __init__(self, routes: ChunkRoutes, chunks: int, ranks_per_stage: int) -> None:
         self.at: tuple[str, int, int, float] | None = None
-        self._routes, self._chunks, self._replicas = routes, chunks, replicas
+        self._routes, self._chunks, self._replicas = routes, chunks, ranks_per_stage
 
     def set(self, kind: str, microbatch: int = -1, chunk: int = 0) -> None:
         self.at = (kind, microbatch, chunk, time.monotonic())
@@ -128,11 +128,13 @@ class StageLiveness:
             self._stacks = enable_stack_dumps(config.report_dir, attempt, rank)
             keep_flight_recorder(config.report_dir, config.run_id, attempt)
 
-    def placed(self, stage: int, replica: int) -> None:
-        """The job is loaded: this rank is ``stage``'s replica ``replica``."""
+    def placed(self, stage: int, replica: int, tp: int = 0, tp_size: int = 1) -> None:
+        """The job is loaded: this rank is ``stage``'s replica ``replica``, tensor rank ``tp``
+        of ``tp_size``."""
         self.stage, self.replica = stage, replica
         if self.report is not None:
             self.report.stage, self.report.replica = stage, replica
+            self.report.tp, self.report.tp_size = tp, tp_size
 
     def doing(self) -> tuple[str, float]:
         """The instruction the executor is in, within the phase it serves (an evaluation:

@@ -1,15 +1,20 @@
-"""Where a process sits in the run: pipeline stage x data-parallel replica.
+"""Where a process sits in the run: pipeline stage x data-parallel replica x tensor rank.
 
-A run is P stages x D replicas on a 2-D `torch.distributed.device_mesh.DeviceMesh`
-with dimensions ``("pp", "dp")``. Global rank ``r`` is stage ``r // D``,
-replica ``r % D`` — the pipeline dimension outermost, as Megatron-LM and
-torchtitan order it — so the D replicas of a stage hold consecutive ranks and,
-with whole stages per node, reduce their gradients inside one machine while
-activations cross machines.
+A run is P stages x D replicas x T tensor-parallel ranks on a
+`torch.distributed.device_mesh.DeviceMesh` with dimensions ``("pp", "dp",
+"tp")`` (``("pp", "dp")`` when T is 1). Global rank ``r`` is stage ``r //
+(D T)``, replica ``r // T % D``, tensor rank ``r % T`` — the pipeline dimension
+outermost and the tensor dimension innermost, as Megatron-LM and torchtitan
+order them — so the T ranks of a replica's stage, which talk at every layer,
+hold consecutive ranks (one machine's devices), the D replicas of a stage
+come next and reduce their gradients inside a machine where they can, while
+activations cross machines. Tensor rank t of a stage talks to tensor rank t
+of its neighbours: each of the T pipelines of a replica carries its own
+activations (`evtrain.stages.tensor_parallel`).
 
 The groups one process uses:
 
-* ``pipeline`` — its replica's P stages, for activations (the mesh's ``pp``
+* ``pipeline`` — its replica's P stages (of its tensor rank), for activations (the mesh's ``pp``
   group). ``pipeline_grads`` — the same ranks again, for gradients: a group of
   its own has its own connections, so a gradient never queues behind an
   activation.
@@ -18,8 +23,10 @@ The groups one process uses:
   a stage: what flows *into* chunk v travels on pair v (pair 0 is
   ``pipeline``, ``pipeline_grads``), so every group carries one chunk's
   messages in microbatch order — as NCCL, which ignores tags, needs.
-* ``replicas`` — its stage's D replicas (the mesh's ``dp`` group), over which
-  DDP's reducer averages the gradients.
+* ``replicas`` — its stage's D replicas (of its tensor rank: the mesh's ``dp``
+  group), over which DDP's reducer averages the gradients.
+* ``tensor`` — its replica's stage's T ranks (the mesh's ``tp`` dimension), over
+  which the plan shards the layers.
 * ``control`` — every process, always gloo (the per-step control exchange,
   `evtrain.stages.control`).
 * ``shapes`` — its replica's P stages again, always gloo, when the data's
@@ -107,18 +114,22 @@ def route_interface(
 
 @dataclass(frozen=True)
 class Place:
-    """One process's coordinates on the (pp, dp) mesh."""
+    """One process's coordinates on the (pp, dp, tp) mesh."""
 
     stage: int
     replica: int
     num_stages: int
     replicas: int
+    tp: int = 0
+    """Its tensor-parallel rank within its replica's stage."""
+    tp_size: int = 1
 
     @classmethod
-    def of_rank(cls, rank: int, num_stages: int, replicas: int) -> Place:
-        """The place of global rank ``rank`` (stage ``rank // D``, replica ``rank % D``)."""
-        stage, replica = divmod(rank, replicas)
-        return cls(stage, replica, num_stages, replicas)
+    def of_rank(cls, rank: int, num_stages: int, replicas: int, tp_size: int = 1) -> Place:
+        """The place of global rank ``rank`` (module docstring)."""
+        unit, tp = divmod(rank, tp_size)
+        stage, replica = divmod(unit, replicas)
+        return cls(stage, replica, num_stages, replicas, tp, tp_size)
 
     @property
     def rank(self) -> int:
@@ -126,11 +137,21 @@ class Place:
 
     @property
     def world_size(self) -> int:
-        return self.num_stages * self.replicas
+        return self.num_stages * self.replicas * self.tp_size
 
-    def rank_of(self, stage: int, replica: int | None = None) -> int:
-        """Global rank of ``stage`` in ``replica`` (default: this process's replica)."""
-        return stage * self.replicas + (self.replica if replica is None else replica)
+    @property
+    def ranks_per_stage(self) -> int:
+        return self.replicas * self.tp_size
+
+    def rank_of(self, stage: int, replica: int | None = None, tp: int | None = None) -> int:
+        """Global rank of ``stage`` in ``replica`` at tensor rank ``tp`` (defaults: this
+        process's)."""
+        replica = self.replica if replica is None else replica
+        return (stage * self.replicas + replica) * self.tp_size + (self.tp if tp is None else tp)
+
+    def stage_of(self, rank: int) -> int:
+        """The stage of global rank ``rank``."""
+        return rank // self.ranks_per_stage
 
     @property
     def prev(self) -> int | None:
@@ -198,6 +219,8 @@ class StageGroups:
     shapes: dist.ProcessGroup | None = None
     replica_mesh: DeviceMesh | None = None
     """The ``dp`` dimension of the mesh (the ``replicas`` group), which FSDP shards over."""
+    tensor_mesh: DeviceMesh | None = None
+    """The ``tp`` dimension of the mesh, which the tensor-parallel plan shards over."""
     checkpoint: dist.ProcessGroup | None = None
     """Sharded: its stage's D replicas again, always gloo, for the checkpoint writer's
     thread alone (`evtrain.checkpoint.writer.ShardWriter`)."""
@@ -215,15 +238,17 @@ def build_groups(
     """Create the mesh and every group (collective: all processes call it, in step)."""
     if place.world_size == 1:
         return StageGroups(None, None, None, None, [(None, None)])
-    mesh = init_device_mesh(
-        device.type, (place.num_stages, place.replicas), mesh_dim_names=("pp", "dp")
-    )
-    pipeline = mesh.get_group("pp") if place.num_stages > 1 else None
-    replicas = mesh.get_group("dp") if place.replicas > 1 else None
-    pipelines = [
-        [place.rank_of(s, r) for s in range(place.num_stages)] for r in range(place.replicas)
-    ]
-    stages = [[place.rank_of(s, r) for r in range(place.replicas)] for s in range(place.num_stages)]
+    P, D, T = place.num_stages, place.replicas, place.tp_size
+    if T > 1:
+        mesh = init_device_mesh(device.type, (P, D, T), mesh_dim_names=("pp", "dp", "tp"))
+    else:
+        mesh = init_device_mesh(device.type, (P, D), mesh_dim_names=("pp", "dp"))
+    pipeline = mesh.get_group("pp") if P > 1 else None
+    replicas = mesh.get_group("dp") if D > 1 else None
+    lanes = [(r, t) for r in range(D) for t in range(T)]
+    """The (replica, tensor rank) of each of the run's pipelines."""
+    pipelines = [[place.rank_of(s, r, t) for s in range(P)] for r, t in lanes]
+    stages = [[place.rank_of(s, r, t) for r in range(D)] for s in range(P) for t in range(T)]
     pipeline_grads = None
     if place.num_stages > 1:
         pipeline_grads = _own_group(pipelines, place, backend, timeout)
@@ -232,11 +257,10 @@ def build_groups(
     ]
     for _chunk in range(1, virtual_stages):
         pair: tuple[dist.ProcessGroup | None, dist.ProcessGroup | None] = (None, None)
-        for replica in range(place.replicas):
-            ranks = [place.rank_of(s, replica) for s in range(place.num_stages)]
+        for ranks in pipelines:
             act = dist.new_group(ranks, backend=backend, timeout=timeout)
             grad = dist.new_group(ranks, backend=backend, timeout=timeout)
-            if replica == place.replica:
+            if place.rank in ranks:
                 pair = (act, grad)
         chunks.append(pair)
     control = dist.new_group(backend="gloo", timeout=timeout)
@@ -244,7 +268,7 @@ def build_groups(
     if varying_shapes and place.num_stages > 1:
         shapes = _own_group(pipelines, place, "gloo", timeout)
     checkpoint = None
-    if sharded and place.replicas > 1:
+    if sharded and D > 1:
         checkpoint = _own_group(stages, place, "gloo", timeout)
     return StageGroups(
         pipeline,
@@ -253,8 +277,9 @@ def build_groups(
         control,
         chunks,
         shapes,
-        mesh["dp"] if place.replicas > 1 else None,
-        checkpoint,
+        replica_mesh=mesh["dp"] if D > 1 else None,
+        checkpoint=checkpoint,
+        tensor_mesh=mesh["tp"] if T > 1 else None,
     )
 
 

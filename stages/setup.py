@@ -70,6 +70,7 @@ from evtrain.stages.pytree import BoundarySpec
 from evtrain.stages.schedules import chunk_place, model_chunk
 from evtrain.stages.shapes import ChunkSpecs, ShapeTable
 from evtrain.stages.sharded import ShardedReplicas, full_tensor
+from evtrain.stages.tensor_parallel import TensorParallel, plan_of
 from evtrain.stages.tied import TiedWeights
 from evtrain.stages.update import WeightUpdate
 from evtrain.stages.worker import restart_count
@@ -111,6 +112,8 @@ class StageParts:
     shapes_group: dist.ProcessGroup | None
     checkpoint_group: dist.ProcessGroup | None
     """Sharded: the stage's replicas, for the checkpoint writer alone."""
+    tensor: TensorParallel | None = None
+    """The stage's tensor-parallel plan applied (None: T = 1)."""
 
 
 @dataclass(frozen=True)
@@ -174,6 +177,11 @@ def build_stage(
         ids = [model_chunk(job.schedule, place.stage, place.num_stages, v) for v in range(V)]
         module = build_stage_chunks(job, [ranges[c] for c in ids], device)
         chunks = list(vars(module)["chunks"])
+    tensor = None
+    if groups.tensor_mesh is not None:
+        # Before anything wraps the layers (checkpointing, compile, DDP), as torchtitan.
+        plan = plan_of(job.tp_plan, module)
+        tensor = TensorParallel(module, groups.tensor_mesh, plan, place.stage)
     if job.sync_batchnorm and groups.replicas is not None:
         # Before anything wraps the layers (checkpointing, compile, DDP).
         synchronise([module, *chunks], groups.replicas)
@@ -228,6 +236,7 @@ def build_stage(
         control,
         groups.shapes,
         groups.checkpoint,
+        tensor,
     )
 
 
@@ -301,6 +310,7 @@ def prepare_stage(
         grad_clip=job.grad_clip,
         tied=parts.tied or None,
         replicas=parts.replicas,
+        tensor=parts.tensor,
         # The replicas average at ReduceGrads rather than in DDP's last backward.
         average_at_reduce=split is not None or V > 1,
         weight_scale=None
@@ -468,7 +478,7 @@ def finish_stage(runtime: StageRuntime, dump_weights_dir: str | None) -> None:
             k: full_tensor(v.detach()).cpu().contiguous()
             for k, v in {**parts.module.state_dict(), **aliases}.items()
         }
-    if dump_weights_dir and parts.place.replica == 0:
+    if dump_weights_dir and parts.place.replica == 0 and parts.place.tp == 0:
         from safetensors.torch import save_file
 
         directory = Path(dump_weights_dir)

@@ -132,14 +132,16 @@ class TiedWeights:
         for group in groups:
             if len(group.stages) < 2:
                 continue
-            # A group per replica: each replica's pipeline keeps its own copies equal.
+            # A group per pipeline (replica and tensor rank): each keeps its own
+            # copies equal (tensor-parallel copies are split alike on every stage).
             for replica in range(place.replicas):
-                ranks = tuple(place.rank_of(s, replica) for s in group.stages)
-                if ranks not in made:
-                    new = dist.new_group(ranks=list(ranks), backend=backend)
-                    assert new is not None
-                    made[ranks] = new
-                pg = made[ranks]
+                for tp in range(place.tp_size):
+                    ranks = tuple(place.rank_of(s, replica, tp) for s in group.stages)
+                    if ranks not in made:
+                        new = dist.new_group(ranks=list(ranks), backend=backend)
+                        assert new is not None
+                        made[ranks] = new
+                pg = made[tuple(place.rank_of(s, replica) for s in group.stages)]
                 if replica != place.replica or place.stage not in group.stages:
                     continue
                 name = next(n for n in group.names if n in present)

@@ -39,6 +39,7 @@ from evtrain.stages.data_parallel import Replicas
 from evtrain.stages.mesh import Place
 from evtrain.stages.precision import LossScaler
 from evtrain.stages.sharded import ShardedReplicas, local_tensor
+from evtrain.stages.tensor_parallel import TensorParallel
 from evtrain.stages.tied import TiedWeights
 
 __all__ = ["StepLoss", "Timed", "WeightUpdate", "state_bytes_of"]
@@ -133,6 +134,7 @@ class WeightUpdate:
         tied: TiedWeights | None,
         replicas: Replicas | ShardedReplicas | None,
         average_at_reduce: bool,
+        tensor: TensorParallel | None = None,
         weight_scale: float | None = None,
     ) -> None:
         self.params = list(params)
@@ -144,6 +146,7 @@ class WeightUpdate:
         self.grad_clip = grad_clip
         self.tied = tied
         self.replicas = replicas
+        self.tensor = tensor
         self._average = replicas is not None and (average_at_reduce or replicas.sharded)
         # Sharded, each replica holds a part of every gradient: it counts its own part
         # in the norm and scales only that.
@@ -171,9 +174,12 @@ class WeightUpdate:
         before any collective that would not match across replicas."""
         if self.replicas is not None:
             self.replicas.check_used(self.params)
-        if self.tied is None and not self._average:
+        tensor = self.tensor if self.tensor is not None and self.tensor.partial else None
+        if self.tied is None and not self._average and tensor is None:
             return None
         start = time.perf_counter()
+        if tensor is not None:
+            tensor.reduce_grads()
         if self._average:
             assert self.replicas is not None
             self.replicas.reduce(self.params)
@@ -197,12 +203,15 @@ class WeightUpdate:
         if self.scaler is not None and grads:
             self.scaler.unscale_(grads)
         counted = grads
-        if self.tied is not None:
-            excluded = self.tied.norm_excluded
+        if self.tied is not None or self.tensor is not None:
+            excluded = self.tied.norm_excluded if self.tied is not None else set()
+            tensor = self.tensor
             counted = [
                 local_tensor(p.grad)
                 for p in self.params
-                if p.grad is not None and id(p) not in excluded
+                if p.grad is not None
+                and id(p) not in excluded
+                and (tensor is None or tensor.counts(p))
             ]
         sq_norm = 0.0
         # Unsharded, the replicas hold the same averaged gradients: replica 0 counts
@@ -211,6 +220,9 @@ class WeightUpdate:
             norms = torch._foreach_norm(counted)
             sq_norm = float(torch.stack(norms).double().square().sum())
         weighted = self.weight_scale is not None
+        # Every tensor rank computed the same loss: rank 0's counts.
+        if self.place.tp != 0:
+            local_loss, local_weight = None, 0.0
         loss_share = 0.0 if local_loss is None else local_loss
         if not weighted:
             loss_share /= self.place.replicas

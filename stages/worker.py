@@ -128,9 +128,13 @@ class StageReport(msgspec.Struct, kw_only=True):
     """
 
     rank: int
-    """Global rank: stage ``rank // D``, replica ``rank % D`` (`evtrain.stages.mesh`)."""
+    """Global rank: stage ``rank // (D T)``, replica ``rank // T % D``, tensor rank
+    ``rank % T`` (`evtrain.stages.mesh`)."""
     stage: int
     replica: int = 0
+    tp: int = 0
+    """Its tensor-parallel rank (`evtrain.stages.mesh`)."""
+    tp_size: int = 1
     pid: int
     host: str = ""
     """The machine the process runs on (its pid means something only there)."""

@@ -241,7 +241,8 @@ class StageState:
     @property
     def name(self) -> str:
         r = self.report
-        return f"stage {r.stage}" + (f" replica {r.replica}" if self.replicas > 1 else "")
+        name = f"stage {r.stage}" + (f" replica {r.replica}" if self.replicas > 1 else "")
+        return name + (f" tensor rank {r.tp}" if r.tp_size > 1 else "")
 
     @property
     def in_step(self) -> int:
@@ -257,17 +258,18 @@ class StageState:
         return doing_kind(self.report.doing)
 
     def waits_on_rank(self) -> int | None:
-        """The rank of the peer stage it waits on (same replica), if any."""
+        """The rank of the peer stage it waits on (same replica and tensor rank), if any."""
         match = _PEER.search(self.report.doing)
         if match is None or not self.instruction.startswith(("Recv", "Send")):
             return None
-        return int(match[1]) * self.replicas + self.report.replica
+        r = self.report
+        return (int(match[1]) * self.replicas + r.replica) * r.tp_size + r.tp
 
     def waits_on(self) -> str:
         """What it waits on, in words ("": nothing, it is busy)."""
         peer = self.waits_on_rank()
         if peer is not None:
-            return f"stage {peer // self.replicas}"
+            return f"stage {peer // (self.replicas * self.report.tp_size)}"
         collective = _COLLECTIVE.get(self.instruction)
         if collective is not None:
             return collective

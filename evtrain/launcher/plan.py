@@ -71,9 +71,10 @@ __all__ = [
 def world(job: Job) -> str:
     """``2 stages`` or ``2 stages x 2 replicas``: the processes of a run."""
     stages = f"{job.stages} stage{'s' if job.stages != 1 else ''}"
-    if job.data_parallel == 1:
-        return stages
-    return f"{stages} x {job.data_parallel} replicas"
+    text = stages if job.data_parallel == 1 else f"{stages} x {job.data_parallel} replicas"
+    if job.tensor_parallel > 1:
+        text += f" x {job.tensor_parallel} tensor ranks"
+    return text
 
 
 class EndReport(Protocol):
@@ -321,6 +322,7 @@ def make_plan(options: LaunchOptions, purpose: Purpose) -> LaunchPlan:
     from evtrain.overrides import apply_overrides
     from evtrain.spec import load_job
     from evtrain.stages.partition import plan_split
+    from evtrain.stages.tensor_parallel import check_plan
 
     job = apply_overrides(opts.job if opts.job is not None else load_job(opts.spec), opts.overrides)
     purpose.check_job(job)
@@ -347,6 +349,14 @@ def make_plan(options: LaunchOptions, purpose: Purpose) -> LaunchPlan:
             hook = build_hook_from_spec(spec)  # UsageError naming the hook and option
             plan.checkpointing = plan.checkpointing or hook.plans_checkpoints
             check_monitored_metric(job, hook)
+    if job.tensor_parallel > 1:
+        check_plan(job)
+        if plan.checkpointing:
+            raise SpecError(
+                "tensor_parallel",
+                f"{job.tensor_parallel}: checkpoints of a tensor-parallel run are not "
+                "supported yet; launch without a checkpoint hook",
+            )
     _resolve_paths(plan, opts)
     return plan
 

@@ -233,7 +233,8 @@ class Report:
         job, plan, say = self.plan.job, self.plan, self.console.say
         assert plan.resume_path is not None
         # Replica 0 of the last stage evaluates (stage reports are by global rank).
-        report = self.failures.stage_reports.get((job.stages - 1) * job.data_parallel)
+        last = (job.stages - 1) * job.data_parallel * job.tensor_parallel
+        report = self.failures.stage_reports.get(last)
         if report is None or report.eval_metrics is None:
             self.console.error("the evaluation ended without metrics")
             return EXIT_FAILED

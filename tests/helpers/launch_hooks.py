@@ -138,7 +138,12 @@ class StageTimesRecorder(Hook):
     def stage_started(self, ev: StageStarted) -> None:
         _append(
             self.path,
-            {"stage_started": ev.stage, "replica": ev.replica, "layers": list(ev.layers)},
+            {
+                "stage_started": ev.stage,
+                "replica": ev.replica,
+                "layers": list(ev.layers),
+                "num_params": ev.num_params,
+            },
         )
 
     @on(StepEnded)

@@ -82,3 +82,16 @@ class Fault(nn.Module):
         if self.delay:
             time.sleep(self.delay)
         return x
+
+
+class FeedForward(nn.Module):
+    """``x + down(tanh(up(x)))``: the pair a tensor-parallel plan splits (up by columns,
+    down by rows)."""
+
+    def __init__(self, width: int, hidden: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, hidden)
+        self.down = nn.Linear(hidden, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.up(x)))

@@ -1,0 +1,276 @@
+"""Tensor parallelism inside a stage: the stage's layers split over its T tensor ranks.
+
+With `evtrain.job.Job.tensor_parallel` T > 1, every stage of every replica
+runs on T processes (the ``tp`` dimension of the mesh, `evtrain.stages.mesh`).
+After the stage is built, and before activation checkpointing, compilation
+and data parallelism wrap it (torchtitan's order), a *plan* splits its
+layers with torch's ``parallelize_module`` over the ``tp`` mesh. A plan maps
+module paths to styles, in Hugging Face's vocabulary: ``*`` stands for any
+one name of a path, so ``"model.layers.*.self_attn.q_proj"`` matches every
+layer's projection.
+
+==================================== ==========================================
+style                                what the module becomes
+==================================== ==========================================
+``colwise``                          a Linear split by output features: its
+                                     output is this rank's slice (torch's
+                                     ``ColwiseParallel``)
+``rowwise``                          a Linear split by input features, taking
+                                     the slice a ``colwise`` made; its output is
+                                     summed over the ranks (``RowwiseParallel``)
+``colwise_rep``,                     ``colwise`` whose output is gathered whole
+``colwise_gather_output``
+``rowwise_rep``,                     ``rowwise`` that takes a whole input and
+``rowwise_split_input``              slices it itself
+``embedding_rowwise``                an Embedding split by rows (the vocabulary),
+                                     its output summed
+``embedding_colwise``                an Embedding split by columns, its output
+                                     gathered
+``sequence_parallel``                a norm or dropout that runs on a sequence
+                                     slice (``SequenceParallel``)
+``replicate``                        left whole on every rank
+``replicated_with_grad_allreduce``   left whole, fed only this rank's slice (a
+                                     per-head norm after ``colwise``): its
+                                     gradients are summed over the ranks at
+                                     ``ReduceGrads``
+==================================== ==========================================
+
+The plan comes from `Job.tp_plan` (a mapping, or a callable that gets the
+stage module and the ``tp`` mesh and parallelizes it itself), or, for a
+Hugging Face model, from the model: its ``config.base_model_tp_plan`` under
+the base model's prefix and its class's ``_tp_plan`` (the head). Only the
+modules a stage holds take a plan: a layer held by another stage (a stand-in)
+has no such module here. Paths the plan does not reach stay whole.
+
+What a stage sends its neighbour is whole on every rank (a ``rowwise``
+output is summed, a ``colwise`` one inside a layer never leaves it), and
+tensor rank t sends to tensor rank t: each of a replica's T pipelines
+carries the same activations, and every rank of a stage reads the same
+batches. So the loss, computed on every rank, is the same everywhere: the
+control exchange takes tensor rank 0's. A gradient split over the ranks
+counts every rank's slice in the global norm; a whole one counts once
+(`TensorParallel.counts`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import structlog
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from evtrain.errors import SpecError
+from evtrain.job import Job
+from evtrain.stages.pytree import StandIn
+
+__all__ = ["STYLES", "TensorParallel", "check_plan", "model_plan", "plan_of"]
+
+log = structlog.get_logger("evtrain.stages.tensor_parallel")
+
+_LINEAR = (nn.Linear,)
+_EMBEDDING = (nn.Embedding,)
+
+STYLES: dict[str, Callable[[], ParallelStyle | None]] = {
+    "colwise": lambda: ColwiseParallel(),
+    "rowwise": lambda: RowwiseParallel(),
+    "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
+    "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
+    "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
+    "embedding_colwise": lambda: ColwiseParallel(
+        input_layouts=Replicate(), output_layouts=Replicate()
+    ),
+    "sequence_parallel": lambda: SequenceParallel(),
+    "replicate": lambda: None,
+    "replicated_with_grad_allreduce": lambda: None,
+}
+"""Each style of the vocabulary (module docstring) as torch's parallel style; None: the
+module stays whole."""
+
+_SPLIT_DIM = {
+    "colwise": ("out_features", _LINEAR),
+    "colwise_rep": ("out_features", _LINEAR),
+    "colwise_gather_output": ("out_features", _LINEAR),
+    "rowwise": ("in_features", _LINEAR),
+    "rowwise_rep": ("in_features", _LINEAR),
+    "rowwise_split_input": ("in_features", _LINEAR),
+    "embedding_rowwise": ("num_embeddings", _EMBEDDING),
+    "embedding_colwise": ("embedding_dim", _EMBEDDING),
+}
+"""The size a style splits over the ranks, and the modules it applies to."""
+
+
+def model_plan(model: nn.Module) -> dict[str, str] | None:
+    """A Hugging Face model's own plan, with paths from ``model``'s root; None when the
+    model is not one or its family has none (an empty plan, as GPT-2's)."""
+    config = getattr(model, "config", None)
+    base = getattr(config, "base_model_tp_plan", None)
+    head = getattr(type(model), "_tp_plan", None)
+    if not base and not head:
+        return None
+    plan: dict[str, str] = {}
+    prefix = getattr(model, "base_model_prefix", "")
+    within = prefix and isinstance(getattr(model, prefix, None), nn.Module)
+    for path, style in (base or {}).items():
+        plan[f"{prefix}.{path}" if within else path] = style
+    plan.update(head or {})
+    return plan
+
+
+def plan_of(
+    job_plan: Mapping[str, str] | Callable[..., Any] | None, model: nn.Module
+) -> Mapping[str, str] | Callable[..., Any]:
+    """The plan a stage of ``model`` takes: the job's, else the model's own."""
+    if job_plan is not None:
+        return job_plan
+    own = model_plan(model)
+    if own is None:
+        raise SpecError(
+            "tp_plan",
+            f"{type(model).__name__} has no tensor-parallel plan of its own; give the job "
+            "a tp_plan (module paths to 'colwise', 'rowwise', ...)",
+        )
+    return own
+
+
+def check_plan(job: Job) -> None:
+    """Before launch: the plan a `Job.model` takes exists and ``tensor_parallel`` divides
+    its heads (the model built on the meta device); a `SpecError` otherwise."""
+    if isinstance(job.tp_plan, Mapping):
+        for path, style in job.tp_plan.items():
+            _check_style(path, style)
+    if job.model is None or callable(job.tp_plan):
+        return
+    with torch.device("meta"):
+        model = job.model()
+    _check_heads(model, job.tensor_parallel)
+    plan = plan_of(job.tp_plan, model)
+    assert not callable(plan)
+    if not any(True for _ in _resolve(model, plan)):
+        raise SpecError(
+            "tp_plan",
+            f"reaches no module of {type(model).__name__} (its paths look like "
+            f"{next((n for n, _ in model.named_modules() if n.count('.') >= 2), '?')!r})",
+        )
+
+
+def _check_style(path: str, style: str) -> None:
+    if style not in STYLES:
+        raise SpecError(
+            "tp_plan", f"{path}: unknown style {style!r}; choose one of {', '.join(STYLES)}"
+        )
+
+
+def _matches(pattern: list[str], path: list[str]) -> bool:
+    return len(pattern) == len(path) and all(
+        p in ("*", n) for p, n in zip(pattern, path, strict=True)
+    )
+
+
+def _resolve(module: nn.Module, plan: Mapping[str, str]) -> Iterator[tuple[str, nn.Module, str]]:
+    """(path, module, style) of each of ``module``'s modules that ``plan`` reaches."""
+    patterns = [(pattern.split("."), style) for pattern, style in plan.items()]
+    for name, sub in module.named_modules():
+        if not name:
+            continue
+        path = name.split(".")
+        for pattern, style in patterns:
+            if _matches(pattern, path):
+                yield name, sub, style
+                break
+
+
+def _check_heads(model: nn.Module, size: int) -> None:
+    config = getattr(model, "config", None)
+    for field in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(config, field, None)
+        if isinstance(heads, int) and heads % size:
+            raise SpecError(
+                "tensor_parallel",
+                f"{size} does not divide {type(model).__name__}'s {field} ({heads})",
+            )
+
+
+class TensorParallel:
+    """The plan applied to one stage over its ``tp`` mesh (module docstring).
+
+    ``partial`` are the parameters whose gradients are summed over the ranks at
+    ``ReduceGrads`` (``replicated_with_grad_allreduce``); `counts` says whether a
+    parameter's gradient counts in this rank's part of the global norm.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        mesh: DeviceMesh,
+        plan: Mapping[str, str] | Callable[..., Any],
+        stage: int,
+    ) -> None:
+        self.mesh = mesh
+        self.size = mesh.size()
+        self.rank = mesh.get_local_rank()
+        self.group: dist.ProcessGroup = mesh.get_group()
+        self.partial: list[nn.Parameter] = []
+        _check_heads(module, self.size)
+        if callable(plan):
+            plan(module, mesh)
+        else:
+            self._apply(module, plan, stage)
+        self._split = {
+            id(p)
+            for p in module.parameters()
+            if isinstance(p, DTensor)
+            and p.device_mesh == mesh
+            and any(isinstance(x, Shard) for x in p.placements)
+        }
+
+    def _apply(self, module: nn.Module, plan: Mapping[str, str], stage: int) -> None:
+        styles: dict[str, ParallelStyle] = {}
+        for name, sub, style in _resolve(module, plan):
+            if any(isinstance(v, StandIn) for v in vars(sub).values()):
+                continue  # held by another stage: its weights are stand-ins here
+            _check_style(name, style)
+            split = _SPLIT_DIM.get(style)
+            if split is not None:
+                field, kinds = split
+                if not isinstance(sub, kinds):
+                    continue  # what the stage holds in the layer's place
+                if getattr(sub, field) % self.size:
+                    raise SpecError(
+                        "tensor_parallel",
+                        f"{self.size} does not divide {name}'s {field} ({getattr(sub, field)}) "
+                        f"for {style!r}",
+                    )
+            if style == "replicated_with_grad_allreduce":
+                self.partial.extend(p for p in sub.parameters() if p.requires_grad)
+            made = STYLES[style]()
+            if made is not None:
+                styles[name] = made
+        if not styles:
+            log.warning("the tensor-parallel plan splits nothing on this stage", stage=stage)
+            return
+        parallelize_module(module, self.mesh, styles, src_data_rank=None)
+
+    def counts(self, param: torch.Tensor) -> bool:
+        """Whether this rank counts ``param``'s gradient in the global norm: its slice of a
+        split parameter, a whole one on tensor rank 0 only."""
+        return self.rank == 0 or id(param) in self._split
+
+    def reduce_grads(self) -> None:
+        """Sum the gradients of ``partial`` parameters over the ranks (each saw its slice)."""
+        for p in self.partial:
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=self.group)
