@@ -182,12 +182,16 @@ class Failure:
     """False while a dead process's exit status is not known yet."""
     replica: int | None = None
     """Which of the stage's data-parallel replicas failed, when the run has several."""
+    tp: int | None = None
+    """Which of the stage's tensor ranks failed, when the run has several."""
 
     def headline(self, *, brief: bool = False) -> str:
         """One line: which stage, when, what, where (``brief``: the error's first sentence)."""
         who = f"stage {self.stage}"
         if self.replica is not None:
             who += f" replica {self.replica}"
+        if self.tp is not None:
+            who += f" tensor rank {self.tp}"
         if self.died:
             after = f" after step {self.step}" if self.step else ""
             return f"{who} {self.what}{after}"
@@ -229,10 +233,12 @@ def failure_from_exit(
     killed_by_agent: bool,
     step: int | None,
     replica: int | None = None,
+    tp: int | None = None,
 ) -> Failure:
     """The failure of a worker process that ended without reporting an error.
 
-    ``replica``: the stage's data-parallel replica it ran (None for a run without).
+    ``replica``: the stage's data-parallel replica it ran (None for a run without);
+    ``tp``: its tensor rank (None for a run without).
     """
     if killed_by_agent:
         what, consequence = "was killed after another stage failed", True
@@ -251,6 +257,7 @@ def failure_from_exit(
         died=True,
         certain=killed_by_agent or exit_code is not None,
         replica=replica,
+        tp=tp,
     )
 
 

@@ -303,10 +303,10 @@ def _tensor_parallel(job: JobFields) -> None:
             "(module paths to 'colwise', 'rowwise', ...)",
         )
     refused = None
-    if job.data_parallel > 1:
-        refused = "data_parallel > 1"
-    elif job.virtual_stages > 1:
+    if job.virtual_stages > 1:
         refused = "model chunks (virtual_stages > 1)"
+    elif job.shard != "none":
+        refused = f"shard={job.shard!r} (FSDP2 over the replicas)"
     if refused is not None:
         raise SpecError(
             "tensor_parallel", f"{job.tensor_parallel} does not combine with {refused} yet"

@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.parallel.distributed import _find_tensors
 
@@ -95,7 +96,12 @@ def check_used(params: Sequence[nn.Parameter], names: Mapping[nn.Parameter, str]
 
 class Replicas:
     """One stage's DDP wrapper; construct it on every replica (collective: DDP
-    broadcasts replica 0's parameters and buffers to the others)."""
+    broadcasts replica 0's parameters and buffers to the others).
+
+    ``reducer=False`` (a tensor-parallel stage, whose parameters DDP cannot bucket):
+    no wrapper; the gradients, this rank's slices, are averaged at ``ReduceGrads``
+    (`reduce`) — every replica built the same weights from the same seeds.
+    """
 
     sharded = False
     """Each replica holds the whole stage (`ShardedReplicas`: a shard of it)."""
@@ -107,15 +113,21 @@ class Replicas:
         device: torch.device,
         *,
         find_unused: bool = False,
+        reducer: bool = True,
     ) -> None:
         self.group = group
         self.find_unused = find_unused
-        self.ddp = DistributedDataParallel(
-            module,
-            device_ids=[device] if device.type == "cuda" else None,
-            process_group=group,
-            forward_sync_buffers=False,
-            find_unused_parameters=find_unused,
+        self._module = module
+        self.ddp = (
+            DistributedDataParallel(
+                module,
+                device_ids=[device] if device.type == "cuda" else None,
+                process_group=group,
+                forward_sync_buffers=False,
+                find_unused_parameters=find_unused,
+            )
+            if reducer
+            else None
         )
         self._names = {p: name for name, p in module.named_parameters() if p.requires_grad}
 
@@ -128,17 +140,18 @@ class Replicas:
     @property
     def module(self) -> nn.Module:
         """What the stage calls forward: the DDP wrapper (``no_sync`` is its state)."""
-        return self.ddp
+        return self.ddp if self.ddp is not None else self._module
 
     @contextlib.contextmanager
     def accumulating(self) -> Iterator[None]:
         """Gradients accumulate locally inside (forwards, and every backward but the last)."""
-        with self.ddp.no_sync():
+        with self.ddp.no_sync() if self.ddp is not None else contextlib.nullcontext():
             yield
 
     def arm(self, tensors: Sequence[torch.Tensor]) -> None:
         """Make the next backward, from ``tensors``, reduce over the replicas."""
-        self.ddp.reducer.prepare_for_backward(list(_find_tensors(list(tensors))))
+        if self.ddp is not None:
+            self.ddp.reducer.prepare_for_backward(list(_find_tensors(list(tensors))))
 
     def begin_step(self) -> None:
         """Nothing to do before a step (`ShardedReplicas` gathers there)."""
@@ -170,4 +183,5 @@ class Replicas:
             for p, anywhere in zip(params, used.tolist(), strict=True):
                 if anywhere and p.grad is None:
                     p.grad = torch.zeros_like(p)
-        average_in_place([p.grad for p in params if p.grad is not None], self.group)
+        grads = [p.grad for p in params if p.grad is not None]
+        average_in_place([g.to_local() if isinstance(g, DTensor) else g for g in grads], self.group)

@@ -199,7 +199,11 @@ def build_stage(
     if groups.replicas is not None and trainable:
         if job.shard == "none":
             replicas = Replicas(
-                module, groups.replicas, device, find_unused=job.find_unused_parameters
+                module,
+                groups.replicas,
+                device,
+                find_unused=job.find_unused_parameters,
+                reducer=tensor is None,
             )
         else:
             assert groups.replica_mesh is not None
@@ -312,7 +316,7 @@ def prepare_stage(
         replicas=parts.replicas,
         tensor=parts.tensor,
         # The replicas average at ReduceGrads rather than in DDP's last backward.
-        average_at_reduce=split is not None or V > 1,
+        average_at_reduce=split is not None or V > 1 or parts.tensor is not None,
         weight_scale=None
         if job.loss_weight is None
         else float(job.data_parallel * job.num_microbatches * job.grad_accum),

@@ -143,22 +143,26 @@ class FailureWatch:
         else:
             reports = read_stage_reports(self.report_dir, number)
         exits = {w.rank: w for w in attempt.workers} if attempt is not None else {}
-        replicas = self.job.data_parallel
+        replicas, tensor = self.job.data_parallel, self.job.tensor_parallel
         published: dict[int, StageFailed] = {}
         for failed in sorted(self.progress.stats.failures, key=lambda e: e.ts):
             if failed.ts >= started:
-                published.setdefault(failed.stage * replicas + failed.replica, failed)
+                # Tensor rank 0 publishes for its stage and replica.
+                published.setdefault((failed.stage * replicas + failed.replica) * tensor, failed)
         failures = []
         for rank in range(self.job.world_size):
             report, worker, event = reports.get(rank), exits.get(rank), published.get(rank)
-            # Pipeline-major ranks, as on a (pp, dp) mesh: stage r // D, replica r % D.
-            stage, replica = divmod(rank, replicas)
+            # Pipeline-major ranks, as on a (pp, dp, tp) mesh (`evtrain.stages.mesh`).
+            unit, tp = divmod(rank, tensor)
+            stage, replica = divmod(unit, replicas)
             which = replica if replicas > 1 else None
+            which_tp = tp if tensor > 1 else None
             if report is not None and report.status == "failed":
                 failures.append(
                     Failure(
                         stage=stage,
                         replica=which,
+                        tp=which_tp,
                         at=report.failed_at or report.updated,
                         what=report.error,
                         consequence=report.consequence,
@@ -183,6 +187,7 @@ class FailureWatch:
                         killed_by_agent=worker.killed_by_agent,
                         step=steps,
                         replica=which,
+                        tp=which_tp,
                     )
                 )
             elif event is not None and rank not in exits:
@@ -191,6 +196,7 @@ class FailureWatch:
                     Failure(
                         stage=stage,
                         replica=which,
+                        tp=which_tp,
                         at=event.ts,
                         what=event.error,
                         consequence=is_communication_error(event.error),

@@ -156,10 +156,19 @@ def test_what_cannot_split_is_refused_before_launch(
     assert not (tmp_path / "run" / "launches").exists()
 
 
+@pytest.mark.slow
+def test_hugging_face_llama_on_two_replicas_of_two_tensor_ranks_trains_as_one_process(
+    tmp_path: Path,
+) -> None:
+    """P=2 x D=2 x T=2: 8 processes, the replicas averaging each rank's slices."""
+    pytest.importorskip("transformers")
+    train_and_compare(tmp_path, "hf_llama_4_heads", (2,), tensor_parallel=2, data_parallel=2)
+
+
 def test_combinations_not_built_are_refused_in_one_line(tmp_path: Path) -> None:
     spec = spec_file(tmp_path)
-    status, out = launched(spec, "--dp", "2")
-    assert status != 0 and "2 does not combine with data_parallel > 1 yet" in out, out
+    status, out = launched(spec, "--dp", "2", "--shard", "grads")
+    assert status != 0 and "2 does not combine with shard='grads' (FSDP2" in out, out
     checkpointed = tmp_path / "ckpt.py"
     checkpointed.write_text(
         spec.read_text().replace("hooks=[", 'hooks=[{"type": "checkpoint", "every_steps": 2}, ')

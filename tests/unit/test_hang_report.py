@@ -163,6 +163,33 @@ def test_replicas_wait_on_their_own_replica_of_the_peer_stage() -> None:
     assert "waiting on its replicas (the gradient all-reduce)" in hang.summary(None)
 
 
+def test_tensor_ranks_wait_on_their_own_tensor_rank_of_the_peer_stage() -> None:
+    # T=2: rank = stage * 2 + tensor rank; tensor rank 1 of stage 1 is the busy one.
+    reports = [
+        StageReport(
+            rank=rank,
+            stage=rank // 2,
+            tp=rank % 2,
+            tp_size=2,
+            pid=1000 + rank,
+            status="running",
+            step=3,
+            doing=doing,
+            doing_s=9.0 if rank < 2 else 8.0,
+            updated=100.0,
+        )
+        for rank, doing in enumerate(
+            ["RecvGrad m0 from stage 1", "RecvGrad m0 from stage 1", "Forward m1", "Backward m1"]
+        )
+    ]
+    hang = Hang.compose([state(r) for r in reports], still_s=8.0)
+    assert state(reports[1]).waits_on_rank() == 3
+    assert state(reports[0]).waits_on_rank() == 2
+    assert state(reports[1]).waits_on() == "stage 1"
+    assert hang.culprit.report.stage == 1
+    assert hang.culprit.name.startswith("stage 1 tensor rank ")
+
+
 def test_phases_between_steps_name_the_completed_step_and_a_hook_wait() -> None:
     saving = state(report(0, 40, "SaveCheckpoint step 40", 99.0))
     assert saving.in_step == 40 and saving.busy
