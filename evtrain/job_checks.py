@@ -303,9 +303,7 @@ def _tensor_parallel(job: JobFields) -> None:
             "(module paths to 'colwise', 'rowwise', ...)",
         )
     refused = None
-    if job.virtual_stages > 1:
-        refused = "model chunks (virtual_stages > 1)"
-    elif job.shard != "none":
+    if job.shard != "none":
         refused = f"shard={job.shard!r} (FSDP2 over the replicas)"
     if refused is not None:
         raise SpecError(

@@ -84,14 +84,29 @@ def launched(spec: Path, *args: str) -> tuple[int, str]:
     return proc.returncode, proc.stdout + proc.stderr
 
 
+# Per layer of the spec: (parameters, of which the plan splits): Linear(8, 16), two
+# FeedForward(16, 32) (up's weight and bias, down's weight split; down's bias whole),
+# Linear(16, 1).
+LAYER_PARAMS = [(8 * 16 + 16, 0), *[(16 * 32 + 32 + 32 * 16 + 16, 16 * 32 + 32 + 32 * 16)] * 2]
+LAYER_PARAMS.append((16 + 1, 0))
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["1f1b", "zb"])
+@pytest.mark.parametrize("schedule", ["1f1b", "zb", "interleaved", "zbv"])
 def test_own_plan_trains_as_one_process_on_half_the_split_layers(
     tmp_path: Path, schedule: str
 ) -> None:
     spec = spec_file(tmp_path)
+    chunks = ["--virtual-stages", "2", "--balance", "1,1,1,1"] if "v" in schedule else []
     status, out = launched(
-        spec, "--schedule", schedule, "--grad-clip", "0.05", "--dump-weights", str(tmp_path / "w")
+        spec,
+        "--schedule",
+        schedule,
+        *chunks,
+        "--grad-clip",
+        "0.05",
+        "--dump-weights",
+        str(tmp_path / "w"),
     )
     assert status == 0, out
     assert "2 stages x 2 tensor ranks" in out
@@ -105,23 +120,32 @@ def test_own_plan_trains_as_one_process_on_half_the_split_layers(
     # Clipping took effect (the norm counted every rank's slice once).
     unclipped = reference(spec, None)[1]
     assert any((unclipped[k] - want[k]).abs().max() > 1e-4 for k in want)
-    # Each rank holds half of each split linear's weight and momentum (and all the rest).
+    # Each rank holds half of each split linear's weight and momentum (and all the rest),
+    # on every chunk.
     held = {r["stage"]: r["state_bytes"] for r in rows if "state_bytes" in r}
-    whole = 2 * 4 * (8 * 16 + 16 + 16 * 32 + 32 + 32 * 16 + 16)  # stage 0: layers 0-1
-    split = 2 * 4 * (16 * 32 + 32 + 32 * 16)  # up (weight, bias), down's weight
-    assert held[0] == whole - split // 2
+    layers = {r["stage_started"]: r["layers"] for r in rows if "stage_started" in r}
+    for stage in (0, 1):
+        counts = [LAYER_PARAMS[int(name)] for name in layers[stage]]
+        assert held[stage] == 2 * 4 * sum(whole - split // 2 for whole, split in counts)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["1f1b", "zb"])
+@pytest.mark.parametrize("schedule", ["1f1b", "zb", "interleaved"])
 def test_hugging_face_llama_as_written_splits_by_its_own_plan(
     tmp_path: Path, schedule: str
 ) -> None:
     pytest.importorskip("transformers")
     records = tmp_path / "steps.jsonl"
     recorder = {"type": "helpers.launch_hooks:StageTimesRecorder", "path": str(records)}
+    chunks = {"virtual_stages": 2} if schedule == "interleaved" else {}
     train_and_compare(
-        tmp_path, "hf_llama_4_heads", (2,), tensor_parallel=2, schedule=schedule, hooks=[recorder]
+        tmp_path,
+        "hf_llama_4_heads",
+        (2,),
+        tensor_parallel=2,
+        schedule=schedule,
+        hooks=[recorder],
+        **chunks,
     )
     rows = [json.loads(line) for line in records.read_text().splitlines()]
     whole = {r["stage_started"]: 2 * 4 * r["num_params"] for r in rows if "stage_started" in r}
