@@ -66,20 +66,21 @@ def _reference(job: Job, steps: int) -> tuple[dict[str, torch.Tensor], list[bool
     model = build_full_model(job)
     optimizer = job.optimizer(model.parameters())
     data = job_data(job).train_tensors()
-    stream = DataStream(data.num_samples, job.batch_size, job.seed)
+    stream = DataStream(data.num_samples, job.batch_size, job.seed, grad_accum=job.grad_accum)
     device = torch.device("cpu")
     scaler = LossScaler() if job.precision == "fp16" else None
     skipped = []
     for step in range(steps):
-        index = stream.indices(step)
-        inputs = split(take(data.inputs, index, device), job.microbatch_size)
-        targets = split(take(data.targets, index, device), job.microbatch_size)
         optimizer.zero_grad()
-        for x, y in zip(inputs, targets, strict=True):
-            with autocast(job.precision, device):
-                loss = job.loss(call(model, x), y)
-            scale = scaler.scale if scaler is not None else 1.0
-            (loss * scale / len(inputs)).backward()
+        for accum in range(job.grad_accum):
+            index = stream.indices(step, accum)
+            inputs = split(take(data.inputs, index, device), job.microbatch_size)
+            targets = split(take(data.targets, index, device), job.microbatch_size)
+            for x, y in zip(inputs, targets, strict=True):
+                with autocast(job.precision, device):
+                    loss = job.loss(call(model, x), y)
+                scale = scaler.scale if scaler is not None else 1.0
+                (loss * scale / (len(inputs) * job.grad_accum)).backward()
         if scaler is not None:
             grads = [p.grad for p in model.parameters() if p.grad is not None]
             scaler.unscale_(grads)

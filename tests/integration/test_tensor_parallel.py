@@ -184,9 +184,12 @@ def test_what_cannot_split_is_refused_before_launch(
 def test_hugging_face_llama_on_two_replicas_of_two_tensor_ranks_trains_as_one_process(
     tmp_path: Path,
 ) -> None:
-    """P=2 x D=2 x T=2: 8 processes, the replicas averaging each rank's slices."""
+    """P=2 x D=2 x T=2: 8 processes, the replicas averaging each rank's slices, with
+    gradient accumulation."""
     pytest.importorskip("transformers")
-    train_and_compare(tmp_path, "hf_llama_4_heads", (2,), tensor_parallel=2, data_parallel=2)
+    train_and_compare(
+        tmp_path, "hf_llama_4_heads", (2,), tensor_parallel=2, data_parallel=2, grad_accum=2
+    )
 
 
 def test_combinations_not_built_are_refused_in_one_line(tmp_path: Path) -> None:
