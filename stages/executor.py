@@ -242,7 +242,7 @@ class StageExecutor:
         self.train = train
         self.M = job.num_microbatches
         self.receives = PassReceives(mailbox, self.routes, recv_window or self.M)
-        self.doing = Doing(self.routes, self.V, self.place.ranks_per_stage)
+        self.doing = Doing(self.routes, self.V, self.place)
         """The instruction being executed, for the heartbeats (`evtrain.stages.liveness`)."""
         self.stop_requested = False
         """Set (from another thread) when this process got SIGTERM/SIGINT."""

@@ -30,7 +30,7 @@ import structlog
 
 from evtrain.events import Event, Heartbeat, RunEnded, StageFailed
 from evtrain.failures import frame_location, is_communication_error, user_frames
-from evtrain.stages.mesh import ChunkRoutes
+from evtrain.stages.mesh import ChunkRoutes, Place
 from evtrain.stages.worker import (
     ReportStatus,
     StageReport,
@@ -61,11 +61,11 @@ class Doing:
     `time.monotonic`), microbatch -1 for one that is about no microbatch; None between
     steps."""
 
-    __slots__ = ("_chunks", "_replicas", "_routes", "at")
+    __slots__ = ("_chunks", "_place", "_routes", "at")
 
-    def __init__(self, routes: ChunkRoutes, chunks: int, ranks_per_stage: int) -> None:
+    def __init__(self, routes: ChunkRoutes, chunks: int, place: Place) -> None:
         self.at: tuple[str, int, int, float] | None = None
-        self._routes, self._chunks, self._replicas = routes, chunks, ranks_per_stage
+        self._routes, self._chunks, self._place = routes, chunks, place
 
     def set(self, kind: str, microbatch: int = -1, chunk: int = 0) -> None:
         self.at = (kind, microbatch, chunk, time.monotonic())
@@ -89,7 +89,7 @@ class Doing:
         )
         if peer is not None and not routes.local(peer):
             where = "to" if kind.startswith("Send") else "from"
-            text += f" {where} stage {peer[0] // self._replicas}"
+            text += f" {where} stage {self._place.stage_of(peer[0])}"
         return text, since
 
 

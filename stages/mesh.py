@@ -59,6 +59,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from evtrain.schedule_names import Schedule
 from evtrain.stages.schedules import chunk_place, model_chunk
+from evtrain.stages.worker import rank_at, rank_coordinates
 
 __all__ = ["ChunkRoutes", "Place", "StageGroups", "build_groups", "pin_socket_interface"]
 
@@ -127,8 +128,7 @@ class Place:
     @classmethod
     def of_rank(cls, rank: int, num_stages: int, replicas: int, tp_size: int = 1) -> Place:
         """The place of global rank ``rank`` (module docstring)."""
-        unit, tp = divmod(rank, tp_size)
-        stage, replica = divmod(unit, replicas)
+        stage, replica, tp = rank_coordinates(rank, replicas=replicas, tp_size=tp_size)
         return cls(stage, replica, num_stages, replicas, tp, tp_size)
 
     @property
@@ -146,8 +146,13 @@ class Place:
     def rank_of(self, stage: int, replica: int | None = None, tp: int | None = None) -> int:
         """Global rank of ``stage`` in ``replica`` at tensor rank ``tp`` (defaults: this
         process's)."""
-        replica = self.replica if replica is None else replica
-        return (stage * self.replicas + replica) * self.tp_size + (self.tp if tp is None else tp)
+        return rank_at(
+            stage,
+            self.replica if replica is None else replica,
+            self.tp if tp is None else tp,
+            replicas=self.replicas,
+            tp_size=self.tp_size,
+        )
 
     def stage_of(self, rank: int) -> int:
         """The stage of global rank ``rank``."""

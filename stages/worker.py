@@ -54,6 +54,8 @@ __all__ = [
     "enable_stack_dumps",
     "flight_recorder_dumps",
     "keep_flight_recorder",
+    "rank_at",
+    "rank_coordinates",
     "read_stage_reports",
     "remove_flight_recorder_pipes",
     "request_flight_recorder",
@@ -282,6 +284,19 @@ def remove_flight_recorder_pipes(run_id: str) -> None:
     stem = Path(_flight_recorder_pipe_stem(run_id, 0))
     for pipe in stem.parent.glob(f"evtrain-{run_id}-*-fr-*.pipe"):
         pipe.unlink(missing_ok=True)
+
+
+def rank_at(stage: int, replica: int, tp: int, *, replicas: int, tp_size: int) -> int:
+    """Global rank of ``stage``'s replica ``replica`` at tensor rank ``tp``: the pipeline
+    dimension outermost, the tensor dimension innermost (`evtrain.stages.mesh`)."""
+    return (stage * replicas + replica) * tp_size + tp
+
+
+def rank_coordinates(rank: int, *, replicas: int, tp_size: int) -> tuple[int, int, int]:
+    """(stage, replica, tensor rank) of global rank ``rank`` (`rank_at`'s inverse)."""
+    unit, tp = divmod(rank, tp_size)
+    stage, replica = divmod(unit, replicas)
+    return stage, replica, tp
 
 
 def restart_count() -> int:

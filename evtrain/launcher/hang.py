@@ -49,6 +49,8 @@ from evtrain.launcher.watch import FailureWatch
 from evtrain.stages.worker import (
     StageReport,
     flight_recorder_dumps,
+    rank_at,
+    rank_coordinates,
     request_flight_recorder,
     request_stacks,
     stacks_path,
@@ -263,13 +265,16 @@ class StageState:
         if match is None or not self.instruction.startswith(("Recv", "Send")):
             return None
         r = self.report
-        return (int(match[1]) * self.replicas + r.replica) * r.tp_size + r.tp
+        return rank_at(int(match[1]), r.replica, r.tp, replicas=self.replicas, tp_size=r.tp_size)
 
     def waits_on(self) -> str:
         """What it waits on, in words ("": nothing, it is busy)."""
         peer = self.waits_on_rank()
         if peer is not None:
-            return f"stage {peer // (self.replicas * self.report.tp_size)}"
+            stage, _, _ = rank_coordinates(
+                peer, replicas=self.replicas, tp_size=self.report.tp_size
+            )
+            return f"stage {stage}"
         collective = _COLLECTIVE.get(self.instruction)
         if collective is not None:
             return collective

@@ -43,6 +43,7 @@ from evtrain.launcher.plan import LaunchPlan, world
 from evtrain.launcher.progress import RunConsole
 from evtrain.launcher.run_record import process_start_ticks, write_run_record
 from evtrain.launcher.watch import BusWatch, FailureWatch
+from evtrain.stages.worker import rank_at
 
 if TYPE_CHECKING:
     from evtrain.launcher.plan import Evaluation
@@ -233,7 +234,9 @@ class Report:
         job, plan, say = self.plan.job, self.plan, self.console.say
         assert plan.resume_path is not None
         # Replica 0 of the last stage evaluates (stage reports are by global rank).
-        last = (job.stages - 1) * job.data_parallel * job.tensor_parallel
+        last = rank_at(
+            job.stages - 1, 0, 0, replicas=job.data_parallel, tp_size=job.tensor_parallel
+        )
         report = self.failures.stage_reports.get(last)
         if report is None or report.eval_metrics is None:
             self.console.error("the evaluation ended without metrics")

@@ -65,7 +65,7 @@ from evtrain.launcher.elastic_agent import AgentReport, AttemptReport
 from evtrain.launcher.ending import RunEnding
 from evtrain.launcher.progress import Progress
 from evtrain.launcher.stop import StopMachine
-from evtrain.stages.worker import StageReport, read_stage_reports
+from evtrain.stages.worker import StageReport, rank_at, rank_coordinates, read_stage_reports
 
 if TYPE_CHECKING:
     from evtrain.job import Job
@@ -148,13 +148,13 @@ class FailureWatch:
         for failed in sorted(self.progress.stats.failures, key=lambda e: e.ts):
             if failed.ts >= started:
                 # Tensor rank 0 publishes for its stage and replica.
-                published.setdefault((failed.stage * replicas + failed.replica) * tensor, failed)
+                rank = rank_at(failed.stage, failed.replica, 0, replicas=replicas, tp_size=tensor)
+                published.setdefault(rank, failed)
         failures = []
         for rank in range(self.job.world_size):
             report, worker, event = reports.get(rank), exits.get(rank), published.get(rank)
             # Pipeline-major ranks, as on a (pp, dp, tp) mesh (`evtrain.stages.mesh`).
-            unit, tp = divmod(rank, tensor)
-            stage, replica = divmod(unit, replicas)
+            stage, replica, tp = rank_coordinates(rank, replicas=replicas, tp_size=tensor)
             which = replica if replicas > 1 else None
             which_tp = tp if tensor > 1 else None
             if report is not None and report.status == "failed":
