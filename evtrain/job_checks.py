@@ -293,9 +293,7 @@ def _tensor_parallel(job: JobFields) -> None:
             "tp_plan", f"expected module paths to style names, or a callable, got {plan!r}"
         )
     if job.tensor_parallel == 1:
-        if plan is not None:
-            raise SpecError("tp_plan", "splits layers over tensor_parallel ranks: set it > 1")
-        return
+        return  # a plan waits unused: the same job runs (and resumes) at T = 1
     if plan is None and job.model is None:
         raise SpecError(
             "tp_plan",

@@ -10,7 +10,8 @@ boundary and delegates *how* to its `ShardWriter`:
   already saved at this step is only announced again;
 * the plan's on-stop checkpoint when the run ends without failure;
 * replica 0 writes its stage's shard (the replicas' weights are equal); the
-  replicas of a sharded stage each write their own shards into it, together;
+  replicas of a sharded stage, and the tensor ranks of replica 0, each write
+  their own shards into it, together;
   before a save the replicas make their BatchNorm statistics their mean and
   hand their random states to replica 0, which saves them with its own
   (``REPLICA_RNG``), so a resume at the same D draws what the run would have;

@@ -227,8 +227,9 @@ class StageGroups:
     tensor_mesh: DeviceMesh | None = None
     """The ``tp`` dimension of the mesh, which the tensor-parallel plan shards over."""
     checkpoint: dist.ProcessGroup | None = None
-    """Sharded: its stage's D replicas again, always gloo, for the checkpoint writer's
-    thread alone (`evtrain.checkpoint.writer.ShardWriter`)."""
+    """The processes that write one stage's shards together (sharded: the stage's D
+    replicas; T > 1: replica 0's T tensor ranks), always gloo, for the checkpoint
+    writer's thread alone (`evtrain.checkpoint.writer.ShardWriter`)."""
 
 
 def build_groups(
@@ -275,6 +276,10 @@ def build_groups(
     checkpoint = None
     if sharded and D > 1:
         checkpoint = _own_group(stages, place, "gloo", timeout)
+    elif T > 1:
+        # Replica 0 writes a stage whose replicas are equal.
+        writers = [[place.rank_of(s, 0, t) for t in range(T)] for s in range(P)]
+        checkpoint = _own_group(writers, place, "gloo", timeout)
     return StageGroups(
         pipeline,
         pipeline_grads,

@@ -111,7 +111,7 @@ class StageParts:
     control: StepControl
     shapes_group: dist.ProcessGroup | None
     checkpoint_group: dist.ProcessGroup | None
-    """Sharded: the stage's replicas, for the checkpoint writer alone."""
+    """The processes that write the stage's shards together (`StageGroups.checkpoint`)."""
     tensor: TensorParallel | None = None
     """The stage's tensor-parallel plan applied (None: T = 1)."""
 
@@ -351,8 +351,7 @@ def prepare_stage(
     writer = None
     sharded = parts.replicas is not None and parts.replicas.sharded
     if not config.evaluate_only and (place.replica == 0 or sharded):
-        group = parts.checkpoint_group if sharded else None
-        writer = ShardWriter(place.stage, P, device=device, group=group)
+        writer = ShardWriter(place.stage, P, device=device, group=parts.checkpoint_group)
     checkpointing = StageCheckpointing(
         stage=place.stage,
         lead=place.rank == 0,

@@ -158,12 +158,14 @@ class ShardWriter:
             default ``$EVTRAIN_CKPT_WRITE_DELAY_S``).
         record_delay_s: sleep after the data files, before ``SHARD.json``
             (fault injection; default ``$EVTRAIN_CKPT_RECORD_DELAY_S``).
-        group: a sharded stage's replicas (`evtrain.job.Job.shard`), a gloo group
-            for the writes alone: each replica writes its own shards of every
-            sharded tensor into the stage's directory (one DCP save over the
-            group, from every replica's writer thread, every replica calling
-            `save` at the same boundary) and replica 0 everything else and the
-            shard record, so no replica gathers the stage.
+        group: the processes that each hold a part of the stage (a sharded
+            stage's replicas, `evtrain.job.Job.shard`; a replica's tensor ranks,
+            `evtrain.job.Job.tensor_parallel`), a gloo group for the writes alone:
+            each writes its own shards of every sharded tensor into the stage's
+            directory (one DCP save over the group, from every member's writer
+            thread, every member calling `save` at the same boundary) and group
+            rank 0 everything else and the shard record, so no process gathers
+            the stage.
         overlap_copy: on CPU, copy the parameters and optimizer state into the
             staging buffers in the writer thread, overlapped with the next
             forward/backward, instead of inside `save`. Only ``optimizer.step()``

@@ -351,12 +351,6 @@ def make_plan(options: LaunchOptions, purpose: Purpose) -> LaunchPlan:
             check_monitored_metric(job, hook)
     if job.tensor_parallel > 1:
         check_plan(job)
-        if plan.checkpointing:
-            raise SpecError(
-                "tensor_parallel",
-                f"{job.tensor_parallel}: checkpoints of a tensor-parallel run are not "
-                "supported yet; launch without a checkpoint hook",
-            )
     _resolve_paths(plan, opts)
     return plan
 

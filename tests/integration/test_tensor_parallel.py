@@ -5,8 +5,10 @@ P=2 stages x T=2 tensor ranks (4 processes): a ``layers=`` job split by its own
 ``tp_plan`` and a Hugging Face Llama split by the model's own plan, both as
 written, train as one process does: weights within 1e-5 after several steps,
 under 1F1B and zero bubble, with clipping by the global norm. Each rank holds
-half of every split linear. What cannot run is refused before any process
-starts, in one line.
+half of every split linear. A split checkpoint resumes at T=1 and a whole one
+at T=2, to the uninterrupted run's weights; it exports as the unsplit model
+(the Llama for ``from_pretrained``). What cannot run is refused before any
+process starts, in one line.
 """
 
 from __future__ import annotations
@@ -18,7 +20,10 @@ import pytest
 import torch
 from helpers.launch_helpers import new_marker, run_launch
 from test_data_parallel import assert_close, dumped, reference
+from test_real_models import export, export_command
 from test_unmodified_models import train_and_compare, write
+
+from evtrain.checkpoint import list_checkpoints
 
 STEPS = 20
 ATOL = 1e-5
@@ -52,7 +57,7 @@ job = Job(
     seed=7,
     stages=2,
     run_dir={run_dir!r},
-    hooks=[{{"type": "helpers.launch_hooks:StageTimesRecorder", "path": {records!r}}}],
+    hooks=[{{"type": "helpers.launch_hooks:StageTimesRecorder", "path": {records!r}}}, {hooks}],
     microbatch_spans="off",
     threads=1,
     tensor_parallel={tp},
@@ -63,7 +68,10 @@ job = Job(
 PLAN = {"*.up": "colwise", "*.down": "rowwise"}
 
 
-def spec_file(directory: Path, tp: int = 2, plan: object = PLAN) -> Path:
+CHECKPOINTS = {"type": "checkpoint", "every_steps": 10}
+
+
+def spec_file(directory: Path, tp: int = 2, plan: object = PLAN, *hooks: object) -> Path:
     path = directory / "spec.py"
     path.write_text(
         SPEC.format(
@@ -73,6 +81,7 @@ def spec_file(directory: Path, tp: int = 2, plan: object = PLAN) -> Path:
             records=str(directory / "steps.jsonl"),
             tp=tp,
             plan=plan,
+            hooks=", ".join(map(repr, hooks)),
         )
     )
     return path
@@ -138,15 +147,24 @@ def test_hugging_face_llama_as_written_splits_by_its_own_plan(
     records = tmp_path / "steps.jsonl"
     recorder = {"type": "helpers.launch_hooks:StageTimesRecorder", "path": str(records)}
     chunks = {"virtual_stages": 2} if schedule == "interleaved" else {}
-    train_and_compare(
+    final = [{"type": "checkpoint", "on_stop": True}] if schedule == "1f1b" else []
+    want = train_and_compare(
         tmp_path,
         "hf_llama_4_heads",
         (2,),
         tensor_parallel=2,
         schedule=schedule,
-        hooks=[recorder],
+        hooks=[recorder, *final],
         **chunks,
     )
+    if final:
+        # The split checkpoint exports as the unsplit model, for from_pretrained.
+        from transformers import LlamaForCausalLM
+
+        export_command(tmp_path / "run2", "--hf", str(tmp_path / "hf"))
+        model = LlamaForCausalLM.from_pretrained(str(tmp_path / "hf"))
+        for key, value in model.state_dict().items():
+            torch.testing.assert_close(value, want[key], atol=ATOL, rtol=0, msg=key)
     rows = [json.loads(line) for line in records.read_text().splitlines()]
     whole = {r["stage_started"]: 2 * 4 * r["num_params"] for r in rows if "stage_started" in r}
     held = {r["stage"]: r["state_bytes"] for r in rows if "state_bytes" in r}
@@ -160,7 +178,6 @@ def test_hugging_face_llama_as_written_splits_by_its_own_plan(
     [
         (None, {"plan": None}, "tensor_parallel=2 with layers= needs a tp_plan"),
         (None, {"plan": {"*.up": "diagonal"}}, "*.up: unknown style 'diagonal'"),
-        (None, {"tp": 1}, "'tp_plan': splits layers over tensor_parallel ranks: set it > 1"),
         ("hf_llama", {}, "2 does not divide LlamaForCausalLM's num_key_value_heads (1)"),
         ("hf_gpt2", {}, "GPT2LMHeadModel has no tensor-parallel plan of its own"),
     ],
@@ -196,9 +213,62 @@ def test_combinations_not_built_are_refused_in_one_line(tmp_path: Path) -> None:
     spec = spec_file(tmp_path)
     status, out = launched(spec, "--dp", "2", "--shard", "grads")
     assert status != 0 and "2 does not combine with shard='grads' (FSDP2" in out, out
-    checkpointed = tmp_path / "ckpt.py"
-    checkpointed.write_text(
-        spec.read_text().replace("hooks=[", 'hooks=[{"type": "checkpoint", "every_steps": 2}, ')
+
+
+def checkpointed_run(directory: Path, tp: int) -> Path:
+    """20 steps at ``tp`` tensor ranks, committing checkpoints at steps 10 and 20."""
+    spec = spec_file(directory, tp, PLAN, CHECKPOINTS)
+    status, out = launched(spec, "--dump-weights", str(directory / "w"))
+    assert status == 0, out
+    return directory
+
+
+@pytest.fixture(scope="module")
+def split_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return checkpointed_run(tmp_path_factory.mktemp("tp2"), 2)
+
+
+def resumed(directory: Path, checkpoint: Path, tp: int) -> dict[str, torch.Tensor]:
+    """The weights after resuming ``checkpoint`` at ``tp`` tensor ranks to step 20."""
+    status, out = launched(
+        spec_file(directory, tp),
+        "--resume",
+        str(checkpoint),
+        "--log-level",
+        "info",
+        "--dump-weights",
+        str(directory / "w"),
     )
-    status, out = launched(checkpointed)
-    assert status != 0 and "checkpoints of a tensor-parallel run are not supported yet" in out
+    assert status == 0, out
+    assert "step=10" in out  # resumed after step 10, not from scratch
+    return dumped(directory / "w")
+
+
+def step_checkpoint(run: Path, step: int) -> Path:
+    return next(c.path for c in list_checkpoints(run / "run") if c.step == step and c.committed)
+
+
+@pytest.mark.slow
+def test_a_split_checkpoint_resumes_whole_and_exports_the_unsplit_model(
+    tmp_path: Path, split_run: Path
+) -> None:
+    ckpt = step_checkpoint(split_run, 10)
+    # Each tensor rank wrote its own slices into its stage's directory.
+    for stage in ("stage-0", "stage-1"):
+        files = sorted(p.name for p in (ckpt / stage).glob("*.distcp"))
+        assert files == ["__0_0.distcp", "__1_0.distcp"], files
+    assert_close(resumed(tmp_path, ckpt, 1), dumped(split_run / "w"), 1e-6)
+    exported = export(step_checkpoint(split_run, 20), tmp_path / "model.safetensors")
+    final = dumped(split_run / "w")
+    assert exported.keys() == final.keys()
+    for key, value in exported.items():
+        assert torch.equal(value, final[key]), key
+
+
+@pytest.mark.slow
+def test_a_whole_checkpoint_resumes_split(tmp_path: Path) -> None:
+    (tmp_path / "tp1").mkdir()
+    (tmp_path / "tp2").mkdir()
+    whole = checkpointed_run(tmp_path / "tp1", 1)
+    got = resumed(tmp_path / "tp2", step_checkpoint(whole, 10), 2)
+    assert_close(got, dumped(whole / "w"), 1e-6)
