@@ -300,13 +300,6 @@ def _tensor_parallel(job: JobFields) -> None:
             f"tensor_parallel={job.tensor_parallel} with layers= needs a tp_plan "
             "(module paths to 'colwise', 'rowwise', ...)",
         )
-    refused = None
-    if job.shard != "none":
-        refused = f"shard={job.shard!r} (FSDP2 over the replicas)"
-    if refused is not None:
-        raise SpecError(
-            "tensor_parallel", f"{job.tensor_parallel} does not combine with {refused} yet"
-        )
 
 
 def _balance(job: JobFields) -> None:

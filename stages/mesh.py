@@ -32,8 +32,9 @@ The groups one process uses:
 * ``shapes`` — its replica's P stages again, always gloo, when the data's
   shapes may vary: the first stage tells the others each pass's shapes
   (`evtrain.stages.shapes`).
-* ``checkpoint`` — its stage's D replicas, always gloo, when the stages are
-  sharded: the checkpoint writer's thread saves on it while training runs.
+* ``checkpoint`` — the processes that each hold a part of its stage, always
+  gloo: its D x T processes when the stages are sharded, else replica 0's T
+  tensor ranks; the checkpoint writer's thread saves on it while training runs.
 
 `dist.new_group` is collective over all ranks: every process creates every
 group, in the same order, and keeps its own.
@@ -227,8 +228,8 @@ class StageGroups:
     tensor_mesh: DeviceMesh | None = None
     """The ``tp`` dimension of the mesh, which the tensor-parallel plan shards over."""
     checkpoint: dist.ProcessGroup | None = None
-    """The processes that write one stage's shards together (sharded: the stage's D
-    replicas; T > 1: replica 0's T tensor ranks), always gloo, for the checkpoint
+    """The processes that write one stage's shards together (sharded: the stage's D x T
+    processes; else, T > 1: replica 0's T tensor ranks), always gloo, for the checkpoint
     writer's thread alone (`evtrain.checkpoint.writer.ShardWriter`)."""
 
 
@@ -254,7 +255,6 @@ def build_groups(
     lanes = [(r, t) for r in range(D) for t in range(T)]
     """The (replica, tensor rank) of each of the run's pipelines."""
     pipelines = [[place.rank_of(s, r, t) for s in range(P)] for r, t in lanes]
-    stages = [[place.rank_of(s, r, t) for r in range(D)] for s in range(P) for t in range(T)]
     pipeline_grads = None
     if place.num_stages > 1:
         pipeline_grads = _own_group(pipelines, place, backend, timeout)
@@ -275,6 +275,7 @@ def build_groups(
         shapes = _own_group(pipelines, place, "gloo", timeout)
     checkpoint = None
     if sharded and D > 1:
+        stages = [[place.rank_of(s, r, t) for r in range(D) for t in range(T)] for s in range(P)]
         checkpoint = _own_group(stages, place, "gloo", timeout)
     elif T > 1:
         # Replica 0 writes a stage whose replicas are equal.

@@ -43,12 +43,15 @@ sharded alike on each of them, so `evtrain.stages.tied` sums its gradient
 shard by shard. Each replica writes its own shards of a checkpoint
 (`evtrain.checkpoint.writer.ShardWriter`'s ``group``); DCP reassembles them
 for any D, P or mode that resumes it. The weight dump gathers each tensor
-whole (`full_tensor`).
+whole (`full_tensor`). With tensor parallelism the parameters FSDP shards are
+already DTensors on the ``tp`` dimension: it shards each rank's slices over
+``dp``, a 2-D DTensor per parameter (`evtrain.stages.tensor_parallel`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -73,7 +76,18 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` whole: gathered for a DTensor (collective over its mesh), else itself."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    if not isinstance(tensor, DTensor):
+        return tensor
+    # A slice of a tensor-parallel slice (FSDP over TP) gathers in two all-gathers, of
+    # which torch warns on every rank for the reduction orders they could differ in;
+    # an all-gather reduces nothing.
+    redistribute = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = redistribute.level
+    redistribute.setLevel(logging.ERROR)
+    try:
+        return tensor.full_tensor()
+    finally:
+        redistribute.setLevel(level)
 
 
 class ShardedReplicas:
@@ -233,8 +247,9 @@ class ShardedReplicas:
 
 
 def _broadcast_state(module: nn.Module, group: dist.ProcessGroup) -> None:
-    """Replica 0's parameters and buffers on every replica, as DDP starts."""
+    """Replica 0's parameters and buffers on every replica, as DDP starts (a tensor
+    rank's slices from the same tensor rank of replica 0)."""
     src = dist.get_global_rank(group, 0)
     with torch.no_grad():
         for tensor in [*module.parameters(), *module.buffers()]:
-            dist.broadcast(tensor, src=src, group=group)
+            dist.broadcast(local_tensor(tensor), src=src, group=group)

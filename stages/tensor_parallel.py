@@ -49,7 +49,9 @@ carries the same activations, and every rank of a stage reads the same
 batches. So the loss, computed on every rank, is the same everywhere: the
 control exchange takes tensor rank 0's. A gradient split over the ranks
 counts every rank's slice in the global norm; a whole one counts once
-(`TensorParallel.counts`).
+(`TensorParallel.counts`). Sharded replicas (`evtrain.stages.sharded`) then
+shard each rank's slices over the ``dp`` dimension of the same mesh: FSDP2
+over DTensors, parameters on a 2-D ``(dp, tp)`` mesh, as torchtitan does.
 """
 
 from __future__ import annotations
@@ -223,19 +225,19 @@ class TensorParallel:
         self.size = mesh.size()
         self.rank = mesh.get_local_rank()
         self.group: dist.ProcessGroup = mesh.get_group()
-        self.partial: list[nn.Parameter] = []
+        self._module = module
+        # By name: FSDP, applied later, replaces the parameter objects.
+        self._partial: set[str] = set()
         _check_heads(module, self.size)
         if callable(plan):
             plan(module, mesh)
         else:
             self._apply(module, plan, stage)
-        self._split = {
-            id(p)
-            for p in module.parameters()
-            if isinstance(p, DTensor)
-            and p.device_mesh == mesh
-            and any(isinstance(x, Shard) for x in p.placements)
-        }
+
+    @property
+    def partial(self) -> list[nn.Parameter]:
+        """The parameters whose gradients are summed over the ranks (the class docstring)."""
+        return [p for n, p in self._module.named_parameters() if n in self._partial]
 
     def _apply(self, module: nn.Module, plan: Mapping[str, str], stage: int) -> None:
         styles: dict[str, ParallelStyle] = {}
@@ -255,7 +257,11 @@ class TensorParallel:
                         f"for {style!r}",
                     )
             if style == "replicated_with_grad_allreduce":
-                self.partial.extend(p for p in sub.parameters() if p.requires_grad)
+                self._partial.update(
+                    f"{name}.{n}" if name else n
+                    for n, p in sub.named_parameters()
+                    if p.requires_grad
+                )
             made = STYLES[style]()
             if made is not None:
                 styles[name] = made
@@ -267,10 +273,21 @@ class TensorParallel:
     def counts(self, param: torch.Tensor) -> bool:
         """Whether this rank counts ``param``'s gradient in the global norm: its slice of a
         split parameter, a whole one on tensor rank 0 only."""
-        return self.rank == 0 or id(param) in self._split
+        return self.rank == 0 or _split_over_tp(param)
 
     def reduce_grads(self) -> None:
-        """Sum the gradients of ``partial`` parameters over the ranks (each saw its slice)."""
+        """Sum the gradients of ``partial`` parameters over the ranks (each saw its slice;
+        sharded over the replicas, each its shard of them)."""
         for p in self.partial:
             if p.grad is not None:
-                dist.all_reduce(p.grad, group=self.group)
+                grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                dist.all_reduce(grad, group=self.group)
+
+
+def _split_over_tp(param: torch.Tensor) -> bool:
+    """Whether ``param`` is split over the ``tp`` dimension of its mesh (alone, or with
+    FSDP's ``dp`` beside it)."""
+    if not isinstance(param, DTensor):
+        return False
+    names = param.device_mesh.mesh_dim_names or ()
+    return "tp" in names and isinstance(param.placements[names.index("tp")], Shard)

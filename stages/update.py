@@ -178,11 +178,12 @@ class WeightUpdate:
         if self.tied is None and not self._average and tensor is None:
             return None
         start = time.perf_counter()
-        if tensor is not None:
-            tensor.reduce_grads()
         if self._average:
             assert self.replicas is not None
             self.replicas.reduce(self.params)
+        if tensor is not None:
+            # After the replicas: sharded, the gradients exist once reduce-scattered.
+            tensor.reduce_grads()
         if self.tied is not None:
             self.tied.reduce_grads()
         end = time.perf_counter()

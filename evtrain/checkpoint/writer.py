@@ -31,7 +31,7 @@ import queue
 import shutil
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -195,12 +195,8 @@ class ShardWriter:
         self.group = group
         self._lead = group is None or dist.get_rank(group) == 0
         """This writer writes the record (and reports the shard)."""
-        self._mesh: DeviceMesh | None = None
-        if group is not None:
-            # What the staged shards are rewrapped on: host memory, the group's ranks
-            # (DCP reads the shards' offsets from it; it communicates on ``group``).
-            ranks = torch.tensor(dist.get_process_group_ranks(group))
-            self._mesh = DeviceMesh("cpu", ranks, _init_backend=False)
+        self._meshes: dict[tuple[Any, ...], DeviceMesh] = {}
+        """What the staged shards are rewrapped on, by layout (`_Shards.layout`)."""
         self.asynchronous = asynchronous
         self.thread_count = thread_count
         if write_delay_s is None:
@@ -280,11 +276,7 @@ class ShardWriter:
         if not self._lead:
             # Replica 0 writes what is whole; the others their shards only.
             tensors = {k: v for k, v in tensors.items() if isinstance(v, DTensor)}
-        shards = {
-            k: _Shards(v.placements, v.shape, v.stride())
-            for k, v in tensors.items()
-            if isinstance(v, DTensor)
-        }
+        shards = {k: _Shards.of(v) for k, v in tensors.items() if isinstance(v, DTensor)}
         state["checkpoint_id"] = checkpoint_id
         state_json = json.dumps(state, allow_nan=True).encode()
         t_captured = time.perf_counter()
@@ -532,9 +524,8 @@ class ShardWriter:
         else:
             self._prepare_dir_together(job, spath, self.group)
             if job.shards and self.asynchronous:
-                assert self._mesh is not None
                 job.tensors = {
-                    k: v if k not in job.shards else job.shards[k].wrap(v, self._mesh)
+                    k: v if k not in job.shards else job.shards[k].wrap(v, self._host_mesh)
                     for k, v in job.tensors.items()
                 }
             dcp.save(job.tensors, storage_writer=writer, process_group=self.group)
@@ -580,6 +571,16 @@ class ShardWriter:
         fsync_dir(job.ckpt_dir)
         return record.bytes
 
+    def _host_mesh(self, layout: tuple[Any, ...]) -> DeviceMesh:
+        """A mesh of host memory laid out as a shard's own (its ranks and dimension
+        names): DCP reads the shards' offsets from it and communicates on ``group``."""
+        mesh = self._meshes.get(layout)
+        if mesh is None:
+            ranks, names = layout
+            mesh = DeviceMesh("cpu", torch.tensor(ranks), mesh_dim_names=names, _init_backend=False)
+            self._meshes[layout] = mesh
+        return mesh
+
     def _prepare_dir_together(self, job: _Job, spath: Path, group: dist.ProcessGroup) -> None:
         """Group rank 0 empties and creates the stage directory; the broadcast
         that follows is the barrier no replica writes into it before, and carries
@@ -608,17 +609,40 @@ class ShardWriter:
 
 @dataclass(frozen=True)
 class _Shards:
-    """How a sharded tensor is laid out over a stage's replicas."""
+    """How a sharded tensor is laid out over the processes of a stage."""
 
     placements: tuple[Placement, ...]
     shape: torch.Size
     stride: tuple[int, ...]
+    layout: tuple[Any, ...]
+    """Its mesh's ranks (nested lists as tuples) and dimension names."""
 
-    def wrap(self, local: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+    @classmethod
+    def of(cls, tensor: DTensor) -> _Shards:
+        mesh = tensor.device_mesh
+        return cls(
+            tensor.placements,
+            tensor.shape,
+            tensor.stride(),
+            (_frozen(mesh.mesh.tolist()), mesh.mesh_dim_names),
+        )
+
+    def wrap(
+        self, local: torch.Tensor, host_mesh: Callable[[tuple[Any, ...]], DeviceMesh]
+    ) -> DTensor:
         """``local``, this process's staged shard, as a part of the whole for DCP."""
         return DTensor.from_local(
-            local, mesh, self.placements, shape=self.shape, stride=self.stride, run_check=False
+            local,
+            host_mesh(self.layout),
+            self.placements,
+            shape=self.shape,
+            stride=self.stride,
+            run_check=False,
         )
+
+
+def _frozen(value: Any) -> Any:
+    return tuple(_frozen(v) for v in value) if isinstance(value, list) else value
 
 
 def _local(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

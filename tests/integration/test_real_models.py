@@ -51,7 +51,7 @@ def reference(job: Job, steps: int) -> tuple[dict[str, torch.Tensor], list[bool]
 
     Each microbatch's forward and loss run under the job's autocast and back-propagate
     on their own, as on the stages; fp16 scales the loss and skips a step whose
-    gradient norm is not finite.
+    gradient norm is not finite; the job's clipping clips by the global norm.
     """
     threads = torch.get_num_threads()
     # The stages' own thread count: another sums in another order, which fp16 shows.
@@ -89,6 +89,8 @@ def _reference(job: Job, steps: int) -> tuple[dict[str, torch.Tensor], list[bool
                 skipped.append(True)
                 continue
         skipped.append(False)
+        if job.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), job.grad_clip)
         optimizer.step()
     named = dict(model.named_parameters(remove_duplicate=False))
     weights = {k: v.detach().clone() for k, v in {**model.state_dict(), **named}.items()}

@@ -155,6 +155,7 @@ def test_hugging_face_llama_as_written_splits_by_its_own_plan(
         tensor_parallel=2,
         schedule=schedule,
         hooks=[recorder, *final],
+        grad_clip=0.05,
         **chunks,
     )
     if final:
@@ -198,21 +199,69 @@ def test_what_cannot_split_is_refused_before_launch(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    ("schedule", "shard", "accum"),
+    [("1f1b", "none", 2), ("zb", "grads", 1)],
+    ids=["1f1b", "zb-grads"],
+)
 def test_hugging_face_llama_on_two_replicas_of_two_tensor_ranks_trains_as_one_process(
-    tmp_path: Path,
+    tmp_path: Path, schedule: str, shard: str, accum: int
 ) -> None:
-    """P=2 x D=2 x T=2: 8 processes, the replicas averaging each rank's slices, with
-    gradient accumulation."""
+    """P=2 x D=2 x T=2: 8 processes, the replicas averaging (or, sharded, reduce-scattering)
+    each rank's slices, with clipping and gradient accumulation."""
     pytest.importorskip("transformers")
-    train_and_compare(
-        tmp_path, "hf_llama_4_heads", (2,), tensor_parallel=2, data_parallel=2, grad_accum=2
+    want = train_and_compare(
+        tmp_path,
+        "hf_llama_4_heads",
+        (2,),
+        tensor_parallel=2,
+        data_parallel=2,
+        grad_accum=accum,
+        schedule=schedule,
+        shard=shard,
+        grad_clip=0.05,
     )
+    if shard == "none":
+        # The clipping took effect.
+        (tmp_path / "unclipped").mkdir()
+        unclipped = train_and_compare(
+            tmp_path / "unclipped", "hf_llama_4_heads", (), grad_accum=accum
+        )
+        assert any((unclipped[k] - want[k]).abs().max() > 1e-4 for k in want)
 
 
-def test_combinations_not_built_are_refused_in_one_line(tmp_path: Path) -> None:
-    spec = spec_file(tmp_path)
-    status, out = launched(spec, "--dp", "2", "--shard", "grads")
-    assert status != 0 and "2 does not combine with shard='grads' (FSDP2" in out, out
+@pytest.mark.slow
+@pytest.mark.parametrize(("mode", "schedule"), [("grads", "zb"), ("full", "1f1b")])
+def test_sharded_replicas_of_tensor_ranks_train_as_one_process(
+    tmp_path: Path, mode: str, schedule: str
+) -> None:
+    """P=2 x D=2 x T=2 with FSDP2 over the replicas of each tensor rank's slices (2-D
+    DTensors, as torchtitan): one process's weights, with clipping; each element of a
+    tensor rank's slices held by one replica; a checkpoint every process wrote its part
+    of resumes on one process per stage."""
+    spec = spec_file(tmp_path, 2, PLAN, CHECKPOINTS)
+    status, out = launched(
+        spec,
+        *("--dp", "2", "--shard", mode, "--schedule", schedule, "--grad-clip", "0.05"),
+        *("--dump-weights", str(tmp_path / "w")),
+    )
+    assert status == 0, out
+    assert "2 stages x 2 replicas x 2 tensor ranks" in out
+    assert_close(dumped(tmp_path / "w"), reference(spec, 0.05)[1], ATOL)
+    rows = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    held = {(r["stage"], r["replica"]): r["state_bytes"] for r in rows if "state_bytes" in r}
+    layers = {r["stage_started"]: r["layers"] for r in rows if "stage_started" in r}
+    for stage in (0, 1):
+        counts = [LAYER_PARAMS[int(name)] for name in layers[stage]]
+        tensor_rank = 2 * 4 * sum(whole - split // 2 for whole, split in counts)
+        assert held[stage, 0] + held[stage, 1] == tensor_rank, held
+    ckpt = step_checkpoint(tmp_path, 10)
+    for stage in ("stage-0", "stage-1"):
+        files = sorted(p.name for p in (ckpt / stage).glob("*.distcp"))
+        assert files == [f"__{i}_0.distcp" for i in range(4)], files
+    (tmp_path / "one").mkdir()
+    got = resumed(tmp_path / "one", ckpt, "--tp", "1", "--grad-clip", "0.05")
+    assert_close(got, dumped(tmp_path / "w"), 1e-6)
 
 
 def checkpointed_run(directory: Path, tp: int) -> Path:
@@ -228,10 +277,17 @@ def split_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return checkpointed_run(tmp_path_factory.mktemp("tp2"), 2)
 
 
-def resumed(directory: Path, checkpoint: Path, tp: int) -> dict[str, torch.Tensor]:
-    """The weights after resuming ``checkpoint`` at ``tp`` tensor ranks to step 20."""
+@pytest.fixture(scope="module")
+def whole_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return checkpointed_run(tmp_path_factory.mktemp("tp1"), 1)
+
+
+def resumed(directory: Path, checkpoint: Path, *args: str) -> dict[str, torch.Tensor]:
+    """The weights after resuming ``checkpoint`` (the spec at T=2, then ``args``) to
+    step 20."""
     status, out = launched(
-        spec_file(directory, tp),
+        spec_file(directory),
+        *args,
         "--resume",
         str(checkpoint),
         "--log-level",
@@ -257,7 +313,7 @@ def test_a_split_checkpoint_resumes_whole_and_exports_the_unsplit_model(
     for stage in ("stage-0", "stage-1"):
         files = sorted(p.name for p in (ckpt / stage).glob("*.distcp"))
         assert files == ["__0_0.distcp", "__1_0.distcp"], files
-    assert_close(resumed(tmp_path, ckpt, 1), dumped(split_run / "w"), 1e-6)
+    assert_close(resumed(tmp_path, ckpt, "--tp", "1"), dumped(split_run / "w"), 1e-6)
     exported = export(step_checkpoint(split_run, 20), tmp_path / "model.safetensors")
     final = dumped(split_run / "w")
     assert exported.keys() == final.keys()
@@ -266,9 +322,11 @@ def test_a_split_checkpoint_resumes_whole_and_exports_the_unsplit_model(
 
 
 @pytest.mark.slow
-def test_a_whole_checkpoint_resumes_split(tmp_path: Path) -> None:
-    (tmp_path / "tp1").mkdir()
-    (tmp_path / "tp2").mkdir()
-    whole = checkpointed_run(tmp_path / "tp1", 1)
-    got = resumed(tmp_path / "tp2", step_checkpoint(whole, 10), 2)
-    assert_close(got, dumped(whole / "w"), 1e-6)
+@pytest.mark.parametrize(
+    "layout", [(), ("--dp", "2", "--shard", "full")], ids=["T=2", "D=2-full-T=2"]
+)
+def test_a_whole_checkpoint_resumes_split(
+    tmp_path: Path, whole_run: Path, layout: tuple[str, ...]
+) -> None:
+    got = resumed(tmp_path, step_checkpoint(whole_run, 10), *layout)
+    assert_close(got, dumped(whole_run / "w"), 1e-6)
