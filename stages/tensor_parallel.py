@@ -37,8 +37,7 @@ style                                what the module becomes
 
 The plan comes from `Job.tp_plan` (a mapping, or a callable that gets the
 stage module and the ``tp`` mesh and parallelizes it itself), or, for a
-Hugging Face model, from the model: its ``config.base_model_tp_plan`` under
-the base model's prefix and its class's ``_tp_plan`` (the head). Only the
+Hugging Face model, from the model (`model_plan`). Only the
 modules a stage holds take a plan: a layer held by another stage (a stand-in)
 has no such module here. Paths the plan does not reach stay whole.
 
@@ -56,7 +55,7 @@ over DTensors, parameters on a 2-D ``(dp, tp)`` mesh, as torchtitan does.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import structlog
@@ -117,7 +116,15 @@ _SPLIT_DIM = {
 
 def model_plan(model: nn.Module) -> dict[str, str] | None:
     """A Hugging Face model's own plan, with paths from ``model``'s root; None when the
-    model is not one or its family has none (an empty plan, as GPT-2's)."""
+    model is not one or its family has none (an empty plan, as GPT-2's).
+
+    The instance's ``_tp_plan``, which transformers merges at construction (the base
+    model's, its embedding's included, under its prefix, and the head's) and applies
+    itself, where it exists; else the config's and the class's.
+    """
+    merged = vars(model).get("_tp_plan")
+    if isinstance(merged, dict) and merged:
+        return {str(k): str(v) for k, v in merged.items()}
     config = getattr(model, "config", None)
     base = getattr(config, "base_model_tp_plan", None)
     head = getattr(type(model), "_tp_plan", None)
@@ -274,6 +281,20 @@ class TensorParallel:
         """Whether this rank counts ``param``'s gradient in the global norm: its slice of a
         split parameter, a whole one on tensor rank 0 only."""
         return self.rank == 0 or _split_over_tp(param)
+
+    def align_grads(self, params: Sequence[nn.Parameter]) -> None:
+        """Lay each gradient out as its parameter: torch's backward of a split Embedding
+        leaves the whole gradient on every rank (``Replicate``), which would count in
+        the norm T times and not match the slices the optimizer steps. Cutting one's
+        slice of a replicated gradient communicates nothing."""
+        for p in params:
+            grad = p.grad
+            if (
+                isinstance(grad, DTensor)
+                and isinstance(p, DTensor)
+                and grad.placements != p.placements
+            ):
+                p.grad = grad.redistribute(p.device_mesh, p.placements)
 
     def reduce_grads(self) -> None:
         """Sum the gradients of ``partial`` parameters over the ranks (each saw its slice;

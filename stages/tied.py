@@ -29,8 +29,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-from evtrain.errors import SpecError
+from evtrain.errors import SpecError, UsageError
 from evtrain.stages.mesh import Place
 from evtrain.stages.sharded import local_tensor
 
@@ -124,6 +125,7 @@ class TiedWeights:
     ) -> None:
         present = dict(module.named_parameters(remove_duplicate=False))
         self._rank = place.rank
+        self._stage = place.stage
         self._local: list[tuple[str, dist.ProcessGroup, int]] = []
         """(name of the parameter here, group of its stages in this replica, global rank
         of the owner)."""
@@ -166,10 +168,12 @@ class TiedWeights:
         return bool(self._local)
 
     def sync(self) -> None:
-        """Give every copy the canonical holder's value (collective on each group)."""
+        """Give every copy the canonical holder's value (collective on each group); a
+        copy split otherwise than the holder's (tensor parallelism) is a `UsageError`."""
         with torch.no_grad():
-            for param, (_name, pg, owner) in zip(self._params, self._local, strict=True):
-                dist.broadcast(param.data, src=owner, group=pg)
+            for param, (name, pg, owner) in zip(self._params, self._local, strict=True):
+                _check_split_alike(name, param, self._stage, pg)
+                dist.broadcast(local_tensor(param.data), src=owner, group=pg)
 
     def reduce_grads(self) -> None:
         """Sum each tied weight's gradient over its stages (collective on each group)."""
@@ -177,3 +181,20 @@ class TiedWeights:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             dist.all_reduce(local_tensor(param.grad), op=dist.ReduceOp.SUM, group=pg)
+
+
+def _check_split_alike(
+    name: str, param: torch.Tensor, stage: int, group: dist.ProcessGroup
+) -> None:
+    """Every copy of a tied weight split over the tensor ranks alike: the copies' slices
+    are then the same elements, stepped alike."""
+    split = str(param.placements) if isinstance(param, DTensor) else "whole"
+    splits: list[tuple[int, str, str] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(splits, (stage, name, split), group=group)
+    if len({s[2] for s in splits if s is not None}) > 1:
+        said = ", ".join(f"{n!r} on stage {st} {sp}" for st, n, sp in filter(None, splits))
+        raise UsageError(
+            f"a tied weight is split otherwise on each stage over the tensor ranks ({said}): "
+            "give its modules styles that split it alike (an embedding_rowwise embedding "
+            "with a colwise head)"
+        )

@@ -174,10 +174,13 @@ class WeightUpdate:
         before any collective that would not match across replicas."""
         if self.replicas is not None:
             self.replicas.check_used(self.params)
+        start = time.perf_counter()
+        if self.tensor is not None and not self._sharded:
+            # (FSDP lays its gradients out as its parameters itself.)
+            self.tensor.align_grads(self.params)
         tensor = self.tensor if self.tensor is not None and self.tensor.partial else None
         if self.tied is None and not self._average and tensor is None:
             return None
-        start = time.perf_counter()
         if self._average:
             assert self.replicas is not None
             self.replicas.reduce(self.params)

@@ -251,7 +251,7 @@ class AuxLossModel(nn.Module):
         return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1)) + 0.5 * aux
 
 
-def _hf_decoder(family: str, heads: int = 2, kv_heads: int = 1) -> nn.Module:
+def _hf_decoder(family: str, heads: int = 2, kv_heads: int = 1, **fields: Any) -> nn.Module:
     import transformers
 
     config = getattr(transformers, f"{family}Config")(
@@ -263,6 +263,7 @@ def _hf_decoder(family: str, heads: int = 2, kv_heads: int = 1) -> nn.Module:
         num_key_value_heads=kv_heads,
         max_position_embeddings=SEQ,
         use_cache=False,
+        **fields,
     )
     model: nn.Module = getattr(transformers, f"{family}ForCausalLM")(config)
     return model
@@ -272,6 +273,8 @@ hf_llama = functools.partial(_hf_decoder, "Llama")
 hf_qwen2 = functools.partial(_hf_decoder, "Qwen2")
 hf_llama_4_heads = functools.partial(_hf_decoder, "Llama", 4, 2)
 """The Llama with heads that two tensor ranks split: 4 query heads, 2 key/value heads."""
+hf_llama_tied = functools.partial(_hf_decoder, "Llama", 4, 2, tie_word_embeddings=True)
+"""That Llama with its head tied to its embedding."""
 
 
 def hf_llama_checkpointed() -> nn.Module:
@@ -376,6 +379,13 @@ MODELS: dict[str, Any] = {
     "hf_llama": (hf_llama, ("input_ids", "attention_mask"), "labels", lm_loss),
     "hf_qwen2": (hf_qwen2, ("input_ids", "attention_mask"), "labels", lm_loss),
     "hf_llama_4_heads": (hf_llama_4_heads, ("input_ids", "attention_mask"), "labels", lm_loss),
+    "hf_llama_tied": (hf_llama_tied, ("input_ids", "attention_mask"), "labels", lm_loss),
+    "hf_llama_tied_own_loss": (
+        hf_llama_tied,
+        ("input_ids", "attention_mask", "labels"),
+        "labels",
+        None,
+    ),
     "hf_gpt2": (hf_gpt2, ("input_ids", "attention_mask"), "labels", lm_loss),
     "hf_bert": (hf_bert, ("input_ids", "attention_mask"), "classes", class_loss),
     # The model computes its own loss from labels= (Hugging Face's convention).

@@ -20,6 +20,7 @@ import pytest
 import torch
 from helpers.launch_helpers import new_marker, run_launch
 from test_data_parallel import assert_close, dumped, reference
+from test_real_models import dumped as real_dumped
 from test_real_models import export, export_command
 from test_unmodified_models import train_and_compare, write
 
@@ -35,7 +36,7 @@ import sys
 sys.path.insert(0, {tests!r})
 
 import torch
-from helpers.mlp_parts import FeedForward, make_data
+from helpers.mlp_parts import FeedForward, mae, make_data
 from torch import nn
 
 from evtrain.job import Job, layer
@@ -51,6 +52,8 @@ job = Job(
     loss_fn=nn.functional.mse_loss,
     optimizer=functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9),
     train_data=functools.partial(make_data, 256, 1),
+    eval_data=functools.partial(make_data, 96, 2),
+    metrics={{"mae": mae}},
     batch_size=32,
     num_microbatches=4,
     max_steps={steps},
@@ -262,6 +265,63 @@ def test_sharded_replicas_of_tensor_ranks_train_as_one_process(
     (tmp_path / "one").mkdir()
     got = resumed(tmp_path / "one", ckpt, "--tp", "1", "--grad-clip", "0.05")
     assert_close(got, dumped(tmp_path / "w"), 1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("model", "fields"),
+    [
+        ("hf_llama_tied", {"grad_clip": 0.05}),
+        ("hf_llama_tied_own_loss", {"data_parallel": 2, "shard": "optimizer", "grad_clip": 0.05}),
+        ("hf_llama_4_heads", {"activation_checkpointing": True, "schedule": "zb"}),
+    ],
+    ids=["tied-across-stages", "own-loss-tied-sharded", "checkpointed-zb"],
+)
+def test_what_a_stage_may_be_composes_with_tensor_parallelism(
+    tmp_path: Path, model: str, fields: dict[str, object]
+) -> None:
+    """A head tied to the embedding of another stage, split alike on both (the model's
+    own loss on it, sharded replicas), and activation checkpointing under zero bubble:
+    one process's weights."""
+    pytest.importorskip("transformers")
+    train_and_compare(tmp_path, model, (2,), tensor_parallel=2, **fields)
+
+
+@pytest.mark.slow
+def test_reduced_precision_rounds_as_reduced_precision_does(tmp_path: Path) -> None:
+    """bf16 under tensor parallelism: each rank's matmul rounds its slice and the sums
+    over the ranks round again, so the weights differ from one bf16 process by
+    roundings (as one bf16 process differs from fp32), not by a gradient."""
+    pytest.importorskip("transformers")
+    fp32 = train_and_compare(tmp_path, "hf_llama_tied", ())
+    bf16 = train_and_compare(tmp_path, "hf_llama_tied", (), precision="bf16")
+    spec = write(tmp_path, "hf_llama_tied", 2, 5, tensor_parallel=2, precision="bf16")
+    status, out = launched(spec, "--dump-weights", str(tmp_path / "w"))
+    assert status == 0, out
+    got = {k: v for part in real_dumped(tmp_path / "w") for k, v in part.items()}
+    rounding = max(float((fp32[k] - bf16[k]).abs().max()) for k in got)
+    assert rounding > 1e-4  # bf16 really ran
+    assert max(float((got[k] - bf16[k]).abs().max()) for k in got) < 3 * rounding
+
+
+@pytest.mark.slow
+def test_evaluation_is_exact_on_split_stages(tmp_path: Path) -> None:
+    """Three eval batches, on T=1, on T=2 and on two replicas of T=2 (one evaluates two
+    batches, the other one): the same metrics."""
+    evals = {}
+    for name, args in {"1": ["--tp", "1"], "2": [], "2x2": ["--dp", "2"]}.items():
+        directory = tmp_path / name
+        directory.mkdir()
+        spec = spec_file(directory, 2, PLAN, {"type": "metrics"})
+        status, out = launched(spec, *args, "--eval-every", "10")
+        assert status == 0, out
+        lines = (directory / "run" / "metrics.jsonl").read_text().splitlines()
+        evals[name] = [r for r in map(json.loads, lines) if r["type"] == "eval"]
+    assert [e["step"] for e in evals["2"]] == [10, 20]
+    for one, split, both in zip(evals["1"], evals["2"], evals["2x2"], strict=True):
+        assert one["samples"] == split["samples"] == both["samples"] == 96
+        assert split["metrics"] == pytest.approx(one["metrics"], rel=1e-5)
+        assert both["metrics"] == pytest.approx(one["metrics"], rel=1e-5)
 
 
 def checkpointed_run(directory: Path, tp: int) -> Path:
