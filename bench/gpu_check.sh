@@ -162,7 +162,8 @@ finish() {
     exit "$failed"
 }
 
-ALL_CHECKS=(venv torch_cuda cuda_1stage bf16_1stage nccl_p2p pipeline_cuda pipeline_bench)
+ALL_CHECKS=(venv torch_cuda cuda_1stage bf16_1stage nccl_p2p pipeline_cuda pipeline_zbv_cuda
+    tensor_parallel_cuda pipeline_bench)
 NV_GPUS=0
 TORCH_GPUS=0
 
@@ -359,6 +360,7 @@ if ((!DRY_RUN && (NV_GPUS < 2 || TORCH_GPUS < 2))); then
     reason="needs 2 GPUs: nvidia-smi lists $NV_GPUS, torch sees $TORCH_GPUS"
     record pipeline_cuda skipped 0 "$reason"
     record pipeline_zbv_cuda skipped 0 "$reason"
+    record tensor_parallel_cuda skipped 0 "$reason"
     record pipeline_bench skipped 0 "$reason"
     finish
 fi
@@ -367,6 +369,51 @@ run_check pipeline_cuda "$CHECK_TIMEOUT" "$SUMMARY" "$EVTRAIN" launch examples/m
 run_check pipeline_zbv_cuda "$CHECK_TIMEOUT" "$SUMMARY" "$EVTRAIN" launch examples/mlp.py \
     --stages 2 --device "$DEVICE" --schedule zbv --virtual-stages 2 --steps "$STEPS" --quiet \
     --run-dir "$WORK/run-pipeline-zbv-cuda"
+
+# One stage split over 2 tensor ranks (NCCL all-reduces inside every block).
+cat >"$WORK/tp_mlp.py" <<'EOF'
+"""Residual MLP blocks split over 2 tensor ranks by a plan (bench/gpu_check.sh)."""
+
+import functools
+
+import torch
+from torch import nn
+
+from evtrain.job import Job, layer
+
+
+class FeedForward(nn.Module):
+    def __init__(self, width: int, hidden: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, hidden)
+        self.down = nn.Linear(hidden, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+def data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4096, 256, generator=g)
+    return x, x.sum(1, keepdim=True).tanh()
+
+
+job = Job(
+    name="gpu-check-tp",
+    layers=[*[layer(FeedForward, 256, 1024) for _ in range(4)], layer(nn.Linear, 256, 1)],
+    loss_fn=nn.functional.mse_loss,
+    optimizer=functools.partial(torch.optim.AdamW, lr=1e-3),
+    train_data=data,
+    batch_size=256,
+    num_microbatches=4,
+    max_steps=20,
+    stages=1,
+    tensor_parallel=2,
+    tp_plan={"*.up": "colwise", "*.down": "rowwise"},
+)
+EOF
+run_check tensor_parallel_cuda "$CHECK_TIMEOUT" "$SUMMARY" "$EVTRAIN" launch "$WORK/tp_mlp.py" \
+    --device "$DEVICE" --steps "$STEPS" --quiet --run-dir "$WORK/run-tp-cuda"
 
 # bench/pipeline_vs_torch.py takes no device option: it measures the CPU engines.
 if ((DRY_RUN)); then
