@@ -371,25 +371,19 @@ run_check pipeline_zbv_cuda "$CHECK_TIMEOUT" "$SUMMARY" "$EVTRAIN" launch exampl
     --run-dir "$WORK/run-pipeline-zbv-cuda"
 
 # One stage split over 2 tensor ranks (NCCL all-reduces inside every block).
-cat >"$WORK/tp_mlp.py" <<'EOF'
+cat >"$WORK/tp_mlp.py" <<EOF
 """Residual MLP blocks split over 2 tensor ranks by a plan (bench/gpu_check.sh)."""
 
 import functools
+import sys
+
+sys.path.insert(0, "$REPO/tests")
 
 import torch
+from helpers.mlp_parts import FeedForward
 from torch import nn
 
 from evtrain.job import Job, layer
-
-
-class FeedForward(nn.Module):
-    def __init__(self, width: int, hidden: int) -> None:
-        super().__init__()
-        self.up = nn.Linear(width, hidden)
-        self.down = nn.Linear(hidden, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.tanh(self.up(x)))
 
 
 def data() -> tuple[torch.Tensor, torch.Tensor]:

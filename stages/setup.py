@@ -219,6 +219,8 @@ def build_stage(
                 find_unused=job.find_unused_parameters,
             )
             tied.rebind(module)
+            if tensor is not None:
+                tensor.rebind(module)
     mailbox = Mailbox(
         device=device,
         act_group=groups.pipeline,

@@ -75,6 +75,7 @@ from torch.distributed.tensor.parallel import (
 from evtrain.errors import SpecError
 from evtrain.job import Job
 from evtrain.stages.pytree import StandIn
+from evtrain.stages.sharded import local_tensor
 
 __all__ = ["STYLES", "TensorParallel", "check_plan", "model_plan", "plan_of"]
 
@@ -232,19 +233,20 @@ class TensorParallel:
         self.size = mesh.size()
         self.rank = mesh.get_local_rank()
         self.group: dist.ProcessGroup = mesh.get_group()
-        self._module = module
-        # By name: FSDP, applied later, replaces the parameter objects.
-        self._partial: set[str] = set()
+        self._partial_names: set[str] = set()
         _check_heads(module, self.size)
         if callable(plan):
             plan(module, mesh)
         else:
             self._apply(module, plan, stage)
+        self.rebind(module)
 
-    @property
-    def partial(self) -> list[nn.Parameter]:
-        """The parameters whose gradients are summed over the ranks (the class docstring)."""
-        return [p for n, p in self._module.named_parameters() if n in self._partial]
+    def rebind(self, module: nn.Module) -> None:
+        """Find ``partial`` in ``module`` again, by name, after sharding replaced the
+        parameter objects (as `evtrain.stages.tied.TiedWeights.rebind`)."""
+        self.partial: list[nn.Parameter] = [
+            p for n, p in module.named_parameters() if n in self._partial_names
+        ]
 
     def _apply(self, module: nn.Module, plan: Mapping[str, str], stage: int) -> None:
         styles: dict[str, ParallelStyle] = {}
@@ -264,7 +266,7 @@ class TensorParallel:
                         f"for {style!r}",
                     )
             if style == "replicated_with_grad_allreduce":
-                self._partial.update(
+                self._partial_names.update(
                     f"{name}.{n}" if name else n
                     for n, p in sub.named_parameters()
                     if p.requires_grad
@@ -301,8 +303,7 @@ class TensorParallel:
         sharded over the replicas, each its shard of them)."""
         for p in self.partial:
             if p.grad is not None:
-                grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-                dist.all_reduce(grad, group=self.group)
+                dist.all_reduce(local_tensor(p.grad), group=self.group)
 
 
 def _split_over_tp(param: torch.Tensor) -> bool:

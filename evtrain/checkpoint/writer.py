@@ -195,8 +195,8 @@ class ShardWriter:
         self.group = group
         self._lead = group is None or dist.get_rank(group) == 0
         """This writer writes the record (and reports the shard)."""
-        self._meshes: dict[tuple[Any, ...], DeviceMesh] = {}
-        """What the staged shards are rewrapped on, by layout (`_Shards.layout`)."""
+        self._meshes: dict[DeviceMesh, DeviceMesh] = {}
+        """What the staged shards are rewrapped on, by the mesh they live on."""
         self.asynchronous = asynchronous
         self.thread_count = thread_count
         if write_delay_s is None:
@@ -571,15 +571,16 @@ class ShardWriter:
         fsync_dir(job.ckpt_dir)
         return record.bytes
 
-    def _host_mesh(self, layout: tuple[Any, ...]) -> DeviceMesh:
-        """A mesh of host memory laid out as a shard's own (its ranks and dimension
-        names): DCP reads the shards' offsets from it and communicates on ``group``."""
-        mesh = self._meshes.get(layout)
-        if mesh is None:
-            ranks, names = layout
-            mesh = DeviceMesh("cpu", torch.tensor(ranks), mesh_dim_names=names, _init_backend=False)
-            self._meshes[layout] = mesh
-        return mesh
+    def _host_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+        """A mesh of host memory laid out as ``mesh`` (its ranks and dimension names):
+        DCP reads the shards' offsets from it and communicates on ``group``."""
+        host = self._meshes.get(mesh)
+        if host is None:
+            host = DeviceMesh(
+                "cpu", mesh.mesh, mesh_dim_names=mesh.mesh_dim_names, _init_backend=False
+            )
+            self._meshes[mesh] = host
+        return host
 
     def _prepare_dir_together(self, job: _Job, spath: Path, group: dist.ProcessGroup) -> None:
         """Group rank 0 empties and creates the stage directory; the broadcast
@@ -614,35 +615,23 @@ class _Shards:
     placements: tuple[Placement, ...]
     shape: torch.Size
     stride: tuple[int, ...]
-    layout: tuple[Any, ...]
-    """Its mesh's ranks (nested lists as tuples) and dimension names."""
+    mesh: DeviceMesh
+    """The mesh the live tensor is sharded on."""
 
     @classmethod
     def of(cls, tensor: DTensor) -> _Shards:
-        mesh = tensor.device_mesh
-        return cls(
-            tensor.placements,
-            tensor.shape,
-            tensor.stride(),
-            (_frozen(mesh.mesh.tolist()), mesh.mesh_dim_names),
-        )
+        return cls(tensor.placements, tensor.shape, tensor.stride(), tensor.device_mesh)
 
-    def wrap(
-        self, local: torch.Tensor, host_mesh: Callable[[tuple[Any, ...]], DeviceMesh]
-    ) -> DTensor:
+    def wrap(self, local: torch.Tensor, host_mesh: Callable[[DeviceMesh], DeviceMesh]) -> DTensor:
         """``local``, this process's staged shard, as a part of the whole for DCP."""
         return DTensor.from_local(
             local,
-            host_mesh(self.layout),
+            host_mesh(self.mesh),
             self.placements,
             shape=self.shape,
             stride=self.stride,
             run_check=False,
         )
-
-
-def _frozen(value: Any) -> Any:
-    return tuple(_frozen(v) for v in value) if isinstance(value, list) else value
 
 
 def _local(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
