@@ -52,6 +52,8 @@ MAX_STAGES = 1024
 """More pipeline stages than any model is split into."""
 MAX_REPLICAS = 1024
 """More data-parallel replicas of one pipeline than any run has."""
+MAX_TENSOR_RANKS = 1024
+"""More tensor-parallel ranks of one stage replica than any run has."""
 MAX_SECONDS = 1_000_000.0
 """Longest duration a field may hold (11.6 days: no step, save or evaluation takes that)."""
 MAX_TIMESTAMP = 16_725_225_600.0
@@ -63,6 +65,9 @@ NumStages = Annotated[int, msgspec.Meta(ge=1, le=MAX_STAGES)]
 ReplicaIndex = Annotated[int, msgspec.Meta(ge=0, lt=MAX_REPLICAS)]
 """A stage's data-parallel replica (0 without data parallelism)."""
 NumReplicas = Annotated[int, msgspec.Meta(ge=1, le=MAX_REPLICAS)]
+TensorRankIndex = Annotated[int, msgspec.Meta(ge=0, lt=MAX_TENSOR_RANKS)]
+"""A stage replica's tensor-parallel rank (0 without tensor parallelism)."""
+NumTensorRanks = Annotated[int, msgspec.Meta(ge=1, le=MAX_TENSOR_RANKS)]
 Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_SECONDS)]
 Timestamp = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_TIMESTAMP)]
 
@@ -126,6 +131,8 @@ class RunStarted(Event, kw_only=True, tag="run.started"):
     """Replicas D of the pipeline; every stage runs on D processes."""
     virtual_stages: Annotated[int, msgspec.Meta(ge=1, le=MAX_STAGES)] = 1
     """Model chunks V per stage (interleaved and zbv; 1 otherwise)."""
+    tensor_parallel: NumTensorRanks = 1
+    """Tensor ranks T of every stage replica: each one runs on T processes."""
 
 
 class RunEnded(Event, kw_only=True, tag="run.ended"):
@@ -192,19 +199,23 @@ class HangReported(Event, kw_only=True, tag="run.hung"):
 
 
 class StragglerReported(Event, kw_only=True, tag="run.straggler"):
-    """A stage (``whole_stage``) or one replica of it became a straggler at ``step``, or
-    stopped being one (``straggling`` false) (`evtrain.launcher.stragglers`).
+    """A stage (``whole_stage``), one replica of it, or one tensor rank of a replica
+    (``tp`` set) became a straggler at ``step``, or stopped being one (``straggling``
+    false) (`evtrain.launcher.stragglers`).
 
     ``slowdown``: how many times slower than expected it is over the recent
     steps: for a replica, its work (forward time; CPU time on the CPU)
-    against its stage's other replicas'; for a stage, its busy time's ratio to
-    the other stages' against the ratio it had at the start.
+    against its stage's other replicas'; for a tensor rank, its CPU time
+    against its replica's other tensor ranks'; for a stage, its busy time's
+    ratio to the other stages' against the ratio it had at the start.
     """
 
     step: Count
     stage: StageIndex
     replica: ReplicaIndex = 0
     whole_stage: bool = False
+    tp: TensorRankIndex | None = None
+    """The tensor rank named alone; None names every tensor rank of the replica (or stage)."""
     slowdown: Annotated[float, msgspec.Meta(ge=0)]
     straggling: bool = True
 
@@ -215,11 +226,15 @@ class StragglerReported(Event, kw_only=True, tag="run.straggler"):
     def describe(self) -> str:
         """One line: ``"stage 1 is a straggler from step 20: ..."``."""
         who = f"stage {self.stage}" + ("" if self.whole_stage else f" replica {self.replica}")
+        if self.tp is not None and not self.whole_stage:
+            who += f" tensor rank {self.tp}"
         if not self.straggling:
             return f"{who} is no straggler any more (step {self.step})"
         times = f"{self.slowdown:.1f} times as long as"
         if self.whole_stage:
             how = f"relative to the other stages, its steps take {times} at the start"
+        elif self.tp is not None:
+            how = f"its work takes {times} its replica's other tensor ranks'"
         else:
             how = f"its work takes {times} its stage's other replicas'"
         return f"{who} is a straggler from step {self.step}: {how}"
@@ -320,6 +335,28 @@ class StepEnded(Event, kw_only=True, tag="step.ended"):
     """Bytes of the parameters and optimizer state this process holds between steps:
     its shards under `evtrain.job.Job.shard`."""
     metrics: dict[str, float] = msgspec.field(default_factory=dict)
+
+
+class TensorRankStepEnded(Event, kw_only=True, tag="step.tensor_rank"):
+    """Tensor rank ``tp`` (> 0) of a stage replica finished an optimizer step: the times
+    and memory of its own process.
+
+    Tensor rank 0 publishes the replica's `StepEnded`; the others compute the same
+    loss, norm and step, and publish only what differs between the processes.
+    The fields mean what `StepEnded`'s of the same names do.
+    """
+
+    step: Count
+    stage: StageIndex
+    replica: ReplicaIndex = 0
+    tp: Annotated[int, msgspec.Meta(ge=1, lt=MAX_TENSOR_RANKS)]
+    duration_s: Seconds = 0.0
+    forward_s: Seconds = 0.0
+    backward_s: Seconds = 0.0
+    comm_wait_s: Seconds = 0.0
+    cpu_s: Seconds = 0.0
+    peak_memory_bytes: Count | None = None
+    state_bytes: Count | None = None
 
 
 SPAN_MODES: tuple[str, ...] = ("all", "sampled", "off")

@@ -135,8 +135,9 @@ class RunState:
         limit = self.run.data_parallel if self.run is not None else MAX_REPLICAS
         return 0 <= replica < limit
 
-    def place_problem(self, stage: int, replica: int) -> str | None:
-        """Why (``stage``, ``replica``) is no process of the known run; None if it may be one."""
+    def place_problem(self, stage: int, replica: int, tp: int = 0) -> str | None:
+        """Why (``stage``, ``replica``, tensor rank ``tp``) is no process of the known run;
+        None if it may be one."""
         run = self.run
         if run is None:
             return None
@@ -144,6 +145,8 @@ class RunState:
             return "stage beyond the run's num_stages"
         if replica >= run.data_parallel:
             return "replica beyond the run's data_parallel"
+        if tp >= run.tensor_parallel:
+            return "tensor rank beyond the run's tensor_parallel"
         return None
 
     @property
@@ -194,6 +197,9 @@ def _shape_valid(num_stages: int) -> bool:
     return 1 <= num_stages <= MAX_STAGES
 
 
-def stage_source(stage: int, replica: int = 0) -> str:
-    """The publisher source of a stage process: ``stage/1``, or ``stage/1/2`` for replica 2."""
+def stage_source(stage: int, replica: int = 0, tp: int = 0) -> str:
+    """The publisher source of a stage process: ``stage/1``, ``stage/1/2`` for replica 2,
+    ``stage/1/2/1`` for its tensor rank 1."""
+    if tp:
+        return f"stage/{stage}/{replica}/{tp}"
     return f"stage/{stage}/{replica}" if replica else f"stage/{stage}"

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from evtrain.events import StepEnded
+from evtrain.events import StepEnded, TensorRankStepEnded
 from evtrain.formatting import safe_text
 from evtrain.ratelimit import RateLimitedLog
 from evtrain.run_state import RunState, of_run
@@ -51,14 +51,15 @@ MAX_STEP_JUMP = 1000
 """Most steps one event may advance a step count by."""
 
 
-def step_problem(ev: StepEnded, state: RunState) -> str | None:
+def step_problem(ev: StepEnded | TensorRankStepEnded, state: RunState) -> str | None:
     """Why ``ev`` cannot be a step of the run ``state`` knows; None if it can be."""
     run = state.run
     if run is None:
         return None
     if not of_run(ev, state):
         return "step of another run"
-    problem = state.place_problem(ev.stage, ev.replica)
+    tp = ev.tp if isinstance(ev, TensorRankStepEnded) else 0
+    problem = state.place_problem(ev.stage, ev.replica, tp)
     if problem is not None:
         return problem
     if run.max_steps and ev.step > run.max_steps:

@@ -101,6 +101,7 @@ from evtrain.events import (
     StageStopped,
     StepEnded,
     StragglerReported,
+    TensorRankStepEnded,
     doing_kind,
 )
 from evtrain.exporters.prometheus_catalogue import Metrics
@@ -304,6 +305,12 @@ class PrometheusExporter(Hook):
         self._gap_pairs: set[tuple[str, str]] = set()
         self._places: set[StageReplica] = set()
         """(stage, replica) pairs with series."""
+        self._tensor_ranks = _Labels()
+        self._tensor_places: set[tuple[int, int, int]] = set()
+        """(stage, replica, tensor rank) with series, in runs with tensor parallelism."""
+        self._straggling: dict[StageReplica, set[int | None]] = {}
+        """Per stage process: what of it is a straggler (None: the process, or a tensor
+        rank of it)."""
         self.not_counted = RateLimitedLog(self.log, "event values not counted")
         self.m = Metrics(self.registry)
         self.m.build_info.labels(_version()).set(1)
@@ -420,6 +427,67 @@ class PrometheusExporter(Hook):
                     self._gap_series(source, observer)
         return labels
 
+    def _tensor_place(
+        self, stage: int, replica: int, tp: int, ev: Event
+    ) -> tuple[str, str, str] | None:
+        """The (``stage``, ``replica``, ``tp``) labels of a process of a run with tensor
+        parallelism (None for one it cannot have, or a run without)."""
+        run = self.state.run
+        if run is None or run.tensor_parallel < 2:
+            return None
+        if tp >= run.tensor_parallel:
+            self.not_counted("tensor rank beyond the run's tensor_parallel", tp=tp)
+            return None
+        labels = self._place(stage, replica, ev)
+        if labels is None:
+            return None
+        place = (stage, replica, tp)
+        if place not in self._tensor_places and len(self._tensor_places) >= MAX_PLACES:
+            self.not_counted("too many tensor ranks", tp=tp, **place_fields(stage, replica))
+            return None
+        tp_label = self._tensor_ranks.admit(str(tp))
+        if tp_label is None:
+            self.not_counted("too many tensor rank labels", tp=tp)
+            return None
+        tensor_labels = (*labels, tp_label)
+        if place not in self._tensor_places:
+            self._tensor_places.add(place)
+            self.m.tensor_rank_work.labels(*tensor_labels)
+            self.m.tensor_rank_straggler.labels(*tensor_labels)
+        return tensor_labels
+
+    def _tensor_rank_step(self, ev: StepEnded | TensorRankStepEnded, tp: int) -> None:
+        labels = self._tensor_place(ev.stage, ev.replica, tp, ev)
+        if labels is None:
+            return
+        # On the CPU a thread waiting in an all-reduce accrues no CPU time; on a device
+        # the forward is what the tensor ranks split.
+        work = ev.cpu_s if ev.cpu_s > 0 else ev.forward_s
+        self._add_seconds(self.m.tensor_rank_work.labels(*labels), work)
+        if ev.peak_memory_bytes is not None:
+            self.m.tensor_rank_peak_memory.labels(*labels).set(ev.peak_memory_bytes)
+
+    def _forget_tensor_places_outside(self, run: RunStarted) -> None:
+        gone = [
+            p
+            for p in self._tensor_places
+            if run.tensor_parallel < 2
+            or p[0] >= run.num_stages
+            or p[1] >= run.data_parallel
+            or p[2] >= run.tensor_parallel
+        ]
+        for place in gone:
+            labels = tuple(map(str, place))
+            for metric in (
+                self.m.tensor_rank_work,
+                self.m.tensor_rank_peak_memory,
+                self.m.tensor_rank_straggler,
+            ):
+                with contextlib.suppress(KeyError):
+                    metric.remove(*labels)
+            self._tensor_places.discard(place)
+        self._tensor_ranks.values = {str(p[2]) for p in self._tensor_places}
+
     def _forget_places_outside(self, num_stages: int, data_parallel: int) -> None:
         """Drop the series of stage processes the run does not have (a previous run's, or
         made up)."""
@@ -446,6 +514,7 @@ class PrometheusExporter(Hook):
                     metric.remove(*labels)
             self._places.discard(place)
             self._waits.pop(place, None)
+            self._straggling.pop(place, None)
             kind = self._instructions.pop(place, None)
             if kind is not None:
                 with contextlib.suppress(KeyError):
@@ -527,10 +596,14 @@ class PrometheusExporter(Hook):
         if self._runner is not None:
             self._observer_known(f"hook/{self.runner.name}")
         self._forget_places_outside(ev.num_stages, ev.data_parallel)
+        self._forget_tensor_places_outside(ev)
         for stage in range(ev.num_stages):
             for replica in range(ev.data_parallel):
                 if self._place(stage, replica, ev) is None:
                     return  # the caps are reached: the rest would not be admitted either
+                tensor_ranks = range(ev.tensor_parallel) if ev.tensor_parallel > 1 else ()
+                if any(self._tensor_place(stage, replica, tp, ev) is None for tp in tensor_ranks):
+                    return
 
     @on(RunEnded)
     def run_ended(self, ev: RunEnded) -> None:
@@ -574,11 +647,24 @@ class PrometheusExporter(Hook):
 
     @on(StragglerReported)
     def straggler(self, ev: StragglerReported) -> None:
-        """A stage or replica became a straggler, or stopped being one."""
+        """A stage, replica or tensor rank became a straggler, or stopped being one: a
+        stage process is one while it or any of its tensor ranks is."""
+        tp = None if ev.whole_stage else ev.tp
+        if tp is not None:
+            tensor_labels = self._tensor_place(ev.stage, ev.replica, tp, ev)
+            if tensor_labels is None:
+                return
+            self.m.tensor_rank_straggler.labels(*tensor_labels).set(1 if ev.straggling else 0)
         for replica in ev.replicas(self.state.data_parallel or 1):
             labels = self._place(ev.stage, replica, ev)
-            if labels is not None:
-                self.m.straggler.labels(*labels).set(1 if ev.straggling else 0)
+            if labels is None:
+                continue
+            straggling = self._straggling.setdefault((ev.stage, replica), set())
+            if ev.straggling:
+                straggling.add(tp)
+            else:
+                straggling.discard(tp)
+            self.m.straggler.labels(*labels).set(1 if straggling else 0)
 
     @on(HangReported)
     def hang_reported(self, ev: HangReported) -> None:
@@ -635,8 +721,18 @@ class PrometheusExporter(Hook):
             self.m.state_bytes.labels(*labels).set(ev.state_bytes)
         if ev.lr is not None:
             self.m.lr.labels(*labels).set(ev.lr)
+        self._tensor_rank_step(ev, 0)
         if ev.replica == 0:
             self._run_step(ev)
+
+    @on(TensorRankStepEnded)
+    def tensor_rank_step_ended(self, ev: TensorRankStepEnded) -> None:
+        """The times and memory of a tensor rank above 0."""
+        problem = step_problem(ev, self.state)
+        if problem is not None:
+            self.not_counted(problem, step=ev.step, tp=ev.tp, **place_fields(ev.stage, ev.replica))
+            return
+        self._tensor_rank_step(ev, ev.tp)
 
     def _run_step(self, ev: StepEnded) -> None:
         """The run-wide values of a step event of replica 0 (the others repeat them)."""

@@ -14,10 +14,13 @@ from typing import Any, Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-__all__ = ["CATALOGUE", "STAGE_LABELS", "MetricSpec", "Metrics"]
+__all__ = ["CATALOGUE", "STAGE_LABELS", "TENSOR_RANK_LABELS", "MetricSpec", "Metrics"]
 
 STAGE_LABELS = ("stage", "replica")
 """The labels of every per-stage series: one series per stage process."""
+TENSOR_RANK_LABELS = (*STAGE_LABELS, "tp")
+"""The labels of the per-tensor-rank series: one series per process of a run with tensor
+parallelism (a stage process is its tensor rank 0)."""
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 CHECKPOINT_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
@@ -269,7 +272,32 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "gauge",
         STAGE_LABELS,
         "1 while the stage process is a straggler: its stage slower than the other stages "
-        "relative to the start, or it slower than its stage's other replicas",
+        "relative to the start, it slower than its stage's other replicas, or one of its "
+        "tensor ranks slower than the others",
+    ),
+    MetricSpec(
+        "tensor_rank_work",
+        "evtrain_tensor_rank_work_seconds",
+        "counter",
+        TENSOR_RANK_LABELS,
+        "each tensor rank's own work in steps (CPU seconds on the CPU, forward seconds on a "
+        "device), what tensor ranks are compared by; with tensor parallelism only",
+    ),
+    MetricSpec(
+        "tensor_rank_peak_memory",
+        "evtrain_tensor_rank_peak_memory_bytes",
+        "gauge",
+        TENSOR_RANK_LABELS,
+        "peak memory each tensor rank reported (CUDA: max allocated; CPU: peak RSS); "
+        "with tensor parallelism only",
+    ),
+    MetricSpec(
+        "tensor_rank_straggler",
+        "evtrain_tensor_rank_straggler",
+        "gauge",
+        TENSOR_RANK_LABELS,
+        "1 while the tensor rank is a straggler: its CPU time above its replica's other "
+        "tensor ranks'; with tensor parallelism only",
     ),
     MetricSpec(
         "hangs",

@@ -169,11 +169,13 @@ from evtrain.events import (
     StepEnded,
     StepStarted,
     StopRun,
+    TensorRankStepEnded,
 )
 from evtrain.job import Job
 from evtrain.logs import configure_logging
 from evtrain.overrides import apply_overrides
 from evtrain.reporting import Reporter, reporting
+from evtrain.run_state import stage_source
 from evtrain.spec import load_job
 from evtrain.stages.checkpointing import await_plan, await_the_end
 from evtrain.stages.control import ControlResult
@@ -318,8 +320,12 @@ class StageActor:
         return self.runtime
 
     def publish(self, event: Event) -> None:
-        """Publish without blocking (drops are counted by the publisher); no-op without bus."""
-        if self.publisher is not None:
+        """Publish without blocking (drops are counted by the publisher); no-op without bus.
+
+        Tensor ranks above 0 repeat rank 0's computations, and so its events: they
+        publish only their own step times (`TensorRankStepEnded`), and tell the
+        launcher of themselves through their reports."""
+        if self.publisher is not None and self.place.tp == 0:
             self.publisher.publish(event)
 
     def _wall(self, perf: float) -> float:
@@ -337,21 +343,20 @@ class StageActor:
         except BaseException as exc:
             self.live.failed(exc, first_rank=self.place.rank == 0)
             raise
-        # Tensor ranks above 0 repeat rank 0's computations, and its events: they
-        # tell the launcher of themselves through their reports alone.
-        if self.config.bus is not None and self.place.tp == 0:
+        if self.config.bus is not None:
             address = BusAddress.parse(self.config.bus)
             # A CURVE bus: the launcher names its key directory in the environment.
             curve = curve_from_env()
             self.publisher = Publisher(
                 address.endpoint("events_in"),
-                source=f"stage/{self.stage}" + (f"/{self.replica}" if self.replica else ""),
+                source=stage_source(self.stage, self.replica, self.place.tp),
                 run_id=self.config.run_id,
                 curve=curve,
                 connect_timeout=BUS_CONNECT_S,
             )
-            # Replica 0 answers for its stage: one acknowledgement per stage.
-            self.ledger = CommandLedger(self.stage, None if self.replica else self.publisher)
+            # Replica 0's tensor rank 0 answers for its stage: one acknowledgement per stage.
+            answers = self.replica == 0 and self.place.tp == 0
+            self.ledger = CommandLedger(self.stage, self.publisher if answers else None)
             if self.place.rank == 0:
                 self._receiver = CommandReceiver(address.endpoint("commands_out"), curve=curve)
                 self._verdicts = Subscriber(
@@ -450,6 +455,7 @@ class StageActor:
                     start_step=start_step,
                     data_parallel=job.data_parallel,
                     virtual_stages=job.virtual_stages,
+                    tensor_parallel=job.tensor_parallel,
                     run_dir=str(job.run_dir),
                 )
             )
@@ -567,23 +573,31 @@ class StageActor:
         metrics = self.reporter.collect()
         for span in stats.spans:
             self.publish(self._span_event(step, span))
+        # What each process measures of itself: tensor ranks above 0 publish these alone.
+        own: dict[str, Any] = {
+            "step": step,
+            "stage": self.stage,
+            "replica": self.replica,
+            "duration_s": stats.duration_s,
+            "forward_s": stats.forward_s,
+            "backward_s": stats.backward_s,
+            "comm_wait_s": stats.comm_wait_s,
+            "cpu_s": stats.cpu_s,
+            "peak_memory_bytes": self._peak_memory(),
+            "state_bytes": self._rt.executor.update.state_bytes(),
+        }
+        if self.place.tp:
+            if self.publisher is not None:
+                self.publisher.publish(TensorRankStepEnded(**own, tp=self.place.tp))
+            return stats
         self.publish(
             StepEnded(
-                step=step,
-                stage=self.stage,
-                replica=self.replica,
+                **own,
                 loss=stats.loss,
                 lr=stats.lr,
                 grad_norm=stats.grad_norm,
                 samples=stats.samples,
                 epoch=stats.epoch,
-                duration_s=stats.duration_s,
-                forward_s=stats.forward_s,
-                backward_s=stats.backward_s,
-                comm_wait_s=stats.comm_wait_s,
-                cpu_s=stats.cpu_s,
-                peak_memory_bytes=self._peak_memory(),
-                state_bytes=self._rt.executor.update.state_bytes(),
                 metrics=metrics,
             )
         )

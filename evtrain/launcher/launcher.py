@@ -30,6 +30,7 @@ from evtrain.events import (
     RunStarted,
     StageFailed,
     StepEnded,
+    TensorRankStepEnded,
 )
 from evtrain.failures import RootCause
 from evtrain.launcher.agent import AgentProcess, agent_config, agent_report_path, cleanup_message
@@ -64,6 +65,7 @@ _TOPICS = (
     RunStarted.topic.decode(),
     RunEnded.topic.decode(),
     StepEnded.topic.decode(),
+    TensorRankStepEnded.topic.decode(),
     EvalStarted.topic.decode(),
     EvalProgress.topic.decode(),
     EvalEnded.topic.decode(),
@@ -100,7 +102,7 @@ class Launcher:
       `evtrain.launcher.watch.FailureResponse`: what a failure makes the launcher do;
     * `evtrain.launcher.hang.HangResponse`: a run that makes no progress, where it is
       stuck, and its end;
-    * `evtrain.launcher.stragglers.StragglerNotices`: stages and replicas slower than
+    * `evtrain.launcher.stragglers.StragglerNotices`: stages, replicas and tensor ranks slower than
       their peers;
     * `evtrain.launcher.ending.RunEnding`: the `RunEnded` the launcher publishes itself
       when the stages cannot;
@@ -371,7 +373,7 @@ class Launcher:
             log.debug("run started", after_s=round(time.monotonic() - self._started, 2))
             if self._stragglers is not None:
                 self._stragglers.run_started(msg)
-        elif isinstance(msg, StepEnded) and self._stragglers is not None:
+        elif isinstance(msg, StepEnded | TensorRankStepEnded) and self._stragglers is not None:
             self._stragglers.step_ended(msg)
         elif isinstance(msg, CommandAcked):
             self._stopping.acknowledged(msg)

@@ -1,4 +1,5 @@
-"""Stragglers: a stage or replica whose steps run persistently slower than its peers'.
+"""Stragglers: a stage, replica or tensor rank whose steps run persistently slower than
+its peers'.
 
 A pipeline runs at the pace of its slowest stage, and the others wait on it:
 their step times grow with its own, so step time alone does not tell which
@@ -22,6 +23,14 @@ cores would otherwise be named in turn.
   slowdown names nobody). A stage slow from its first step is the split's
   imbalance, which ``evtrain top`` shows.
 
+* **Tensor ranks** of one replica do the same work, and a tensor rank above 0
+  publishes its own times (`evtrain.events.TensorRankStepEnded`): on the CPU,
+  a tensor rank whose CPU time is more than `SLOWER` times the median of its
+  replica's other tensor ranks' is named alone, as a replica is. On a device
+  its forward waits inside its all-reduces for the slowest tensor rank, so
+  their host times are alike: a slow tensor rank slows its whole replica, and
+  is named as that replica (or stage).
+
 Either way only one that costs the step at least `MIN_SHARE` of its time is
 named. A straggler is named once it is one, and again once it is not any more
 (below `RECOVERED`): `StragglerWatch.step_ended` returns the change, which
@@ -37,7 +46,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from evtrain.events import RunStarted, StepEnded, StragglerReported
+from evtrain.events import RunStarted, StepEnded, StragglerReported, TensorRankStepEnded
 
 __all__ = [
     "BASELINE",
@@ -67,7 +76,8 @@ costs nothing and is mostly timer and scheduling noise."""
 _PENDING_STEPS = 16
 """Incomplete steps kept while waiting for their last events."""
 
-Place = tuple[int, int]
+Place = tuple[int, int, int]
+"""(stage, replica, tensor rank)."""
 
 
 @dataclass
@@ -81,62 +91,90 @@ class _Series:
 
 
 class StragglerWatch:
-    """Finds stragglers among ``stages`` x ``replicas`` from their `StepEnded` events."""
+    """Finds stragglers among ``stages`` x ``replicas`` x ``tensor_ranks`` from their
+    `StepEnded` (and `TensorRankStepEnded`) events."""
 
-    def __init__(self, stages: int, replicas: int, *, start_step: int = 0) -> None:
+    def __init__(
+        self, stages: int, replicas: int, *, tensor_ranks: int = 1, start_step: int = 0
+    ) -> None:
         self.stages = stages
         self.replicas = replicas
+        self.tensor_ranks = tensor_ranks
         self.start_step = start_step
         self._steps: dict[int, dict[Place, tuple[float, float, float]]] = {}
-        """Each incomplete step's (duration, busy, work) seconds by stage and replica: what
-        stages and what replicas are compared by."""
+        """Each incomplete step's (duration, busy, work) seconds by process: what
+        stages, replicas and tensor ranks are compared by."""
         self._stage_series = {s: _Series() for s in range(stages)}
-        self._replica_series = {(s, r): _Series() for s in range(stages) for r in range(replicas)}
+        self._replica_series: dict[Place, _Series] = {}
+        self._tensor_series: dict[Place, _Series] = {}
 
-    def step_ended(self, ev: StepEnded) -> list[StragglerReported]:
+    def step_ended(self, ev: StepEnded | TensorRankStepEnded) -> list[StragglerReported]:
         """Fold ``ev`` in; what changed once its step is complete."""
-        if not (0 <= ev.stage < self.stages and 0 <= ev.replica < self.replicas):
+        tp = ev.tp if isinstance(ev, TensorRankStepEnded) else 0
+        if not (
+            0 <= ev.stage < self.stages
+            and 0 <= ev.replica < self.replicas
+            and 0 <= tp < self.tensor_ranks
+        ):
             return []
         if ev.step <= self.start_step + WARMUP:
             return []
         if ev.cpu_s > 0:
-            busy = work = ev.cpu_s
+            busy = own = ev.cpu_s
         else:
-            busy, work = max(ev.duration_s - ev.comm_wait_s, 0.0), ev.forward_s
+            busy, own = max(ev.duration_s - ev.comm_wait_s, 0.0), ev.forward_s
         step = self._steps.setdefault(ev.step, {})
-        step[(ev.stage, ev.replica)] = (ev.duration_s, busy, work)
-        if len(step) < self.stages * self.replicas:
+        step[(ev.stage, ev.replica, tp)] = (ev.duration_s, busy, own)
+        if len(step) < self.stages * self.replicas * self.tensor_ranks:
             for old in sorted(self._steps)[:-_PENDING_STEPS]:
                 del self._steps[old]  # its other events were lost
             return []
         del self._steps[ev.step]
         duration = max(d for d, _, _ in step.values())
-        return self._replicas(ev.step, step, duration) + self._stages(ev.step, step, duration)
-
-    def _replicas(
-        self, step: int, times: dict[Place, tuple[float, float, float]], duration: float
-    ) -> list[StragglerReported]:
-        if self.replicas < 2:
-            return []
-        work = {place: w for place, (_, _, w) in times.items()}
+        work = {place: w for place, (_, _, w) in step.items()}
         changes = []
-        for (stage, replica), own in sorted(work.items()):
-            others = [w for (s, r), w in work.items() if s == stage and r != replica]
+        if self.tensor_ranks > 1 and ev.cpu_s > 0:
+            changes += self._among_peers(ev.step, work, self._tensor_series, duration, tensor=True)
+        # Replicas and stages by their tensor rank 0: a slow tensor rank is its own.
+        firsts = {place: w for place, w in work.items() if place[2] == 0}
+        if self.replicas > 1:
+            changes += self._among_peers(ev.step, firsts, self._replica_series, duration)
+        busy_s = {(s, r): b for (s, r, t), (_, b, _) in step.items() if t == 0}
+        return changes + self._stages(ev.step, busy_s, duration)
+
+    def _among_peers(
+        self,
+        step: int,
+        work: dict[Place, float],
+        series: dict[Place, _Series],
+        duration: float,
+        *,
+        tensor: bool = False,
+    ) -> list[StragglerReported]:
+        """Each process's work against the median of its peers': the other tensor ranks
+        of its replica (``tensor``), or the other replicas of its stage."""
+
+        def peers(place: Place) -> tuple[int, ...]:
+            return place[:2] if tensor else place[:1]
+
+        changes = []
+        for place, own in sorted(work.items()):
+            others = [w for p, w in work.items() if p != place and peers(p) == peers(place)]
             expected = statistics.median(others)
-            series = self._replica_series[(stage, replica)]
             ratio = own / expected if expected > 0 else 1.0
-            series.recent.append((ratio, _share(own - expected, duration)))
-            change = _judge(series, 1.0)
+            own_series = series.setdefault(place, _Series())
+            own_series.recent.append((ratio, _share(own - expected, duration)))
+            change = _judge(own_series, 1.0)
             if change is not None:
-                changes.append(_report(step, stage, replica, *change))
+                stage, replica, tp = place
+                changes.append(_report(step, stage, replica, *change, tp=tp if tensor else None))
         return changes
 
     def _stages(
-        self, step: int, times: dict[Place, tuple[float, float, float]], duration: float
+        self, step: int, busy: dict[tuple[int, int], float], duration: float
     ) -> list[StragglerReported]:
         if self.stages < 2:
             return []
-        busy = {place: b for place, (_, b, _) in times.items()}
         # A stage's replicas do the same work: their median is the stage's time.
         per_stage = {
             s: statistics.median(b for (stage, _), b in busy.items() if stage == s)
@@ -179,13 +217,20 @@ def _judge(series: _Series, usual: float) -> tuple[float, bool] | None:
 
 
 def _report(
-    step: int, stage: int, replica: int | None, slowdown: float, straggling: bool
+    step: int,
+    stage: int,
+    replica: int | None,
+    slowdown: float,
+    straggling: bool,
+    *,
+    tp: int | None = None,
 ) -> StragglerReported:
     return StragglerReported(
         step=step,
         stage=stage,
         replica=replica or 0,
         whole_stage=replica is None,
+        tp=tp,
         slowdown=round(slowdown, 3),
         straggling=straggling,
     )
@@ -201,18 +246,23 @@ class StragglerNotices:
         self._send = send
         self._warn = warn
         self._watch: StragglerWatch | None = None
-        self._named: set[tuple[int, int | None]] = set()
+        self._named: set[tuple[int, int | None, int | None]] = set()
 
     def run_started(self, msg: RunStarted) -> None:
         # Each attempt starts over: its processes may be other ones.
-        self._watch = StragglerWatch(msg.num_stages, msg.data_parallel, start_step=msg.start_step)
+        self._watch = StragglerWatch(
+            msg.num_stages,
+            msg.data_parallel,
+            tensor_ranks=msg.tensor_parallel,
+            start_step=msg.start_step,
+        )
 
-    def step_ended(self, msg: StepEnded) -> None:
+    def step_ended(self, msg: StepEnded | TensorRankStepEnded) -> None:
         if self._watch is None:
             return
         for change in self._watch.step_ended(msg):
             self._send(change)
-            key = (change.stage, None if change.whole_stage else change.replica)
+            key = (change.stage, None if change.whole_stage else change.replica, change.tp)
             if change.straggling and key not in self._named:
                 self._named.add(key)
                 self._warn(change.describe())

@@ -186,6 +186,8 @@ class RunView:
     num_microbatches: int | None = None
     data_parallel: int = 1
     """Replicas of every stage."""
+    tensor_parallel: int = 1
+    """Tensor ranks of every replica (a row is its tensor rank 0)."""
     max_steps: int | None = None
     step: int | None = None
     loss: float | None = None
@@ -323,7 +325,8 @@ class TopModel(Hook):
 
     @on(StragglerReported)
     def straggler(self, ev: StragglerReported) -> None:
-        """The launcher named a straggler, or one recovered (a whole stage: each replica)."""
+        """The launcher named a straggler, or one recovered (a whole stage: each replica; a
+        tensor rank: its replica)."""
         if not self.of_this_run(ev):
             return
         for replica in ev.replicas(self.state.data_parallel or 1):
@@ -433,6 +436,7 @@ class TopModel(Hook):
             num_stages=run.num_stages,
             num_microbatches=run.num_microbatches,
             data_parallel=run.data_parallel,
+            tensor_parallel=run.tensor_parallel,
             max_steps=run.max_steps or None,
             step=state.step,
             loss=last.loss if last is not None else None,
@@ -657,6 +661,8 @@ def _run_part(run: RunView, bus: str) -> list[RenderableType]:
     shape = f"{run.schedule}, {run.num_stages} stages x {run.num_microbatches} microbatches"
     if run.data_parallel > 1:
         shape += f", {run.data_parallel} replicas"
+    if run.tensor_parallel > 1:
+        shape += f", {run.tensor_parallel} tensor ranks"
     pipeline = _joined(
         _text(shape, 80),
         "bubble "

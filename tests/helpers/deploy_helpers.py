@@ -48,6 +48,7 @@ from evtrain.events import (
     StageStarted,
     StageStopped,
     StepEnded,
+    TensorRankStepEnded,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -133,6 +134,7 @@ def _all_events() -> list[Event]:
             schedule="1f1b",
             max_steps=10,
             batch_size=32,
+            tensor_parallel=2,
         ),
         *(
             StageStarted(
@@ -164,6 +166,10 @@ def _all_events() -> list[Event]:
                 state_bytes=1 << 18,
                 metrics={"tokens": 32.0},
             )
+            for stage in (0, 1)
+        ),
+        *(
+            TensorRankStepEnded(step=1, stage=stage, tp=1, cpu_s=0.01, peak_memory_bytes=1 << 20)
             for stage in (0, 1)
         ),
         EvalEnded(step=1, stage=1, metrics={"loss": 0.4, "accuracy": 0.9}, duration_s=0.1),

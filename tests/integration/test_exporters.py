@@ -534,7 +534,11 @@ def _through_schema(*events: Message) -> list[Message]:
 
 
 def _run_started(
-    num_stages: int = 2, max_steps: int = 100, run_id: str = "run-a", data_parallel: int = 1
+    num_stages: int = 2,
+    max_steps: int = 100,
+    run_id: str = "run-a",
+    data_parallel: int = 1,
+    tensor_parallel: int = 1,
 ) -> RunStarted:
     return RunStarted(
         name="r",
@@ -545,6 +549,7 @@ def _run_started(
         batch_size=8,
         run_id=run_id,
         data_parallel=data_parallel,
+        tensor_parallel=tensor_parallel,
     )
 
 
@@ -624,6 +629,53 @@ def test_prometheus_series_of_replicas_follow_the_run() -> None:
     assert 'replica="1"' not in text and 'replica="2"' not in text  # the new run has none
     assert value("evtrain_stage_up", at(1)) == 0
     assert value("evtrain_forward_seconds_total", at(1)) == 0
+
+
+def test_prometheus_tensor_ranks_have_their_own_series_and_name_their_straggler() -> None:
+    def tensor(step: int, tp: int, **times: Any) -> events.TensorRankStepEnded:
+        return events.TensorRankStepEnded(step=step, stage=1, replica=1, tp=tp, **times)
+
+    def straggler(on: bool) -> events.StragglerReported:
+        return events.StragglerReported(
+            step=20, stage=1, replica=1, tp=1, slowdown=3.0, straggling=on
+        )
+
+    received = _through_schema(
+        _run_started(data_parallel=2, tensor_parallel=2),
+        StepEnded(step=1, stage=1, replica=1, cpu_s=0.25, peak_memory_bytes=100),
+        tensor(1, 1, cpu_s=0.5, peak_memory_bytes=300),
+        tensor(2, 1, cpu_s=0.75, forward_s=9.0),
+        tensor(2, 2, cpu_s=9.0),  # T is 2
+        tensor(10**12, 1, cpu_s=9.0),  # past max_steps
+        straggler(True),
+    )
+    assert len(received) == 7
+    exporter = PrometheusExporter(port=0)
+    value = _replay(exporter, received)
+
+    def of(tp: int, stage: int = 1, replica: int = 1) -> dict[str, str]:
+        return {**at(stage, replica), "tp": str(tp)}
+
+    assert value("evtrain_tensor_rank_work_seconds_total", of(0)) == 0.25
+    assert value("evtrain_tensor_rank_work_seconds_total", of(1)) == 1.25
+    assert value("evtrain_tensor_rank_peak_memory_bytes", of(1)) == 300
+    # Every process of the run from its start, at 0; none beyond it.
+    assert value("evtrain_tensor_rank_work_seconds_total", of(0, 0, 0)) == 0
+    assert value("evtrain_tensor_rank_work_seconds_total", of(2)) is None
+    assert exporter.not_counted.total == 2
+    # Tensor rank 0 (the stage process) ran no slower: its own comparison is not it, but
+    # the stage process counts as a straggler while one of its tensor ranks is.
+    assert value("evtrain_tensor_rank_straggler", of(1)) == 1
+    assert value("evtrain_tensor_rank_straggler", of(0)) == 0
+    assert value("evtrain_straggler", at(1, 1)) == 1
+    recovered = PrometheusExporter(port=0)
+    value = _replay(recovered, [*received, *_through_schema(straggler(False))])
+    assert value("evtrain_tensor_rank_straggler", of(1)) == 0
+    assert value("evtrain_straggler", at(1, 1)) == 0
+    # A run without tensor parallelism has no such series.
+    _replay(exporter, _through_schema(_run_started(data_parallel=2)))
+    text = generate_latest(exporter.registry).decode()
+    assert "evtrain_tensor_rank_work_seconds_total{" not in text and 'tp="' not in text
 
 
 def test_prometheus_steps_count_by_bounded_increments_without_a_run() -> None:

@@ -201,4 +201,7 @@ def test_reduced_precision_trains_as_unsharded_replicas_do(tmp_path: Path, preci
     fp32, _ = real_models.reference(
         load_job(spec).with_overrides(data_parallel=2, precision="fp32"), 8
     )
-    assert max(float((got[k] - fp32[k]).abs().max()) for k in got) > 1e-4  # it really ran
+    # It really ran in reduced precision: its weights are not fp32's (which the loss gain
+    # may drive to NaN, depending on the CPU's roundings), and they are finite.
+    assert all(bool(torch.isfinite(v).all()) for v in got.values())
+    assert any(not torch.allclose(got[k], fp32[k], rtol=0, atol=1e-4) for k in got)

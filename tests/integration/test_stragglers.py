@@ -1,4 +1,4 @@
-"""Stragglers in real launches: a slowed stage, a slowed replica, and a run with neither.
+"""Stragglers in real launches: a slowed stage, replica or tensor rank, and a run with none.
 
 A layer does extra work in its training forwards on one stage (from a given
 step) or on one replica; the launcher names it on the console once and publishes
@@ -72,6 +72,8 @@ job = Job(
     max_steps={steps},
     stages={stages},
     data_parallel={replicas},
+    tensor_parallel={tp},
+    tp_plan={plan!r},
     run_dir={run_dir!r},
     hooks=[{{"type": "recorder"}}],
     microbatch_spans="off",
@@ -93,6 +95,7 @@ def launch(
     start: int = 1,
     rank: int | None = None,
     steps: int = 40,
+    tp: int = 1,
 ) -> tuple[str, list[StragglerReported]]:
     """Run the job to the end; stderr and the straggler events recorded."""
     balance = [1, 2, 1] if stages == 3 else [2, 2] if stages == 2 else [4]
@@ -106,6 +109,9 @@ def launch(
             steps=steps,
             stages=stages,
             replicas=replicas,
+            tp=tp,
+            # The first and third layers split, the slowed one between them on both halves.
+            plan={"0": "colwise", "2": "rowwise"} if tp > 1 else None,
             run_dir=str(tmp_path / "run"),
         )
     )
@@ -133,6 +139,14 @@ def test_a_slow_replica_is_named_against_its_stage(tmp_path: Path) -> None:
     named = [(r.stage, r.replica, r.whole_stage) for r in reports if r.straggling]
     assert named == [(0, 1, False)], reports
     assert "stage 0 replica 1 is a straggler" in err, err
+
+
+def test_a_slow_tensor_rank_is_named_alone(tmp_path: Path) -> None:
+    # P=1, D=1, T=2: rank 1 is tensor rank 1 of the only replica.
+    err, reports = launch(tmp_path, stages=1, tp=2, work=WORK, rank=1, steps=30)
+    named = [(r.stage, r.replica, r.tp, r.whole_stage) for r in reports if r.straggling]
+    assert named == [(0, 0, 1, False)], reports
+    assert "stage 0 replica 0 tensor rank 1 is a straggler" in err, err
 
 
 def test_a_run_without_a_slow_stage_or_replica_names_none(tmp_path: Path) -> None:

@@ -311,6 +311,25 @@ def test_a_straggler_is_shown_while_it_is_one() -> None:
     assert "straggler" not in draw(model.view())
 
 
+def test_a_slow_tensor_rank_marks_its_replica_and_the_shape_names_tensor_ranks() -> None:
+    from evtrain.tools.replay import ReplayRunner
+
+    started = RunStarted(
+        name="x", num_stages=2, num_microbatches=4, schedule="1f1b", max_steps=50,
+        batch_size=8, data_parallel=2, tensor_parallel=4, run_id="r1", ts=1.0,
+    )  # fmt: skip
+    slow = StragglerReported(
+        step=20, stage=0, replica=1, tp=3, slowdown=2.2, straggling=True, run_id="r1"
+    )
+    model = TopModel()
+    runner = ReplayRunner([model])
+    anyio.run(runner.replay, [started, slow])
+    screen = draw(model.view())
+    assert "1f1b, 2 stages x 4 microbatches, 2 replicas, 4 tensor ranks" in screen, screen
+    assert re.search(r"stage 0 replica 1:\s+straggler: 2.2x as slow as expected", screen)
+    assert not re.search(r"stage 1[ :].*straggler", screen)
+
+
 def test_waiting_for_a_run_names_the_bus() -> None:
     view = TopModel().view()
     assert view.run.status == "waiting" and view.stages == () and view.hooks == ()

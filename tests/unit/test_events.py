@@ -141,6 +141,7 @@ def test_topics_are_hierarchical_and_prefix_filterable() -> None:
     assert {c.__name__ for c, t in topics.items() if t.startswith("step.")} == {
         "StepStarted",
         "StepEnded",
+        "TensorRankStepEnded",
     }
     assert {c.__name__ for c, t in topics.items() if t.startswith("checkpoint.")} == {
         "CheckpointRequested",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from evtrain.events import StepEnded, StragglerReported
+from evtrain.events import StepEnded, StragglerReported, TensorRankStepEnded
 from evtrain.launcher.stragglers import BASELINE, SLOWER, WARMUP, WINDOW, StragglerWatch
 
 Busy = Callable[[int, int, int], float]
@@ -111,3 +111,62 @@ def test_a_slower_part_that_costs_the_step_little_is_no_straggler() -> None:
             ev = StepEnded(step=step, stage=0, replica=replica, duration_s=1.0, forward_s=forward)
             changes += watch.step_ended(ev)
     assert changes == []
+
+
+def tensor_run(
+    watch: StragglerWatch, steps: int, cpu: Callable[[int, int, int, int], float]
+) -> list[StragglerReported]:
+    """Steps on the CPU: each process's CPU seconds from ``cpu(step, stage, replica, tp)``;
+    tensor rank 0 publishes `StepEnded`, the others `TensorRankStepEnded`."""
+    changes = []
+    places = [
+        (s, r, t)
+        for s in range(watch.stages)
+        for r in range(watch.replicas)
+        for t in range(watch.tensor_ranks)
+    ]
+    for step in range(1, steps + 1):
+        longest = max(cpu(step, *place) for place in places)
+        for stage, replica, tp in places:
+            times = {"duration_s": longest, "cpu_s": cpu(step, stage, replica, tp)}
+            ev: StepEnded | TensorRankStepEnded
+            if tp:
+                ev = TensorRankStepEnded(step=step, stage=stage, replica=replica, tp=tp, **times)
+            else:
+                ev = StepEnded(step=step, stage=stage, replica=replica, **times)
+            changes += watch.step_ended(ev)
+    return changes
+
+
+def test_a_slow_tensor_rank_is_named_alone_against_its_replicas_other_tensor_ranks() -> None:
+    def cpu(step: int, stage: int, replica: int, tp: int) -> float:
+        return 0.03 if (stage, replica, tp) == (1, 1, 1) else 0.01 + 0.001 * (step % 2)
+
+    changes = tensor_run(StragglerWatch(2, 2, tensor_ranks=2), 30, cpu)
+    named = [(c.stage, c.replica, c.tp, c.whole_stage) for c in changes if c.straggling]
+    # Not its replica (tensor rank 0 is as fast as the others), not its stage: the rank.
+    assert named == [(1, 1, 1, False)]
+    assert changes[0].step == WARMUP + WINDOW
+    assert (
+        changes[0]
+        .describe()
+        .startswith(
+            f"stage 1 replica 1 tensor rank 1 is a straggler from step {WARMUP + WINDOW}: "
+            "its work takes"
+        )
+    )
+    assert "its replica's other tensor ranks'" in changes[0].describe()
+
+
+def test_a_step_waits_for_every_tensor_rank_and_an_even_run_names_nobody() -> None:
+    watch = StragglerWatch(1, 1, tensor_ranks=4)
+    assert tensor_run(watch, 40, lambda step, s, r, t: 0.01 + 0.002 * ((step + t) % 2)) == []
+    watch = StragglerWatch(1, 1, tensor_ranks=4)
+    changes = tensor_run(watch, 30, lambda step, s, r, t: 0.05 if t == 2 else 0.01)
+    assert [(c.tp, c.straggling) for c in changes] == [(2, True)]
+    # Tensor ranks 1 and 2 far slower, but rank 3's events never come: no step is judged.
+    quiet = StragglerWatch(1, 1, tensor_ranks=4)
+    for step in range(1, 30):
+        for tp in range(3):
+            ev = TensorRankStepEnded(step=step, stage=0, tp=tp, cpu_s=0.05) if tp else None
+            assert quiet.step_ended(ev or StepEnded(step=step, stage=0, cpu_s=0.01)) == []
