@@ -275,6 +275,9 @@ hf_llama_4_heads = functools.partial(_hf_decoder, "Llama", 4, 2)
 """The Llama with heads that two tensor ranks split: 4 query heads, 2 key/value heads."""
 hf_llama_tied = functools.partial(_hf_decoder, "Llama", 4, 2, tie_word_embeddings=True)
 """That Llama with its head tied to its embedding."""
+hf_qwen3_4_heads = functools.partial(_hf_decoder, "Qwen3", 4, 2, head_dim=WIDTH // 4)
+"""A Qwen3 two tensor ranks split, whose plan keeps the per-head query and key norms
+whole on each rank (``replicated_with_grad_allreduce``)."""
 
 
 def hf_llama_checkpointed() -> nn.Module:
@@ -380,6 +383,7 @@ MODELS: dict[str, Any] = {
     "hf_qwen2": (hf_qwen2, ("input_ids", "attention_mask"), "labels", lm_loss),
     "hf_llama_4_heads": (hf_llama_4_heads, ("input_ids", "attention_mask"), "labels", lm_loss),
     "hf_llama_tied": (hf_llama_tied, ("input_ids", "attention_mask"), "labels", lm_loss),
+    "hf_qwen3_4_heads": (hf_qwen3_4_heads, ("input_ids", "attention_mask"), "labels", lm_loss),
     "hf_llama_tied_own_loss": (
         hf_llama_tied,
         ("input_ids", "attention_mask", "labels"),

@@ -177,6 +177,27 @@ def test_hugging_face_llama_as_written_splits_by_its_own_plan(
         assert held[stage] < 0.8 * whole[stage], (held, whole)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(("stages", "replicas", "shard"), [(2, 1, "none"), (1, 2, "grads")])
+def test_norms_the_plan_keeps_whole_sum_their_gradient_parts(
+    tmp_path: Path, stages: int, replicas: int, shard: str
+) -> None:
+    """Qwen3's own plan splits the query and key projections by heads and keeps their
+    per-head norms whole (``replicated_with_grad_allreduce``): each tensor rank
+    normalizes its own heads, so holds part of the norms' gradient, which the tensor
+    ranks sum before clipping and the step (after the reduce-scatter when sharded)."""
+    pytest.importorskip("transformers")
+    train_and_compare(
+        tmp_path,
+        "hf_qwen3_4_heads",
+        (stages,),
+        tensor_parallel=2,
+        data_parallel=replicas,
+        shard=shard,
+        grad_clip=0.05,
+    )
+
+
 @pytest.mark.parametrize(
     ("model", "fields", "message"),
     [
