@@ -88,6 +88,7 @@ from evtrain.stages.receives import PassReceives
 from evtrain.stages.schedules import build_schedule
 from evtrain.stages.shapes import ShapeTable
 from evtrain.stages.sharded import ShardedReplicas
+from evtrain.stages.tensor_parallel import check_gathered
 from evtrain.stages.update import StepLoss, Timed, WeightUpdate
 
 _Program = list[tuple[Callable[[int, int], None], int, int, str]]
@@ -213,8 +214,11 @@ class StageExecutor:
         train: Reader | None,
         recv_window: int | None = None,
         lookahead: int = DEFAULT_LOOKAHEAD,
+        sequence_split: int = 1,
     ) -> None:
         self.job = job
+        self.sequence_split = sequence_split
+        """Tensor ranks a sequence-parallel plan splits sequences over (1: none)."""
         self.stage = stage
         self.num_stages = num_stages
         self.device = device
@@ -467,6 +471,8 @@ class StageExecutor:
                 with replicas.accumulating():
                     out = call(replicas.module, x)
             loss = None
+            if last and self.sequence_split > 1:
+                check_gathered(out, slot.target, self.sequence_split)
             if last and self._training:
                 assert slot.target is not None
                 loss = self.job.loss(out, slot.target)

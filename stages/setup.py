@@ -70,7 +70,7 @@ from evtrain.stages.pytree import BoundarySpec
 from evtrain.stages.schedules import chunk_place, model_chunk
 from evtrain.stages.shapes import ChunkSpecs, ShapeTable
 from evtrain.stages.sharded import ShardedReplicas, full_tensor
-from evtrain.stages.tensor_parallel import TensorParallel, plan_of
+from evtrain.stages.tensor_parallel import TensorParallel, check_sequence, plan_of
 from evtrain.stages.tied import TiedWeights
 from evtrain.stages.update import WeightUpdate
 from evtrain.stages.worker import restart_count
@@ -339,6 +339,7 @@ def prepare_stage(
         shapes=shapes,
         chunks=parts.chunks,
         train=train_reader,
+        sequence_split=parts.tensor.size if parts.tensor and parts.tensor.sequence else 1,
     )
     evaluator = StageEvaluator(
         executor=executor,
@@ -379,6 +380,9 @@ def _agree(
     (`evtrain.stages.shapes.Agree`; ``ids`` are this stage's model chunks)."""
     place = parts.place
     P = place.num_stages
+    if data_specs is not None and parts.tensor is not None and parts.tensor.sequence:
+        for spec in data_specs:
+            check_sequence(spec, parts.tensor.size)
     input_specs = data_specs
     agreed: list[list[ChunkSpecs]] = []
     for v, chunk in enumerate(parts.chunks):

@@ -41,7 +41,20 @@ Hugging Face model, from the model (`model_plan`). Only the
 modules a stage holds take a plan: a layer held by another stage (a stand-in)
 has no such module here. Paths the plan does not reach stay whole.
 
-What a stage sends its neighbour is whole on every rank (a ``rowwise``
+A plan that names a ``sequence_parallel`` module is *sequence-parallel*
+(Megatron-LM's sequence parallelism, torchtitan's plans): between the split
+layers the activations are sequence slices, dimension 1 of ``(batch,
+sequence, ...)``. A ``rowwise`` (and ``embedding_rowwise``) output is then
+reduce-scattered into this rank's slice of the sequence instead of summed
+whole, a ``colwise`` input all-gathered from the slices, and the norms in
+between run on 1/T of the tokens. What crosses a stage boundary is this
+rank's slice: 1/T of the activation per tensor rank. Every sequence length
+must be a multiple of T (`check_sequence`, refused when the data is first
+read), and the model's output must leave the last stage gathered
+(``colwise_rep`` on the head; `check_gathered` refuses a slice, which a loss
+could otherwise broadcast against the whole targets).
+
+Otherwise, what a stage sends its neighbour is whole on every rank (a ``rowwise``
 output is summed, a ``colwise`` one inside a layer never leaves it), and
 tensor rank t sends to tensor rank t: each of a replica's T pipelines
 carries the same activations, and every rank of a stage reads the same
@@ -74,10 +87,22 @@ from torch.distributed.tensor.parallel import (
 
 from evtrain.errors import SpecError
 from evtrain.job import Job
-from evtrain.stages.pytree import StandIn
+from evtrain.stages.job_data import job_data
+from evtrain.stages.pytree import BoundarySpec, StandIn
+from evtrain.stages.shapes import data_spec
 from evtrain.stages.sharded import local_tensor
 
-__all__ = ["STYLES", "TensorParallel", "check_plan", "model_plan", "plan_of"]
+__all__ = [
+    "SEQUENCE_STYLES",
+    "STYLES",
+    "TensorParallel",
+    "check_gathered",
+    "check_plan",
+    "check_sequence",
+    "model_plan",
+    "plan_of",
+    "sequence_parallel",
+]
 
 log = structlog.get_logger("evtrain.stages.tensor_parallel")
 
@@ -101,6 +126,61 @@ STYLES: dict[str, Callable[[], ParallelStyle | None]] = {
 }
 """Each style of the vocabulary (module docstring) as torch's parallel style; None: the
 module stays whole."""
+
+SEQUENCE_STYLES: dict[str, Callable[[], ParallelStyle | None]] = {
+    **STYLES,
+    "colwise": lambda: ColwiseParallel(input_layouts=Shard(1)),
+    "colwise_rep": lambda: ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    "colwise_gather_output": lambda: ColwiseParallel(
+        input_layouts=Shard(1), output_layouts=Replicate()
+    ),
+    "rowwise": lambda: RowwiseParallel(output_layouts=Shard(1)),
+    "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+    "rowwise_split_input": lambda: RowwiseParallel(
+        input_layouts=Replicate(), output_layouts=Shard(1)
+    ),
+    "embedding_rowwise": lambda: RowwiseParallel(
+        input_layouts=Replicate(), output_layouts=Shard(1)
+    ),
+    "embedding_colwise": lambda: ColwiseParallel(
+        input_layouts=Replicate(), output_layouts=Shard(1)
+    ),
+    "sequence_parallel": lambda: SequenceParallel(use_local_output=True),
+}
+"""The styles of a sequence-parallel plan (module docstring): the activations between
+them are sequence slices, plain local tensors as in the other plans."""
+
+
+def sequence_parallel(plan: Mapping[str, str] | Callable[..., Any]) -> bool:
+    """Whether ``plan`` is sequence-parallel: it names a ``sequence_parallel`` module."""
+    return not callable(plan) and "sequence_parallel" in plan.values()
+
+
+def check_sequence(spec: BoundarySpec, size: int) -> None:
+    """Refuse data whose sequences ``size`` tensor ranks cannot split evenly (dimension
+    1 of every input of two or more dimensions)."""
+    for leaf in spec.leaves:
+        if len(leaf.shape) >= 2 and leaf.shape[1] % size:
+            raise SpecError(
+                "tensor_parallel",
+                f"{size} does not divide a sequence length of {leaf.shape[1]} (an input of "
+                f"shape {list(leaf.shape)}), which a sequence-parallel plan splits: pad "
+                f"to a multiple of {size}",
+            )
+
+
+def check_gathered(output: Any, target: Any, size: int) -> None:
+    """Refuse a last stage's output that is still a sequence slice: 1/``size`` of the
+    targets' length."""
+    if not (isinstance(output, torch.Tensor) and isinstance(target, torch.Tensor)):
+        return
+    if output.dim() >= 2 and target.dim() >= 2 and output.shape[1] * size == target.shape[1]:
+        raise SpecError(
+            "tp_plan",
+            f"the model's output leaves the last stage as a sequence slice (length "
+            f"{output.shape[1]} of {target.shape[1]}): make its head 'colwise_rep'",
+        )
+
 
 _SPLIT_DIM = {
     "colwise": ("out_features", _LINEAR),
@@ -162,6 +242,10 @@ def check_plan(job: Job) -> None:
     if isinstance(job.tp_plan, Mapping):
         for path, style in job.tp_plan.items():
             _check_style(path, style)
+        if sequence_parallel(job.tp_plan):
+            # The first batch's; a later one of another length is refused when read.
+            inputs = job_data(job).example_batch(1)[0]
+            check_sequence(data_spec(inputs), job.tensor_parallel)
     if job.model is None or callable(job.tp_plan):
         return
     with torch.device("meta"):
@@ -234,6 +318,8 @@ class TensorParallel:
         self.rank = mesh.get_local_rank()
         self.group: dist.ProcessGroup = mesh.get_group()
         self._partial_names: set[str] = set()
+        self.sequence = sequence_parallel(plan)
+        """Whether activations between the split layers are sequence slices."""
         _check_heads(module, self.size)
         if callable(plan):
             plan(module, mesh)
@@ -271,7 +357,7 @@ class TensorParallel:
                     for n, p in sub.named_parameters()
                     if p.requires_grad
                 )
-            made = STYLES[style]()
+            made = (SEQUENCE_STYLES if self.sequence else STYLES)[style]()
             if made is not None:
                 styles[name] = made
         if not styles:

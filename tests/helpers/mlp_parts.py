@@ -95,3 +95,42 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.down(torch.tanh(self.up(x)))
+
+
+class NormedFeedForward(FeedForward):
+    """``x + down(tanh(up(norm(x))))``: a transformer's MLP half, whose norm a
+    sequence-parallel plan runs on each rank's slice of the sequence."""
+
+    def __init__(self, width: int, hidden: int) -> None:
+        super().__init__(width, hidden)
+        self.norm = nn.LayerNorm(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.up(self.norm(x))))
+
+
+class LengthProbe(nn.Module):
+    """Identity that records, once per stage worker, the sequence length (dimension 1) of
+    what it is given, in ``directory/RANK``."""
+
+    def __init__(self, directory: str) -> None:
+        super().__init__()
+        self.directory = directory
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if "RANK" in os.environ:
+            path = os.path.join(self.directory, os.environ["RANK"])
+            if not os.path.exists(path):
+                with open(path, "w") as f:
+                    f.write(str(x.shape[1]))
+        return x
+
+
+def make_sequences(num_samples: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequences of ``length`` tokens of 8 features, with 2 targets per token that depend
+    on the token and its position."""
+    gen = torch.Generator().manual_seed(1234 + length)
+    x = torch.randn(num_samples, length, 8, generator=gen)
+    position = torch.linspace(-1, 1, length).view(1, length, 1)
+    y = torch.cat([0.5 * x[..., :1] + position, torch.sin(x[..., 1:2]) * position], dim=-1)
+    return x, y

@@ -29,18 +29,24 @@ from evtrain.checkpoint import list_checkpoints
 STEPS = 20
 ATOL = 1e-5
 
-SPEC = """\
+HEADER = """\
 import functools
 import sys
 
 sys.path.insert(0, {tests!r})
 
 import torch
-from helpers.mlp_parts import FeedForward, mae, make_data
+from helpers.mlp_parts import FeedForward, LengthProbe, NormedFeedForward, mae, make_data
+from helpers.mlp_parts import make_sequences
 from torch import nn
 
 from evtrain.job import Job, layer
 
+"""
+
+SPEC = (
+    HEADER
+    + """\
 job = Job(
     name="tp",
     layers=[
@@ -67,6 +73,7 @@ job = Job(
     tp_plan={plan!r},
 )
 """
+)
 
 PLAN = {"*.up": "colwise", "*.down": "rowwise"}
 
@@ -175,6 +182,111 @@ def test_hugging_face_llama_as_written_splits_by_its_own_plan(
     # Weights and momentum: the attention and MLP projections (most of a stage) are halved.
     for stage in (0, 1):
         assert held[stage] < 0.8 * whole[stage], (held, whole)
+
+
+SEQUENCE_SPEC = (
+    HEADER
+    + """\
+job = Job(
+    name="sp",
+    layers=[
+        layer(nn.Linear, 8, 16),
+        layer(NormedFeedForward, 16, 32),
+        layer(LengthProbe, {probes!r}),  # what the second stage receives
+        layer(NormedFeedForward, 16, 32),
+        layer(nn.LayerNorm, 16),
+        layer(nn.Linear, 16, 2),
+    ],
+    balance=[2, 4],
+    loss_fn=nn.functional.mse_loss,
+    optimizer=functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9),
+    train_data=functools.partial(make_sequences, 256, {length}),
+    batch_size=32,
+    num_microbatches=4,
+    max_steps={steps},
+    seed=7,
+    stages=2,
+    run_dir={run_dir!r},
+    microbatch_spans="off",
+    threads=1,
+    tensor_parallel=2,
+    tp_plan={plan!r},
+)
+"""
+)
+
+SEQUENCE_PLAN = {
+    "0": "rowwise_rep",  # the whole input in, this rank's slice of the sequence out
+    "*.norm": "sequence_parallel",
+    "*.up": "colwise",
+    "*.down": "rowwise",
+    "4": "sequence_parallel",
+    "5": "colwise_rep",  # the head gathers the sequence for the loss
+}
+
+
+def sequence_spec(directory: Path, length: int = 8, plan: object = SEQUENCE_PLAN) -> Path:
+    path = directory / "spec.py"
+    (directory / "lengths").mkdir()
+    path.write_text(
+        SEQUENCE_SPEC.format(
+            tests=str(Path(__file__).parents[1]),
+            length=length,
+            steps=STEPS,
+            run_dir=str(directory / "run"),
+            probes=str(directory / "lengths"),
+            plan=plan,
+        )
+    )
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["1f1b", "zb"])
+def test_a_sequence_parallel_plan_trains_as_one_process_on_sequence_slices(
+    tmp_path: Path, schedule: str
+) -> None:
+    """Norms on each rank's half of the sequence, the split linears' outputs
+    reduce-scattered into it and their inputs gathered from it, the stages sending
+    each other those halves: one process's weights, with clipping."""
+    spec = sequence_spec(tmp_path)
+    status, out = launched(
+        spec, "--schedule", schedule, "--grad-clip", "0.05", "--dump-weights", str(tmp_path / "w")
+    )
+    assert status == 0, out
+    # Ranks 2 and 3 (the second stage's tensor ranks) each received half the sequence.
+    lengths = {p.name: int(p.read_text()) for p in (tmp_path / "lengths").iterdir()}
+    assert {lengths["2"], lengths["3"]} == {4}, lengths
+    want = reference(spec, 0.05)[1]
+    assert_close(dumped(tmp_path / "w"), want, ATOL)
+    unclipped = reference(spec, None)[1]
+    assert any((unclipped[k] - want[k]).abs().max() > 1e-4 for k in want)
+
+
+@pytest.mark.parametrize(
+    ("length", "plan", "message"),
+    [
+        (
+            7,
+            SEQUENCE_PLAN,
+            "2 does not divide a sequence length of 7 (an input of shape [1, 7, 8]), which "
+            "a sequence-parallel plan splits: pad to a multiple of 2",
+        ),
+        (
+            8,
+            {k: v for k, v in SEQUENCE_PLAN.items() if k != "5"},
+            "the model's output leaves the last stage as a sequence slice (length 4 of 8): "
+            "make its head 'colwise_rep'",
+        ),
+    ],
+)
+def test_a_sequence_parallel_plan_refuses_what_it_cannot_split_or_left_split(
+    tmp_path: Path, length: int, plan: object, message: str
+) -> None:
+    status, out = launched(sequence_spec(tmp_path, length, plan))
+    assert status != 0 and message in out, out
+    if length % 2:  # refused before launch, in one line
+        assert "run dir:" not in out and len(out.strip().splitlines()) == 1, out
 
 
 @pytest.mark.slow
