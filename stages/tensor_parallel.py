@@ -253,6 +253,13 @@ def check_plan(job: Job) -> None:
     _check_heads(model, job.tensor_parallel)
     plan = plan_of(job.tp_plan, model)
     assert not callable(plan)
+    if sequence_parallel(plan) and type(model).__module__.startswith("transformers."):
+        raise SpecError(
+            "tp_plan",
+            f"{type(model).__name__}'s decoder layers hand their attention the whole "
+            "sequence: a sequence-parallel plan cannot split them (leave out "
+            "'sequence_parallel')",
+        )
     if not any(True for _ in _resolve(model, plan)):
         raise SpecError(
             "tp_plan",

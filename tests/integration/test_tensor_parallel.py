@@ -317,6 +317,11 @@ def test_norms_the_plan_keeps_whole_sum_their_gradient_parts(
         (None, {"plan": {"*.up": "diagonal"}}, "*.up: unknown style 'diagonal'"),
         ("hf_llama", {}, "2 does not divide LlamaForCausalLM's num_key_value_heads (1)"),
         ("hf_gpt2", {}, "GPT2LMHeadModel has no tensor-parallel plan of its own"),
+        (
+            "hf_llama_4_heads",
+            {"tp_plan": {"model.layers.*.input_layernorm": "sequence_parallel"}},
+            "LlamaForCausalLM's decoder layers hand their attention the whole sequence",
+        ),
     ],
 )
 def test_what_cannot_split_is_refused_before_launch(
@@ -326,7 +331,7 @@ def test_what_cannot_split_is_refused_before_launch(
         spec = spec_file(tmp_path, **fields)  # type: ignore[arg-type]
     else:
         pytest.importorskip("transformers")
-        spec = write(tmp_path, model, 2, STEPS, tensor_parallel=2)
+        spec = write(tmp_path, model, 2, STEPS, tensor_parallel=2, **fields)
     status, out = launched(spec)
     assert status != 0
     assert message in out, out

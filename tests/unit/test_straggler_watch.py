@@ -170,3 +170,22 @@ def test_a_step_waits_for_every_tensor_rank_and_an_even_run_names_nobody() -> No
         for tp in range(3):
             ev = TensorRankStepEnded(step=step, stage=0, tp=tp, cpu_s=0.05) if tp else None
             assert quiet.step_ended(ev or StepEnded(step=step, stage=0, cpu_s=0.01)) == []
+
+
+def test_on_a_device_a_slow_tensor_rank_is_named_as_its_replica() -> None:
+    """Without CPU times, tensor ranks' forwards wait for each other inside their
+    all-reduces: the one a slow tensor rank slows is its replica, against the others."""
+    watch = StragglerWatch(1, 2, tensor_ranks=2)
+    changes = []
+    for step in range(1, 30):
+        for replica in (0, 1):
+            forward = 0.03 if replica == 1 else 0.01  # its tensor rank 1 is the slow one
+            for tp in (0, 1):
+                times = {"duration_s": 0.1, "forward_s": forward}
+                ev: StepEnded | TensorRankStepEnded
+                if tp:
+                    ev = TensorRankStepEnded(step=step, stage=0, replica=replica, tp=tp, **times)
+                else:
+                    ev = StepEnded(step=step, stage=0, replica=replica, **times)
+                changes += watch.step_ended(ev)
+    assert [(c.replica, c.tp, c.straggling) for c in changes] == [(1, None, True)]
