@@ -51,6 +51,13 @@ MAX_STEP_JUMP = 1000
 """Most steps one event may advance a step count by."""
 
 
+def work_seconds(ev: StepEnded | TensorRankStepEnded) -> float:
+    """A process's own work in a step, what its peers are compared by: its CPU time on
+    the CPU (a thread waiting for a core or a collective accrues none), its forward
+    time on a device."""
+    return ev.cpu_s if ev.cpu_s > 0 else ev.forward_s
+
+
 def step_problem(ev: StepEnded | TensorRankStepEnded, state: RunState) -> str | None:
     """Why ``ev`` cannot be a step of the run ``state`` knows; None if it can be."""
     run = state.run

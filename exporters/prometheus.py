@@ -111,7 +111,7 @@ from evtrain.hooks.options import float_option, int_option, path_option, str_opt
 from evtrain.hooks.run_output import RunOutput
 from evtrain.ratelimit import RateLimitedLog
 from evtrain.run_state import MAX_PLACES, stage_source
-from evtrain.steps import StageReplica, StepCount, place_fields, step_problem
+from evtrain.steps import StageReplica, StepCount, place_fields, step_problem, work_seconds
 
 DEFAULT_PORT = 9431
 """Not 9400: NVIDIA's DCGM exporter, common on GPU machines, listens there."""
@@ -460,10 +460,7 @@ class PrometheusExporter(Hook):
         labels = self._tensor_place(ev.stage, ev.replica, tp, ev)
         if labels is None:
             return
-        # On the CPU a thread waiting in an all-reduce accrues no CPU time; on a device
-        # the forward is what the tensor ranks split.
-        work = ev.cpu_s if ev.cpu_s > 0 else ev.forward_s
-        self._add_seconds(self.m.tensor_rank_work.labels(*labels), work)
+        self._add_seconds(self.m.tensor_rank_work.labels(*labels), work_seconds(ev))
         if ev.peak_memory_bytes is not None:
             self.m.tensor_rank_peak_memory.labels(*labels).set(ev.peak_memory_bytes)
 

@@ -47,6 +47,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from evtrain.events import RunStarted, StepEnded, StragglerReported, TensorRankStepEnded
+from evtrain.steps import work_seconds
 
 __all__ = [
     "BASELINE",
@@ -119,10 +120,8 @@ class StragglerWatch:
             return []
         if ev.step <= self.start_step + WARMUP:
             return []
-        if ev.cpu_s > 0:
-            busy = own = ev.cpu_s
-        else:
-            busy, own = max(ev.duration_s - ev.comm_wait_s, 0.0), ev.forward_s
+        busy = ev.cpu_s if ev.cpu_s > 0 else max(ev.duration_s - ev.comm_wait_s, 0.0)
+        own = work_seconds(ev)
         step = self._steps.setdefault(ev.step, {})
         step[(ev.stage, ev.replica, tp)] = (ev.duration_s, busy, own)
         if len(step) < self.stages * self.replicas * self.tensor_ranks:
