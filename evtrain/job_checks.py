@@ -292,6 +292,12 @@ def _tensor_parallel(job: JobFields) -> None:
         raise SpecError(
             "tp_plan", f"expected module paths to style names, or a callable, got {plan!r}"
         )
+    if not isinstance(job.loss_parallel, bool):
+        raise SpecError("loss_parallel", f"expected True or False, got {job.loss_parallel!r}")
+    if job.loss_parallel and isinstance(plan, Mapping) and "colwise_loss" not in plan.values():
+        raise SpecError(
+            "loss_parallel", "with a tp_plan of the job's own, name its head 'colwise_loss'"
+        )
     if job.tensor_parallel == 1:
         return  # a plan waits unused: the same job runs (and resumes) at T = 1
     if plan is None and job.model is None:

@@ -243,6 +243,13 @@ class JobFields:
     None`` that parallelizes the stage itself. ``None``: the model's own plan (a
     Hugging Face model's ``config.base_model_tp_plan`` and ``_tp_plan``)."""
 
+    loss_parallel: bool = False
+    """With `tensor_parallel` > 1: the model's head keeps its logits split over the
+    vocabulary into the loss (loss parallelism: 1/T of the logits per rank), for a
+    Hugging Face model's own plan, whose head becomes ``"colwise_loss"``. A `tp_plan`
+    of the job's own names its head ``"colwise_loss"`` itself; a callable one leaves
+    the logits split (``output_layouts=Shard(-1), use_local_output=False``)."""
+
     shard: str = "none"
     """With `data_parallel` > 1, what each stage's replicas split between them instead
     of each holding it whole (torch's FSDP2 over the stage's replicas): ``"none"``

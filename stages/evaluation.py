@@ -46,6 +46,8 @@ from evtrain.stages.batchnorm import average_running_stats, recomputing_statisti
 from evtrain.stages.data_parallel import all_gathered
 from evtrain.stages.executor import StageExecutor
 from evtrain.stages.loading import Reader
+from evtrain.stages.sharded import local_tensor
+from evtrain.stages.tensor_parallel import gathered
 
 __all__ = [
     "EvalResult",
@@ -166,7 +168,8 @@ class EvalTally:
         raw = samples if job.eval_weight is None else job.eval_weight(target)
         weight = torch.as_tensor(raw, device=self.device).detach().double()
         self._terms.setdefault("", []).append(weight)
-        values: dict[str, float | torch.Tensor] = {"loss": job.loss(output, target)}
+        values: dict[str, float | torch.Tensor] = {"loss": local_tensor(job.loss(output, target))}
+        output = gathered(output)  # logits split over tensor ranks, whole for the metrics
         for name, fn in job.metrics.items():
             obj = self.objects.get(name)
             if obj is not None:

@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor.parallel import loss_parallel
 
 from evtrain.data import DataStream
 from evtrain.job import Job
@@ -87,7 +88,7 @@ from evtrain.stages.pytree import BoundarySpec, call, split
 from evtrain.stages.receives import PassReceives
 from evtrain.stages.schedules import build_schedule
 from evtrain.stages.shapes import ShapeTable
-from evtrain.stages.sharded import ShardedReplicas
+from evtrain.stages.sharded import ShardedReplicas, local_tensor
 from evtrain.stages.tensor_parallel import check_gathered
 from evtrain.stages.update import StepLoss, Timed, WeightUpdate
 
@@ -215,10 +216,14 @@ class StageExecutor:
         recv_window: int | None = None,
         lookahead: int = DEFAULT_LOOKAHEAD,
         sequence_split: int = 1,
+        loss_parallel: bool = False,
     ) -> None:
         self.job = job
         self.sequence_split = sequence_split
         """Tensor ranks a sequence-parallel plan splits sequences over (1: none)."""
+        self.loss_parallel = loss_parallel
+        """The last chunk's logits reach the loss split over the tensor ranks
+        (`evtrain.stages.tensor_parallel`)."""
         self.stage = stage
         self.num_stages = num_stages
         self.device = device
@@ -464,24 +469,25 @@ class StageExecutor:
         # One chunk goes through DDP's wrapper (its reducer is armed by hand);
         # several chunks are their layers, averaged at ReduceGrads instead.
         replicas = self.replicas if self._training and self.V == 1 else None
-        with autocast(self.job.precision, self.device):
-            if replicas is None:
-                out = call(self.chunks[v], x)
-            else:
-                with replicas.accumulating():
-                    out = call(replicas.module, x)
-            loss = None
-            if last and self.sequence_split > 1:
-                check_gathered(out, slot.target, self.sequence_split)
-            if last and self._training:
-                assert slot.target is not None
-                loss = self.job.loss(out, slot.target)
-        if last:
-            if loss is not None:
-                slot.loss, slot.weight = loss, self.step_loss.add(loss, slot.target)
-            elif self._tally is not None:
+        with self._loss_context(v):
+            with autocast(self.job.precision, self.device):
+                if replicas is None:
+                    out = call(self.chunks[v], x)
+                else:
+                    with replicas.accumulating():
+                        out = call(replicas.module, x)
+                loss = None
+                if last and self.sequence_split > 1:
+                    check_gathered(out, slot.target, self.sequence_split)
+                if last and self._training:
+                    assert slot.target is not None
+                    # A split loss is a replicated DTensor: its backward stays one.
+                    loss = local_tensor(self.job.loss(out, slot.target))
+            if last and loss is None and self._tally is not None:
                 self._tally.add(out, slot.target, slot.size)
-        else:
+        if loss is not None:
+            slot.loss, slot.weight = loss, self.step_loss.add(loss, slot.target)
+        elif not last:
             assert slot.out_spec is not None
             where = f"stage {self.stage} output of microbatch {m}"
             slot.outputs = slot.out_spec.leaves_of(out, where)
@@ -550,18 +556,25 @@ class StageExecutor:
         start = time.perf_counter()
         tensors, grads = self._backward_roots(m, v)
         k = v * self._n + m
-        with self._local_grads():
+        with self._local_grads(), self._loss_context(v):
             self._split.input_half(k, tensors, grads, self._slots[k].in_leaves or [])
         self._backward_span(m, v, start, "input")
 
     def _backward_weight(self, m: int, v: int) -> None:
         assert self._split is not None
         start = time.perf_counter()
-        with self._local_grads():
+        with self._local_grads(), self._loss_context(v):
             self._split.weight_half(v * self._n + m)
         if self.replicas is not None:
             self.replicas.weight_half_done()
         self._backward_span(m, v, start, "weight")
+
+    def _loss_context(self, v: int) -> contextlib.AbstractContextManager[None]:
+        """Chunk ``v``'s forward and backward with split logits: under ``loss_parallel``
+        (no effect on an op of plain tensors)."""
+        if self.loss_parallel and self.routes.last[v]:
+            return loss_parallel()
+        return contextlib.nullcontext()
 
     def _local_grads(self) -> contextlib.AbstractContextManager[None]:
         """Gradients accumulate on this replica only (DDP's reducer stays off)."""
@@ -578,14 +591,15 @@ class StageExecutor:
         tensors, grads = self._backward_roots(m, v)
         if tensors:
             replicas = self.replicas
-            if replicas is None:
-                torch.autograd.backward(tensors, grads)
-            elif self._final_pass and m == self._last_backward:
-                replicas.arm(tensors)  # this backward reduces, overlapped with itself
-                torch.autograd.backward(tensors, grads)
-            else:
-                with replicas.accumulating():
+            with self._loss_context(v):
+                if replicas is None:
                     torch.autograd.backward(tensors, grads)
+                elif self._final_pass and m == self._last_backward:
+                    replicas.arm(tensors)  # this backward reduces, overlapped with itself
+                    torch.autograd.backward(tensors, grads)
+                else:
+                    with replicas.accumulating():
+                        torch.autograd.backward(tensors, grads)
         self._backward_span(m, v, start)
 
     def _send_grad(self, m: int, v: int) -> None:

@@ -180,8 +180,16 @@ def build_stage(
     tensor = None
     if groups.tensor_mesh is not None:
         # Before anything wraps the layers (checkpointing, compile, DDP), as torchtitan.
-        plan = plan_of(job.tp_plan, module)
-        tensor = TensorParallel(module, groups.tensor_mesh, plan, place.stage)
+        plan = plan_of(job.tp_plan, module, job.loss_parallel)
+        loss_stage, _ = chunk_place(job.schedule, place.num_stages, job.num_chunks - 1)
+        tensor = TensorParallel(
+            module,
+            groups.tensor_mesh,
+            plan,
+            place.stage,
+            computes_loss=place.stage == loss_stage,
+            loss_parallel=job.loss_parallel,
+        )
     if job.sync_batchnorm and groups.replicas is not None:
         # Before anything wraps the layers (checkpointing, compile, DDP).
         synchronise([module, *chunks], groups.replicas)
@@ -340,6 +348,7 @@ def prepare_stage(
         chunks=parts.chunks,
         train=train_reader,
         sequence_split=parts.tensor.size if parts.tensor and parts.tensor.sequence else 1,
+        loss_parallel=parts.tensor is not None and parts.tensor.loss_parallel,
     )
     evaluator = StageEvaluator(
         executor=executor,

@@ -26,6 +26,9 @@ style                                what the module becomes
                                      its output summed
 ``embedding_colwise``                an Embedding split by columns, its output
                                      gathered
+``colwise_loss``                     the model's head split by output features
+                                     (the vocabulary), its logits left split into
+                                     the loss: loss parallelism, below
 ``sequence_parallel``                a norm or dropout that runs on a sequence
                                      slice (``SequenceParallel``)
 ``replicate``                        left whole on every rank
@@ -53,6 +56,16 @@ must be a multiple of T (`check_sequence`, refused when the data is first
 read), and the model's output must leave the last stage gathered
 (``colwise_rep`` on the head; `check_gathered` refuses a slice, which a loss
 could otherwise broadcast against the whole targets).
+
+A head named ``colwise_loss`` (for a Hugging Face model's own plan,
+`Job.loss_parallel` names its output embeddings so) keeps its logits split
+over the vocabulary, a DTensor sharded on its last dimension, and the last
+chunk's forward, loss and backward run under torch's ``loss_parallel``: each
+rank holds 1/T of the logits, the largest activation of a language model's
+last stage, and ``torch.nn.functional.cross_entropy`` (without label
+smoothing) computes on them, as a Hugging Face model's own loss does. A
+job's own `Job.loss_fn` gets that DTensor. Evaluation gathers the logits for
+the metrics. Only a stage that computes the loss may hold such a head.
 
 Otherwise, what a stage sends its neighbour is whole on every rank (a ``rowwise``
 output is summed, a ``colwise`` one inside a layer never leaves it), and
@@ -84,6 +97,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
+from torch.utils._pytree import tree_map_only
 
 from evtrain.errors import SpecError
 from evtrain.job import Job
@@ -99,6 +113,7 @@ __all__ = [
     "check_gathered",
     "check_plan",
     "check_sequence",
+    "gathered",
     "model_plan",
     "plan_of",
     "sequence_parallel",
@@ -120,6 +135,7 @@ STYLES: dict[str, Callable[[], ParallelStyle | None]] = {
     "embedding_colwise": lambda: ColwiseParallel(
         input_layouts=Replicate(), output_layouts=Replicate()
     ),
+    "colwise_loss": lambda: ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
     "sequence_parallel": lambda: SequenceParallel(),
     "replicate": lambda: None,
     "replicated_with_grad_allreduce": lambda: None,
@@ -144,6 +160,9 @@ SEQUENCE_STYLES: dict[str, Callable[[], ParallelStyle | None]] = {
     ),
     "embedding_colwise": lambda: ColwiseParallel(
         input_layouts=Replicate(), output_layouts=Shard(1)
+    ),
+    "colwise_loss": lambda: ColwiseParallel(
+        input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False
     ),
     "sequence_parallel": lambda: SequenceParallel(use_local_output=True),
 }
@@ -186,6 +205,7 @@ _SPLIT_DIM = {
     "colwise": ("out_features", _LINEAR),
     "colwise_rep": ("out_features", _LINEAR),
     "colwise_gather_output": ("out_features", _LINEAR),
+    "colwise_loss": ("out_features", _LINEAR),
     "rowwise": ("in_features", _LINEAR),
     "rowwise_rep": ("in_features", _LINEAR),
     "rowwise_split_input": ("in_features", _LINEAR),
@@ -195,38 +215,59 @@ _SPLIT_DIM = {
 """The size a style splits over the ranks, and the modules it applies to."""
 
 
-def model_plan(model: nn.Module) -> dict[str, str] | None:
+def model_plan(model: nn.Module, loss_parallel: bool = False) -> dict[str, str] | None:
     """A Hugging Face model's own plan, with paths from ``model``'s root; None when the
     model is not one or its family has none (an empty plan, as GPT-2's).
 
     The instance's ``_tp_plan``, which transformers merges at construction (the base
     model's, its embedding's included, under its prefix, and the head's) and applies
-    itself, where it exists; else the config's and the class's.
+    itself, where it exists; else the config's and the class's. ``loss_parallel``:
+    the head (the model's output embeddings) becomes ``colwise_loss``.
     """
     merged = vars(model).get("_tp_plan")
     if isinstance(merged, dict) and merged:
-        return {str(k): str(v) for k, v in merged.items()}
-    config = getattr(model, "config", None)
-    base = getattr(config, "base_model_tp_plan", None)
-    head = getattr(type(model), "_tp_plan", None)
-    if not base and not head:
-        return None
-    plan: dict[str, str] = {}
-    prefix = getattr(model, "base_model_prefix", "")
-    within = prefix and isinstance(getattr(model, prefix, None), nn.Module)
-    for path, style in (base or {}).items():
-        plan[f"{prefix}.{path}" if within else path] = style
-    plan.update(head or {})
+        plan = {str(k): str(v) for k, v in merged.items()}
+    else:
+        config = getattr(model, "config", None)
+        base = getattr(config, "base_model_tp_plan", None)
+        head = getattr(type(model), "_tp_plan", None)
+        if not base and not head:
+            return None
+        plan = {}
+        prefix = getattr(model, "base_model_prefix", "")
+        within = prefix and isinstance(getattr(model, prefix, None), nn.Module)
+        for path, style in (base or {}).items():
+            plan[f"{prefix}.{path}" if within else path] = style
+        plan.update(head or {})
+    if loss_parallel:
+        name = _head_name(model)
+        if plan.get(name) not in ("colwise", "colwise_rep", "colwise_gather_output"):
+            raise SpecError(
+                "loss_parallel",
+                f"{type(model).__name__}'s plan does not split its head by the vocabulary "
+                f"({name or 'no output embeddings'}: {plan.get(name)!r})",
+            )
+        plan[name] = "colwise_loss"
     return plan
 
 
+def _head_name(model: nn.Module) -> str:
+    """The path of a Hugging Face model's output embeddings ('' without)."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    return next((n for n, m in model.named_modules() if m is head and n), "")
+
+
 def plan_of(
-    job_plan: Mapping[str, str] | Callable[..., Any] | None, model: nn.Module
+    job_plan: Mapping[str, str] | Callable[..., Any] | None,
+    model: nn.Module,
+    loss_parallel: bool = False,
 ) -> Mapping[str, str] | Callable[..., Any]:
-    """The plan a stage of ``model`` takes: the job's, else the model's own."""
+    """The plan a stage of ``model`` takes: the job's, else the model's own (its head
+    ``colwise_loss`` with ``loss_parallel``)."""
     if job_plan is not None:
         return job_plan
-    own = model_plan(model)
+    own = model_plan(model, loss_parallel)
     if own is None:
         raise SpecError(
             "tp_plan",
@@ -251,7 +292,7 @@ def check_plan(job: Job) -> None:
     with torch.device("meta"):
         model = job.model()
     _check_heads(model, job.tensor_parallel)
-    plan = plan_of(job.tp_plan, model)
+    plan = plan_of(job.tp_plan, model, job.loss_parallel)
     assert not callable(plan)
     if sequence_parallel(plan) and type(model).__module__.startswith("transformers."):
         raise SpecError(
@@ -310,7 +351,9 @@ class TensorParallel:
 
     ``partial`` are the parameters whose gradients are summed over the ranks at
     ``ReduceGrads`` (``replicated_with_grad_allreduce``); `counts` says whether a
-    parameter's gradient counts in this rank's part of the global norm.
+    parameter's gradient counts in this rank's part of the global norm. ``computes_loss``:
+    the stage holds the model's last chunk; ``loss_parallel``: a callable plan leaves
+    the logits split itself (`Job.loss_parallel`).
     """
 
     def __init__(
@@ -319,6 +362,9 @@ class TensorParallel:
         mesh: DeviceMesh,
         plan: Mapping[str, str] | Callable[..., Any],
         stage: int,
+        *,
+        computes_loss: bool,
+        loss_parallel: bool = False,
     ) -> None:
         self.mesh = mesh
         self.size = mesh.size()
@@ -327,11 +373,13 @@ class TensorParallel:
         self._partial_names: set[str] = set()
         self.sequence = sequence_parallel(plan)
         """Whether activations between the split layers are sequence slices."""
+        self.loss_parallel = computes_loss and (loss_parallel if callable(plan) else False)
+        """Whether the last chunk's logits reach the loss split (module docstring)."""
         _check_heads(module, self.size)
         if callable(plan):
             plan(module, mesh)
         else:
-            self._apply(module, plan, stage)
+            self._apply(module, plan, stage, computes_loss)
         self.rebind(module)
 
     def rebind(self, module: nn.Module) -> None:
@@ -341,12 +389,22 @@ class TensorParallel:
             p for n, p in module.named_parameters() if n in self._partial_names
         ]
 
-    def _apply(self, module: nn.Module, plan: Mapping[str, str], stage: int) -> None:
+    def _apply(
+        self, module: nn.Module, plan: Mapping[str, str], stage: int, computes_loss: bool
+    ) -> None:
         styles: dict[str, ParallelStyle] = {}
         for name, sub, style in _resolve(module, plan):
             if any(isinstance(v, StandIn) for v in vars(sub).values()):
                 continue  # held by another stage: its weights are stand-ins here
             _check_style(name, style)
+            if style == "colwise_loss":
+                if not computes_loss:
+                    raise SpecError(
+                        "tp_plan",
+                        f"{name} is 'colwise_loss' but stage {stage} computes no loss: "
+                        "only the model's head, on the last stage, keeps its logits split",
+                    )
+                self.loss_parallel = True
             split = _SPLIT_DIM.get(style)
             if split is not None:
                 field, kinds = split
@@ -397,6 +455,11 @@ class TensorParallel:
         for p in self.partial:
             if p.grad is not None:
                 dist.all_reduce(local_tensor(p.grad), group=self.group)
+
+
+def gathered(output: Any) -> Any:
+    """``output`` with every DTensor in it whole: split logits, for the metrics."""
+    return tree_map_only(DTensor, lambda t: t.full_tensor(), output)
 
 
 def _split_over_tp(param: torch.Tensor) -> bool:

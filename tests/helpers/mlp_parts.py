@@ -21,6 +21,33 @@ def make_data(num_samples: int, offset: int) -> tuple[torch.Tensor, torch.Tensor
     return x, y
 
 
+def make_classes(num_samples: int, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`make_data`'s problem as 6 classes (its target binned)."""
+    x, y = make_data(num_samples, offset)
+    return x, torch.bucketize(y[:, 0], torch.tensor([-1.0, -0.5, 0.0, 0.5, 1.0]))
+
+
+def split_cross_entropy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Cross entropy that refuses whole logits in a launched run: its head leaves them
+    split over the tensor ranks, and the loss of the halves gathers none of them (loss
+    parallelism)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    if not torch.distributed.is_initialized():
+        return nn.functional.cross_entropy(output, target)
+    assert isinstance(output, DTensor) and output.placements[-1].is_shard(1), output
+    with CommDebugMode() as comms:
+        loss = nn.functional.cross_entropy(output, target)
+    gathers = [str(op) for op in comms.get_comm_counts() if "gather" in str(op)]
+    assert not gathers, gathers
+    return loss
+
+
+def accuracy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return (output.argmax(-1) == target).double().mean()
+
+
 def mae(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return (output - target).abs().mean()
 

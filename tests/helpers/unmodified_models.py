@@ -280,6 +280,24 @@ hf_qwen3_4_heads = functools.partial(_hf_decoder, "Qwen3", 4, 2, head_dim=WIDTH 
 whole on each rank (``replicated_with_grad_allreduce``)."""
 
 
+def hf_llama_split_logits() -> nn.Module:
+    """The 4-head Llama that refuses whole logits once its head is split over tensor
+    ranks: a loss-parallel run must leave them split (a DTensor sharded on the
+    vocabulary)."""
+    from torch.distributed.tensor import DTensor
+
+    model = hf_llama_4_heads()
+
+    def check(module: nn.Module, args: Any, output: Any) -> None:
+        weight = module.lm_head.weight
+        if isinstance(weight, DTensor) and "tp" in (weight.device_mesh.mesh_dim_names or ()):
+            logits = output.logits
+            assert isinstance(logits, DTensor) and logits.placements[-1].is_shard(2), logits
+
+    model.register_forward_hook(check)
+    return model
+
+
 def hf_llama_checkpointed() -> nn.Module:
     """The Llama with Hugging Face's own activation checkpointing on (its default kind)."""
     model = hf_llama()
@@ -383,6 +401,18 @@ MODELS: dict[str, Any] = {
     "hf_qwen2": (hf_qwen2, ("input_ids", "attention_mask"), "labels", lm_loss),
     "hf_llama_4_heads": (hf_llama_4_heads, ("input_ids", "attention_mask"), "labels", lm_loss),
     "hf_llama_tied": (hf_llama_tied, ("input_ids", "attention_mask"), "labels", lm_loss),
+    "hf_llama_split_logits": (
+        hf_llama_split_logits,
+        ("input_ids", "attention_mask"),
+        "labels",
+        lm_loss,
+    ),
+    "hf_llama_split_logits_own_loss": (
+        hf_llama_split_logits,
+        ("input_ids", "attention_mask", "labels"),
+        "labels",
+        None,
+    ),
     "hf_qwen3_4_heads": (hf_qwen3_4_heads, ("input_ids", "attention_mask"), "labels", lm_loss),
     "hf_llama_tied_own_loss": (
         hf_llama_tied,

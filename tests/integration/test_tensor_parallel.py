@@ -37,7 +37,7 @@ sys.path.insert(0, {tests!r})
 
 import torch
 from helpers.mlp_parts import FeedForward, LengthProbe, NormedFeedForward, mae, make_data
-from helpers.mlp_parts import make_sequences
+from helpers.mlp_parts import accuracy, make_classes, make_sequences, split_cross_entropy
 from torch import nn
 
 from evtrain.job import Job, layer
@@ -71,6 +71,7 @@ job = Job(
     threads=1,
     tensor_parallel={tp},
     tp_plan={plan!r},
+    loss_parallel={loss_parallel},
 )
 """
 )
@@ -81,10 +82,17 @@ PLAN = {"*.up": "colwise", "*.down": "rowwise"}
 CHECKPOINTS = {"type": "checkpoint", "every_steps": 10}
 
 
-def spec_file(directory: Path, tp: int = 2, plan: object = PLAN, *hooks: object) -> Path:
+def spec_file(
+    directory: Path,
+    tp: int = 2,
+    plan: object = PLAN,
+    *hooks: object,
+    loss_parallel: bool = False,
+) -> Path:
     path = directory / "spec.py"
     path.write_text(
         SPEC.format(
+            loss_parallel=loss_parallel,
             tests=str(Path(__file__).parents[1]),
             steps=STEPS,
             run_dir=str(directory / "run"),
@@ -315,6 +323,11 @@ def test_norms_the_plan_keeps_whole_sum_their_gradient_parts(
     [
         (None, {"plan": None}, "tensor_parallel=2 with layers= needs a tp_plan"),
         (None, {"plan": {"*.up": "diagonal"}}, "*.up: unknown style 'diagonal'"),
+        (
+            None,
+            {"loss_parallel": True},
+            "field 'loss_parallel': with a tp_plan of the job's own, name its head 'colwise_loss'",
+        ),
         ("hf_llama", {}, "2 does not divide LlamaForCausalLM's num_key_value_heads (1)"),
         ("hf_gpt2", {}, "GPT2LMHeadModel has no tensor-parallel plan of its own"),
         (
@@ -460,6 +473,90 @@ def test_evaluation_is_exact_on_split_stages(tmp_path: Path) -> None:
         assert one["samples"] == split["samples"] == both["samples"] == 96
         assert split["metrics"] == pytest.approx(one["metrics"], rel=1e-5)
         assert both["metrics"] == pytest.approx(one["metrics"], rel=1e-5)
+
+
+CLASS_PLAN = {**PLAN, "3": "colwise_loss"}
+"""The spec's layers as a classifier whose head leaves its logits split into the loss."""
+
+
+def class_spec(directory: Path, plan: object, loss: str) -> Path:
+    spec = spec_file(directory, 2, plan, {"type": "metrics"})
+    text = spec.read_text()
+    for old, new in [
+        ("loss_fn=nn.functional.mse_loss", f"loss_fn={loss}"),
+        ("make_data", "make_classes"),
+        ('"mae": mae', '"accuracy": accuracy'),
+        ("layer(nn.Linear, 16, 1)", "layer(nn.Linear, 16, 6)"),
+    ]:
+        assert old in text
+        text = text.replace(old, new)
+    spec.write_text(text)
+    return spec
+
+
+@pytest.mark.slow
+def test_a_head_that_leaves_its_logits_split_trains_and_evaluates_as_one_process(
+    tmp_path: Path,
+) -> None:
+    """A classifier's ``colwise_loss`` head: each tensor rank holds half the logits (the
+    loss refuses whole ones), the cross entropy of the halves under zero bubble with
+    clipping gives one process's weights, and evaluation, gathering them for the
+    metrics, gives the metrics of a head that gathers them itself."""
+    evals = {}
+    for name, plan, loss in [
+        ("split", CLASS_PLAN, "split_cross_entropy"),
+        ("whole", {**PLAN, "3": "colwise_rep"}, "nn.functional.cross_entropy"),
+    ]:
+        directory = tmp_path / name
+        directory.mkdir()
+        spec = class_spec(directory, plan, loss)
+        status, out = launched(
+            spec,
+            *("--schedule", "zb", "--grad-clip", "0.05", "--eval-every", "10"),
+            *("--dump-weights", str(directory / "w")),
+        )
+        assert status == 0, out
+        lines = (directory / "run" / "metrics.jsonl").read_text().splitlines()
+        evals[name] = [r for r in map(json.loads, lines) if r["type"] == "eval"]
+        if name == "split":
+            assert_close(dumped(directory / "w"), reference(spec, 0.05)[1], ATOL)
+    assert [e["step"] for e in evals["split"]] == [10, 20]
+    for split, whole in zip(evals["split"], evals["whole"], strict=True):
+        assert split["metrics"] == pytest.approx(whole["metrics"], rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("schedule", "model", "layout"),
+    [
+        ("1f1b", "hf_llama_split_logits_own_loss", {}),
+        ("zb", "hf_llama_split_logits", {"data_parallel": 2, "shard": "grads"}),
+    ],
+    ids=["1f1b-own-loss", "zb-job-loss-sharded"],
+)
+def test_hugging_face_llama_with_loss_parallel_trains_as_one_process(
+    tmp_path: Path, schedule: str, model: str, layout: dict[str, object]
+) -> None:
+    """``loss_parallel=True`` makes the Llama's own head leave its logits split (the
+    model refuses whole ones on a split head); its own loss, or the job's, of the
+    halves, also on sharded replicas: one process's weights, with clipping."""
+    pytest.importorskip("transformers")
+    train_and_compare(
+        tmp_path,
+        model,
+        (2,),
+        tensor_parallel=2,
+        loss_parallel=True,
+        schedule=schedule,
+        grad_clip=0.05,
+        **layout,
+    )
+
+
+def test_a_split_head_where_no_loss_is_computed_is_refused(tmp_path: Path) -> None:
+    status, out = launched(spec_file(tmp_path, 2, {**PLAN, "0": "colwise_loss"}))
+    assert status != 0
+    assert "0 is 'colwise_loss' but stage 0 computes no loss" in out, out
 
 
 def checkpointed_run(directory: Path, tp: int) -> Path:
