@@ -22,7 +22,9 @@ together against what the schedule predicts (`bubble_fraction`: ``(P - 1) /
 (M + P - 1)`` for GPipe and 1F1B).
 With data parallelism every replica of a stage has its own row (its own step
 times, shares, memory and heartbeat), and the run's figures count each step
-once.
+once. With tensor parallelism every tensor rank above 0 has a row under its
+replica's, from its own step times and memory (`TensorRankStepEnded`); it
+shares its replica's status and heartbeat, which rank 0 publishes.
 
 Hooks publish no heartbeats: a hook process is known from its `HookStarted`,
 seen from whatever it publishes after (errors, gaps, checkpoints), and, on an
@@ -39,10 +41,10 @@ import termios
 import time
 import tty
 from collections import deque
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Iterable, Iterator, MutableMapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import anyio
 from rich import box
@@ -72,6 +74,7 @@ from evtrain.events import (
     StageStopped,
     StepEnded,
     StragglerReported,
+    TensorRankStepEnded,
 )
 from evtrain.formatting import fmt_bytes, fmt_duration, safe_text
 from evtrain.hooks.hook import Hook, on
@@ -140,6 +143,8 @@ class StageView:
     """How long it had been in it then, plus the heartbeat's age."""
     straggler: float | None = None
     """How many times slower than expected, while the launcher names it a straggler."""
+    tp: int = 0
+    """Its tensor rank: rows above 0 are a replica's other processes."""
 
 
 @dataclass(frozen=True)
@@ -187,7 +192,7 @@ class RunView:
     data_parallel: int = 1
     """Replicas of every stage."""
     tensor_parallel: int = 1
-    """Tensor ranks of every replica (a row is its tensor rank 0)."""
+    """Tensor ranks of every replica (each has a row)."""
     max_steps: int | None = None
     step: int | None = None
     loss: float | None = None
@@ -231,6 +236,12 @@ class _Stage:
     straggler: float | None = None
 
 
+@dataclass
+class _TensorRank:
+    recent: deque[TensorRankStepEnded] = field(default_factory=lambda: deque(maxlen=WINDOW))
+    straggler: float | None = None
+
+
 class TopModel(Hook):
     """The dashboard's numbers, kept up to date from the bus (`view` reads them).
 
@@ -253,6 +264,7 @@ class TopModel(Hook):
         self._merger.reset()
         self._window = StepWindow(WINDOW)
         self._stages: dict[StageReplica, _Stage] = {}
+        self._tensor_ranks: dict[tuple[int, int, int], _TensorRank] = {}
         self._drops: dict[str, int] = {}
         self._gaps: dict[str, int] = {}
         self._commits = 0
@@ -269,6 +281,16 @@ class TopModel(Hook):
         if place not in self._stages and len(self._stages) >= MAX_PLACES:
             return None
         return self._stages.setdefault(place, _Stage())
+
+    def _tensor_rank(self, stage: int, replica: int, tp: int) -> _TensorRank | None:
+        state = self.state
+        expected = state.num_stages
+        if (expected is not None and stage >= expected) or state.place_problem(stage, replica, tp):
+            return None
+        place = (stage, replica, tp)
+        if place not in self._tensor_ranks and len(self._tensor_ranks) >= MAX_PLACES:
+            return None
+        return self._tensor_ranks.setdefault(place, _TensorRank())
 
     def _seen(self, ev: Event) -> None:
         if ev.source.startswith("hook/"):
@@ -313,6 +335,14 @@ class TopModel(Hook):
                 if stage is not None:
                     stage.recent.append(sev)
 
+    @on(TensorRankStepEnded)
+    def tensor_rank_step_ended(self, ev: TensorRankStepEnded) -> None:
+        """A tensor rank's own step times and memory, for its row."""
+        if step_problem(ev, self.state) is None:
+            rank = self._tensor_rank(ev.stage, ev.replica, ev.tp)
+            if rank is not None:
+                rank.recent.append(ev)
+
     @on(Heartbeat)
     def heartbeat(self, ev: Heartbeat) -> None:
         """A stage's heartbeat (others only count as a sign of their publisher)."""
@@ -325,14 +355,20 @@ class TopModel(Hook):
 
     @on(StragglerReported)
     def straggler(self, ev: StragglerReported) -> None:
-        """The launcher named a straggler, or one recovered (a whole stage: each replica; a
-        tensor rank: its replica)."""
+        """The launcher named a straggler, or one recovered: a whole stage (each replica),
+        a replica, or one tensor rank of it."""
         if not self.of_this_run(ev):
+            return
+        slowdown = ev.slowdown if ev.straggling else None
+        if ev.tp:
+            rank = self._tensor_rank(ev.stage, ev.replica, ev.tp)
+            if rank is not None:
+                rank.straggler = slowdown
             return
         for replica in ev.replicas(self.state.data_parallel or 1):
             stage = self._stage(ev.stage, replica)
             if stage is not None:
-                stage.straggler = ev.slowdown if ev.straggling else None
+                stage.straggler = slowdown
 
     @on(StageStopped)
     def stage_stopped(self, ev: StageStopped) -> None:
@@ -465,10 +501,6 @@ class TopModel(Hook):
         for index, replica in places:
             stage = self._stages.get((index, replica), _Stage())
             last = stage.last if replica else state.last_step.get(index)
-            times = StageTimes()
-            for ev in stage.recent:
-                times.add(ev.duration_s, ev.forward_s, ev.backward_s, ev.comm_wait_s)
-            durations = [ev.duration_s for ev in stage.recent]
             beat_age = None if stage.heartbeat_at is None else max(0.0, now - stage.heartbeat_at)
             started = stage.started or (replica == 0 and index in state.stages)
             views.append(
@@ -476,10 +508,7 @@ class TopModel(Hook):
                     stage=index,
                     replica=replica,
                     status=self._stage_status(stage, beat_age, started, running),
-                    step=last.step if last is not None else None,
-                    step_time_s=statistics.median(durations) if durations else None,
-                    shares=times.fractions(),
-                    memory_bytes=last.peak_memory_bytes if last is not None else None,
+                    **_figures(stage.recent, last),
                     heartbeat_age_s=beat_age,
                     error=stage.error,
                     doing=stage.heartbeat.doing if stage.heartbeat is not None else "",
@@ -491,7 +520,28 @@ class TopModel(Hook):
                     straggler=stage.straggler,
                 )
             )
+            views.extend(self._tensor_rank_views(views[-1], state.run))
         return tuple(views)
+
+    def _tensor_rank_views(self, replica: StageView, run: RunStarted | None) -> list[StageView]:
+        """The rows of ``replica``'s tensor ranks above 0: its status, their own times."""
+        size = run.tensor_parallel if run is not None else 1
+        views = []
+        for tp in range(1, size):
+            rank = self._tensor_ranks.get((replica.stage, replica.replica, tp), _TensorRank())
+            last = rank.recent[-1] if rank.recent else None
+            views.append(
+                StageView(
+                    stage=replica.stage,
+                    replica=replica.replica,
+                    tp=tp,
+                    status=replica.status,
+                    **_figures(rank.recent, last),
+                    heartbeat_age_s=None,
+                    straggler=rank.straggler,
+                )
+            )
+        return views
 
     @staticmethod
     def _stage_status(stage: _Stage, beat_age: float | None, started: bool, running: bool) -> str:
@@ -541,6 +591,24 @@ class TopModel(Hook):
             last_failure=self._last_failure,
             saving=tuple(sorted(set(self._saving.values()))),
         )
+
+
+def _figures(
+    recent: Iterable[StepEnded | TensorRankStepEnded], last: StepEnded | TensorRankStepEnded | None
+) -> dict[str, Any]:
+    """A row's own numbers: its ``last`` step and memory, the median step time and the
+    shares of the ``recent`` ones."""
+    times = StageTimes()
+    durations = []
+    for ev in recent:
+        times.add(ev.duration_s, ev.forward_s, ev.backward_s, ev.comm_wait_s)
+        durations.append(ev.duration_s)
+    return {
+        "step": last.step if last is not None else None,
+        "step_time_s": statistics.median(durations) if durations else None,
+        "shares": times.fractions(),
+        "memory_bytes": last.peak_memory_bytes if last is not None else None,
+    }
 
 
 def _theory(run: RunStarted) -> float | None:
@@ -687,14 +755,19 @@ def _table() -> Table:
 def _stage_part(stages: tuple[StageView, ...]) -> list[RenderableType]:
     table = _table()
     replicated = any(view.replica for view in stages)
-    columns = ("stage", "replica") if replicated else ("stage",)
+    split = any(view.tp for view in stages)
+    columns = ("stage", *(("replica",) if replicated else ()), *(("tp",) if split else ()))
     for name in (*columns, "status", "step", "step time", "fwd", "bwd", "wait", "other"):
         table.add_column(name, justify="left" if name == "status" else "right")
     table.add_column("memory", justify="right")
     table.add_column("heartbeat", justify="right")
     errors: list[RenderableType] = []
     for view in stages:
-        place = (str(view.stage), str(view.replica)) if replicated else (str(view.stage),)
+        place = (
+            str(view.stage),
+            *((str(view.replica),) if replicated else ()),
+            *((str(view.tp),) if split else ()),
+        )
         table.add_row(
             *place,
             _status(view.status),
@@ -708,6 +781,7 @@ def _stage_part(stages: tuple[StageView, ...]) -> list[RenderableType]:
             _age(view.heartbeat_age_s),
         )
         where = f"stage {view.stage}" + (f" replica {view.replica}" if view.replica else "")
+        where += f" tensor rank {view.tp}" if view.tp else ""
         if view.error:
             errors.append(_joined(Text(f"{where}:", "bold red"), _text(view.error, 2 * _TEXT)))
         elif view.doing and view.doing_s >= DOING_SHOWN_AFTER_S and view.status != "stopped":

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 import pytest
 from helpers.console_helpers import LOG_LINE, Terminal
 from helpers.hook_helpers import fake_args, loss_at, run_hooks
@@ -41,6 +42,7 @@ from evtrain.events import (
     RunStarted,
     StepEnded,
     StragglerReported,
+    TensorRankStepEnded,
 )
 from evtrain.hooks import Hook, HookRunner, on
 from evtrain.launcher.run_record import process_start_ticks, write_run_record
@@ -311,23 +313,37 @@ def test_a_straggler_is_shown_while_it_is_one() -> None:
     assert "straggler" not in draw(model.view())
 
 
-def test_a_slow_tensor_rank_marks_its_replica_and_the_shape_names_tensor_ranks() -> None:
+def test_every_tensor_rank_has_a_row_and_a_slow_one_is_marked_alone() -> None:
     from evtrain.tools.replay import ReplayRunner
 
     started = RunStarted(
         name="x", num_stages=2, num_microbatches=4, schedule="1f1b", max_steps=50,
         batch_size=8, data_parallel=2, tensor_parallel=4, run_id="r1", ts=1.0,
     )  # fmt: skip
+    own = TensorRankStepEnded(
+        step=20, stage=0, replica=1, tp=3, duration_s=0.5, forward_s=0.25, backward_s=0.15,
+        comm_wait_s=0.05, peak_memory_bytes=3 * MIB, run_id="r1",
+    )  # fmt: skip
     slow = StragglerReported(
         step=20, stage=0, replica=1, tp=3, slowdown=2.2, straggling=True, run_id="r1"
     )
     model = TopModel()
     runner = ReplayRunner([model])
-    anyio.run(runner.replay, [started, slow])
-    screen = draw(model.view())
+    anyio.run(runner.replay, [started, own, slow])
+    view = model.view()
+    # P x D x T rows, each replica's tensor ranks under it.
+    places = [(s.stage, s.replica, s.tp) for s in view.stages]
+    assert places == [(s, d, t) for s in range(2) for d in range(2) for t in range(4)]
+    screen = draw(view)
     assert "1f1b, 2 stages x 4 microbatches, 2 replicas, 4 tensor ranks" in screen, screen
-    assert re.search(r"stage 0 replica 1:\s+straggler: 2.2x as slow as expected", screen)
-    assert not re.search(r"stage 1[ :].*straggler", screen)
+    assert re.search(r"^\s*stage\s+replica\s+tp\s+status", screen, re.M), screen
+    # Its own step: time, shares (fwd, bwd, wait, other) and memory.
+    row = r"^\s*0\s+1\s+3\s+\S+\s+20\s+500\.0ms\s+50%\s+30%\s+10%\s+10%\s+3\.0MiB"
+    assert re.search(row, screen, re.M), screen
+    assert re.search(r"stage 0 replica 1 tensor rank 3:\s+straggler: 2.2x as slow", screen)
+    assert len(re.findall("straggler", screen)) == 1, screen
+    anyio.run(runner.replay, [msgspec.structs.replace(slow, straggling=False)])
+    assert "straggler" not in draw(model.view())
 
 
 def test_waiting_for_a_run_names_the_bus() -> None:
