@@ -587,6 +587,7 @@ class PrometheusExporter(Hook):
             safe_text(ev.schedule, 40),
             str(ev.num_stages),
             str(ev.data_parallel),
+            str(ev.tensor_parallel),
         ).set(1)
         self._ended_at = None
         self._write_port_file()

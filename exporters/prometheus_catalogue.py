@@ -77,9 +77,9 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "run_info",
         "evtrain_run_info",
         "gauge",
-        ("run_id", "name", "schedule", "stages", "replicas"),
-        "1 for the run being watched: its id, name, schedule and shape (stages x replicas); "
-        "one series at a time",
+        ("run_id", "name", "schedule", "stages", "replicas", "tensor_ranks"),
+        "1 for the run being watched: its id, name, schedule and shape (stages x replicas x "
+        "tensor ranks); one series at a time",
     ),
     MetricSpec(
         "build_info",

@@ -887,7 +887,7 @@ def test_info_and_timestamp_series_an_sre_alerts_on() -> None:
     def run_started(run_id: str, ts: float) -> events.RunStarted:
         return events.RunStarted(
             name="r", num_stages=1, num_microbatches=1, schedule="zb", max_steps=5,
-            batch_size=8, run_id=run_id, ts=ts,
+            batch_size=8, tensor_parallel=2, run_id=run_id, ts=ts,
         )  # fmt: skip
 
     exporter = PrometheusExporter(port=0)
@@ -907,7 +907,8 @@ def test_info_and_timestamp_series_an_sre_alerts_on() -> None:
         if metric.name == "evtrain_run_info"
         for sample in metric.samples
     ]
-    assert infos == [{"run_id": "b", "name": "r", "schedule": "zb", "stages": "1", "replicas": "1"}]
+    shape = {"stages": "1", "replicas": "1", "tensor_ranks": "2"}
+    assert infos == [{"run_id": "b", "name": "r", "schedule": "zb", **shape}]
     version = importlib.metadata.version("evtrain")
     assert value("evtrain_build_info", {"version": version}) == 1
 
