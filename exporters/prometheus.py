@@ -244,6 +244,78 @@ def _serve(addr: str, port: int, app: Callable[..., Iterable[bytes]]) -> WSGISer
     return server
 
 
+def _add_seconds(counter: Any, seconds: float, not_counted: RateLimitedLog) -> None:
+    # Decoding already checked the bound; a message built in-process was not decoded.
+    if 0.0 <= seconds <= MAX_SECONDS:
+        counter.inc(seconds)
+    else:
+        not_counted("seconds out of range", seconds=seconds)
+
+
+class _TensorRankSeries:
+    """The ``evtrain_tensor_rank_*`` series of a run with tensor parallelism: one per
+    (stage, replica, tensor rank) process, at most `MAX_PLACES`, at 0 from its first
+    labels on, dropped when a run's shape no longer holds it."""
+
+    def __init__(self, m: Metrics, not_counted: RateLimitedLog) -> None:
+        self.m = m
+        self.not_counted = not_counted
+        self._tp = _Labels()
+        self._places: set[tuple[int, int, int]] = set()
+        """(stage, replica, tensor rank) with series."""
+
+    def labels(
+        self, stage_labels: tuple[str, str], place: tuple[int, int, int]
+    ) -> tuple[str, str, str] | None:
+        """The labels of tensor rank ``place`` of the stage process ``stage_labels`` names
+        (None past the caps)."""
+        stage, replica, tp = place
+        if place not in self._places and len(self._places) >= MAX_PLACES:
+            self.not_counted("too many tensor ranks", tp=tp, **place_fields(stage, replica))
+            return None
+        tp_label = self._tp.admit(str(tp))
+        if tp_label is None:
+            self.not_counted("too many tensor rank labels", tp=tp)
+            return None
+        labels = (*stage_labels, tp_label)
+        if place not in self._places:
+            self._places.add(place)
+            self.m.tensor_rank_work.labels(*labels)
+            self.m.tensor_rank_straggler.labels(*labels)
+        return labels
+
+    def step(self, labels: tuple[str, str, str], ev: StepEnded | TensorRankStepEnded) -> None:
+        """A tensor rank's own step: its work and peak memory."""
+        _add_seconds(self.m.tensor_rank_work.labels(*labels), work_seconds(ev), self.not_counted)
+        if ev.peak_memory_bytes is not None:
+            self.m.tensor_rank_peak_memory.labels(*labels).set(ev.peak_memory_bytes)
+
+    def straggling(self, labels: tuple[str, str, str], straggling: bool) -> None:
+        self.m.tensor_rank_straggler.labels(*labels).set(1 if straggling else 0)
+
+    def forget_outside(self, run: RunStarted) -> None:
+        """Drop the series of tensor ranks ``run`` does not have."""
+        gone = [
+            p
+            for p in self._places
+            if run.tensor_parallel < 2
+            or p[0] >= run.num_stages
+            or p[1] >= run.data_parallel
+            or p[2] >= run.tensor_parallel
+        ]
+        for place in gone:
+            labels = tuple(map(str, place))
+            for metric in (
+                self.m.tensor_rank_work,
+                self.m.tensor_rank_peak_memory,
+                self.m.tensor_rank_straggler,
+            ):
+                with contextlib.suppress(KeyError):
+                    metric.remove(*labels)
+            self._places.discard(place)
+        self._tp.values = {str(p[2]) for p in self._places}
+
+
 class PrometheusExporter(Hook):
     """Serve the run's metrics on ``http://ADDR:PORT/metrics``.
 
@@ -305,14 +377,12 @@ class PrometheusExporter(Hook):
         self._gap_pairs: set[tuple[str, str]] = set()
         self._places: set[StageReplica] = set()
         """(stage, replica) pairs with series."""
-        self._tensor_ranks = _Labels()
-        self._tensor_places: set[tuple[int, int, int]] = set()
-        """(stage, replica, tensor rank) with series, in runs with tensor parallelism."""
         self._straggling: dict[StageReplica, set[int | None]] = {}
         """Per stage process: what of it is a straggler (None: the process, or a tensor
         rank of it)."""
         self.not_counted = RateLimitedLog(self.log, "event values not counted")
         self.m = Metrics(self.registry)
+        self.tensor_ranks = _TensorRankSeries(self.m, self.not_counted)
         self.m.build_info.labels(_version()).set(1)
         for status in RUN_STATUSES:
             self.m.runs_ended.labels(status)
@@ -439,51 +509,7 @@ class PrometheusExporter(Hook):
             self.not_counted("tensor rank beyond the run's tensor_parallel", tp=tp)
             return None
         labels = self._place(stage, replica, ev)
-        if labels is None:
-            return None
-        place = (stage, replica, tp)
-        if place not in self._tensor_places and len(self._tensor_places) >= MAX_PLACES:
-            self.not_counted("too many tensor ranks", tp=tp, **place_fields(stage, replica))
-            return None
-        tp_label = self._tensor_ranks.admit(str(tp))
-        if tp_label is None:
-            self.not_counted("too many tensor rank labels", tp=tp)
-            return None
-        tensor_labels = (*labels, tp_label)
-        if place not in self._tensor_places:
-            self._tensor_places.add(place)
-            self.m.tensor_rank_work.labels(*tensor_labels)
-            self.m.tensor_rank_straggler.labels(*tensor_labels)
-        return tensor_labels
-
-    def _tensor_rank_step(self, ev: StepEnded | TensorRankStepEnded, tp: int) -> None:
-        labels = self._tensor_place(ev.stage, ev.replica, tp, ev)
-        if labels is None:
-            return
-        self._add_seconds(self.m.tensor_rank_work.labels(*labels), work_seconds(ev))
-        if ev.peak_memory_bytes is not None:
-            self.m.tensor_rank_peak_memory.labels(*labels).set(ev.peak_memory_bytes)
-
-    def _forget_tensor_places_outside(self, run: RunStarted) -> None:
-        gone = [
-            p
-            for p in self._tensor_places
-            if run.tensor_parallel < 2
-            or p[0] >= run.num_stages
-            or p[1] >= run.data_parallel
-            or p[2] >= run.tensor_parallel
-        ]
-        for place in gone:
-            labels = tuple(map(str, place))
-            for metric in (
-                self.m.tensor_rank_work,
-                self.m.tensor_rank_peak_memory,
-                self.m.tensor_rank_straggler,
-            ):
-                with contextlib.suppress(KeyError):
-                    metric.remove(*labels)
-            self._tensor_places.discard(place)
-        self._tensor_ranks.values = {str(p[2]) for p in self._tensor_places}
+        return None if labels is None else self.tensor_ranks.labels(labels, (stage, replica, tp))
 
     def _forget_places_outside(self, num_stages: int, data_parallel: int) -> None:
         """Drop the series of stage processes the run does not have (a previous run's, or
@@ -557,11 +583,7 @@ class PrometheusExporter(Hook):
             self.m.hook_errors.labels(label)
 
     def _add_seconds(self, counter: Any, seconds: float) -> None:
-        # Decoding already checked the bound; a message built in-process was not decoded.
-        if 0.0 <= seconds <= MAX_SECONDS:
-            counter.inc(seconds)
-        else:
-            self.not_counted("seconds out of range", seconds=seconds)
+        _add_seconds(counter, seconds, self.not_counted)
 
     def _count(self, counter: Any, amount: int, limit: int, kind: str) -> None:
         if not 0 <= amount <= limit:
@@ -594,7 +616,7 @@ class PrometheusExporter(Hook):
         if self._runner is not None:
             self._observer_known(f"hook/{self.runner.name}")
         self._forget_places_outside(ev.num_stages, ev.data_parallel)
-        self._forget_tensor_places_outside(ev)
+        self.tensor_ranks.forget_outside(ev)
         for stage in range(ev.num_stages):
             for replica in range(ev.data_parallel):
                 if self._place(stage, replica, ev) is None:
@@ -652,7 +674,7 @@ class PrometheusExporter(Hook):
             tensor_labels = self._tensor_place(ev.stage, ev.replica, tp, ev)
             if tensor_labels is None:
                 return
-            self.m.tensor_rank_straggler.labels(*tensor_labels).set(1 if ev.straggling else 0)
+            self.tensor_ranks.straggling(tensor_labels, ev.straggling)
         for replica in ev.replicas(self.state.data_parallel or 1):
             labels = self._place(ev.stage, replica, ev)
             if labels is None:
@@ -722,6 +744,11 @@ class PrometheusExporter(Hook):
         self._tensor_rank_step(ev, 0)
         if ev.replica == 0:
             self._run_step(ev)
+
+    def _tensor_rank_step(self, ev: StepEnded | TensorRankStepEnded, tp: int) -> None:
+        labels = self._tensor_place(ev.stage, ev.replica, tp, ev)
+        if labels is not None:
+            self.tensor_ranks.step(labels, ev)
 
     @on(TensorRankStepEnded)
     def tensor_rank_step_ended(self, ev: TensorRankStepEnded) -> None:
