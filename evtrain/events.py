@@ -223,11 +223,16 @@ class StragglerReported(Event, kw_only=True, tag="run.straggler"):
         """The replicas it names: every one of the stage's for a whole stage."""
         return list(range(data_parallel)) if self.whole_stage else [self.replica]
 
+    @property
+    def tensor_rank(self) -> int | None:
+        """The tensor rank it names alone; None for a whole stage or replica."""
+        return None if self.whole_stage else self.tp
+
     def describe(self) -> str:
         """One line: ``"stage 1 is a straggler from step 20: ..."``."""
         who = f"stage {self.stage}" + ("" if self.whole_stage else f" replica {self.replica}")
-        if self.tp is not None and not self.whole_stage:
-            who += f" tensor rank {self.tp}"
+        if self.tensor_rank is not None:
+            who += f" tensor rank {self.tensor_rank}"
         if not self.straggling:
             return f"{who} is no straggler any more (step {self.step})"
         times = f"{self.slowdown:.1f} times as long as"

@@ -669,7 +669,7 @@ class PrometheusExporter(Hook):
     def straggler(self, ev: StragglerReported) -> None:
         """A stage, replica or tensor rank became a straggler, or stopped being one: a
         stage process is one while it or any of its tensor ranks is."""
-        tp = None if ev.whole_stage else ev.tp
+        tp = ev.tensor_rank
         if tp is not None:
             tensor_labels = self._tensor_place(ev.stage, ev.replica, tp, ev)
             if tensor_labels is None:

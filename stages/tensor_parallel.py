@@ -373,7 +373,7 @@ class TensorParallel:
         self._partial_names: set[str] = set()
         self.sequence = sequence_parallel(plan)
         """Whether activations between the split layers are sequence slices."""
-        self.loss_parallel = computes_loss and (loss_parallel if callable(plan) else False)
+        self.loss_parallel = computes_loss and loss_parallel and callable(plan)
         """Whether the last chunk's logits reach the loss split (module docstring)."""
         _check_heads(module, self.size)
         if callable(plan):

@@ -41,7 +41,7 @@ import termios
 import time
 import tty
 from collections import deque
-from collections.abc import Iterable, Iterator, MutableMapping
+from collections.abc import Callable, Iterable, Iterator, MutableMapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -102,6 +102,8 @@ _TEXT = 60
 
 K = TypeVar("K")
 V = TypeVar("V")
+P = TypeVar("P", tuple[int, int], tuple[int, int, int])
+R = TypeVar("R")
 
 
 def _put(bounded: MutableMapping[K, V], key: K, value: V, limit: int = MAX_SOURCES) -> None:
@@ -273,24 +275,21 @@ class TopModel(Hook):
         self._saving: dict[str, int] = {}
 
     def _stage(self, stage: int, replica: int) -> _Stage | None:
-        state = self.state
-        expected = state.num_stages
-        if (expected is not None and stage >= expected) or state.place_problem(stage, replica):
-            return None  # not a stage process of this run: nothing to show for it
-        place = (stage, replica)
-        if place not in self._stages and len(self._stages) >= MAX_PLACES:
-            return None
-        return self._stages.setdefault(place, _Stage())
+        return self._row(self._stages, (stage, replica), _Stage)
 
     def _tensor_rank(self, stage: int, replica: int, tp: int) -> _TensorRank | None:
+        return self._row(self._tensor_ranks, (stage, replica, tp), _TensorRank)
+
+    def _row(self, rows: dict[P, R], place: P, make: Callable[[], R]) -> R | None:
+        """The row of process ``place`` (stage, replica[, tensor rank]) in ``rows``: None
+        for one the run cannot have, or past `MAX_PLACES` rows."""
         state = self.state
         expected = state.num_stages
-        if (expected is not None and stage >= expected) or state.place_problem(stage, replica, tp):
+        if (expected is not None and place[0] >= expected) or state.place_problem(*place):
+            return None  # not a stage process of this run: nothing to show for it
+        if place not in rows and len(rows) >= MAX_PLACES:
             return None
-        place = (stage, replica, tp)
-        if place not in self._tensor_ranks and len(self._tensor_ranks) >= MAX_PLACES:
-            return None
-        return self._tensor_ranks.setdefault(place, _TensorRank())
+        return rows.setdefault(place, make())
 
     def _seen(self, ev: Event) -> None:
         if ev.source.startswith("hook/"):
@@ -360,8 +359,8 @@ class TopModel(Hook):
         if not self.of_this_run(ev):
             return
         slowdown = ev.slowdown if ev.straggling else None
-        if ev.tp:
-            rank = self._tensor_rank(ev.stage, ev.replica, ev.tp)
+        if ev.tensor_rank:  # rank 0's row is its replica's
+            rank = self._tensor_rank(ev.stage, ev.replica, ev.tensor_rank)
             if rank is not None:
                 rank.straggler = slowdown
             return
